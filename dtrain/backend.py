@@ -1,0 +1,83 @@
+"""The array module: NumPy by default, CuPy when asked for.
+
+Everything above this file writes ``xp.zeros(...)``, ``xp.exp(...)``: the same code runs on the CPU (NumPy) or the
+GPU (CuPy), because CuPy copies NumPy's API. This file decides which ``xp`` a run uses, moves arrays between host
+and device, and holds the dtype policy:
+
+* float32 is the training default (what GPUs and BLAS are fastest at, and what PyTorch uses);
+* float64 is for checks: finite-difference gradient tests need its 16 digits to see an error of 1e-7.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+DEFAULT_DTYPE = np.float32
+DTYPES = {"float32": np.float32, "float64": np.float64}
+DEVICES = ("cpu", "gpu")
+
+
+class BackendError(RuntimeError):
+    """A device or dtype that cannot be used here; the message says what to do."""
+
+
+def get_xp(device: str = "cpu") -> types.ModuleType:
+    """The array module for ``device``: ``numpy`` for "cpu", ``cupy`` for "gpu"."""
+    if device == "cpu":
+        return np
+    if device == "gpu":
+        try:
+            import cupy
+        except ImportError as exc:
+            raise BackendError(
+                "--device gpu needs CuPy, which is not installed: "
+                "pip install 'dtrain[gpu]' (the cupy-cuda12x wheel), or use --device cpu"
+            ) from exc
+        try:
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # CUDA driver missing or no GPU: cupy raises its own runtime errors
+            raise BackendError(f"--device gpu: CuPy is installed but found no usable GPU ({exc})") from exc
+        return cupy
+    raise BackendError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+
+
+def array_module(array) -> types.ModuleType:
+    """The module an array belongs to (``cupy`` for a CuPy array, else ``numpy``), without importing CuPy."""
+    if type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def is_device_array(array) -> bool:
+    """True for a GPU (CuPy) array."""
+    return type(array).__module__.startswith("cupy")
+
+
+def to_host(array) -> np.ndarray:
+    """A NumPy array with the same values (a copy only when the array lives on the GPU)."""
+    if is_device_array(array):
+        return array.get()
+    return np.asarray(array)
+
+
+def to_device(array, xp: types.ModuleType):
+    """``array`` moved to the module ``xp`` (no copy when it is already there)."""
+    if xp is np:
+        return to_host(array)
+    return xp.asarray(array)
+
+
+def resolve_dtype(name) -> np.dtype:
+    """``"float32"``/``"float64"`` (or a NumPy dtype) to a dtype; anything else is an error that lists the choices."""
+    if isinstance(name, str):
+        if name not in DTYPES:
+            raise BackendError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPES)}")
+        return np.dtype(DTYPES[name])
+    dtype = np.dtype(name)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise BackendError(f"dtype {dtype} is not supported: use float32 (training) or float64 (checks)")
+    return dtype
