@@ -1,0 +1,39 @@
+"""Run code on N MPI ranks from a test, with a timeout, through dtrain's own launcher.
+
+The launcher sets one BLAS/Numba thread per rank and MPICH's yielding wait when ranks outnumber cores, runs the
+target under ``python -m mpi4py`` (an exception on any rank aborts the job), and kills the whole process group on
+timeout: a bug is a failed test, never a hung suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+
+from dtrain.comm import mpi
+
+
+def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = True, cwd=None):
+    """Run ``target`` (``[script, args...]`` or ``["-m", module, ...]``) on ``nranks`` ranks; return the result.
+
+    With ``check`` a non-zero exit fails the test and shows both output streams.
+    """
+    try:
+        result = mpi.launch(nranks, target, timeout=timeout, capture=True, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"{nranks} ranks did not finish within {timeout} s (a hang?)\nstdout:\n{exc.output}\nstderr:\n{exc.stderr}"
+        ) from None
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"mpiexec -n {nranks} {' '.join(target)} exited {result.returncode}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result
+
+
+def run_mpi_code(nranks: int, code: str, tmp_path, timeout: float = 180, check: bool = True):
+    """Write ``code`` (dedented) to a script in ``tmp_path`` and run it on ``nranks`` ranks."""
+    script = tmp_path / f"mpi_script_{nranks}.py"
+    script.write_text(textwrap.dedent(code))
+    return run_mpi(nranks, [str(script)], timeout=timeout, check=check)
