@@ -14,12 +14,14 @@ import types
 
 import numpy as np
 
+from dtrain.errors import UserError
+
 DEFAULT_DTYPE = np.float32
 DTYPES = {"float32": np.float32, "float64": np.float64}
 DEVICES = ("cpu", "gpu")
 
 
-class BackendError(RuntimeError):
+class BackendError(UserError, RuntimeError):
     """A device or dtype that cannot be used here; the message says what to do."""
 
 

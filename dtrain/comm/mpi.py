@@ -118,9 +118,7 @@ def launch(nranks: int, target: list[str], timeout: float | None = None, capture
     cmd = mpiexec_command(nranks, target)
     env = launch_env(nranks, kwargs.pop("env", None))
     pipe = subprocess.PIPE if capture else None
-    with subprocess.Popen(
-        cmd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **kwargs
-    ) as proc:
+    with subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

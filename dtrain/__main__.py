@@ -1,0 +1,7 @@
+"""``python -m dtrain ...`` is the ``dtrain`` command."""
+
+import sys
+
+from dtrain.cli import main
+
+sys.exit(main())

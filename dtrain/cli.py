@@ -1,0 +1,149 @@
+"""``dtrain`` / ``python -m dtrain``: train, launch on N ranks, plot metrics.
+
+    dtrain train --dataset digits --epochs 20 --out runs/single
+    dtrain launch -n 4 lessons/02_allreduce.py
+    dtrain plot runs/single/metrics.json -o runs/single/curves.png
+
+A mistake in what was asked for (a bad flag value, a missing data file, a diverging loss) is one line on stderr
+and a non-zero exit, never a traceback. Under several ranks the failing rank aborts the whole job, so no rank is
+left waiting for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dtrain.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that points at --help."""
+
+    def error(self, message):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _hidden_sizes(text: str) -> tuple[int, ...]:
+    if text.strip() in ("", "none"):
+        return ()
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 512,512, got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"hidden sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dtrain.backend import DEVICES, DTYPES
+    from dtrain.data import DATASETS
+    from dtrain.optim import OPTIMIZERS
+    from dtrain.train import PARADIGMS, TrainConfig
+
+    defaults = TrainConfig()
+    parser = _Parser(prog="dtrain", description="Distributed training from scratch on NumPy and MPI.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train the MLP", description="Train the MLP and write DIR/metrics.json.")
+    t.add_argument("--paradigm", choices=PARADIGMS, default=defaults.paradigm)
+    t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
+    t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
+    t.add_argument("--samples", type=int, default=defaults.samples, help="synthetic/spirals: number of samples")
+    t.add_argument("--features", type=int, default=defaults.features, help="synthetic: number of features")
+    t.add_argument("--classes", type=int, default=defaults.classes, help="synthetic/spirals: number of classes")
+    t.add_argument("--epochs", type=int, default=defaults.epochs)
+    t.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (all ranks)")
+    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate")
+    t.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=defaults.optimizer)
+    t.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
+    t.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    t.add_argument(
+        "--hidden",
+        type=_hidden_sizes,
+        default=defaults.hidden,
+        help="comma-separated hidden layer sizes, e.g. 512,512 (default %(default)s)",
+    )
+    t.add_argument("--seed", type=int, default=defaults.seed)
+    t.add_argument("--device", choices=DEVICES, default=defaults.device)
+    t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
+    t.add_argument("--out", metavar="DIR", help="write DIR/metrics.json")
+    t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    t.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+
+    launch = sub.add_parser(
+        "launch",
+        help="run a script or module on N MPI ranks",
+        description="Run TARGET on N ranks with this environment's mpiexec, one thread per "
+        "rank, and fail-fast on errors. TARGET is a script path or -m module.",
+    )
+    launch.add_argument("-n", "--ranks", type=int, required=True)
+    launch.add_argument("target", nargs=argparse.REMAINDER)
+
+    plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
+    plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
+    plot.add_argument("-o", "--output", default="curves.png", help="PNG to write (default %(default)s)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        if args.command == "launch":
+            return _launch(args)
+        if args.command == "plot":
+            from dtrain.report import plot_metrics
+
+            print(plot_metrics(args.metrics, args.output))
+            return 0
+    except UserError as exc:
+        return _fail(str(exc))
+    except (FileNotFoundError, KeyboardInterrupt) as exc:
+        return _fail(str(exc) or type(exc).__name__)
+    return 0
+
+
+def _train(args) -> int:
+    from dtrain.comm import mpi
+    from dtrain.train import TrainConfig, train
+
+    fields = TrainConfig.__dataclass_fields__
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    config.validate()  # before MPI starts: a bad flag never reaches communication
+    comm = mpi.world()
+    mpi.install_excepthook()
+    train(config, comm)
+    if config.out:
+        mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
+    return 0
+
+
+def _launch(args) -> int:
+    from dtrain.comm import mpi
+
+    if args.ranks < 1:
+        raise UserError(f"-n must be >= 1, got {args.ranks}")
+    if not args.target:
+        raise UserError("nothing to launch: give a script path or -m module after -n N")
+    return mpi.launch(args.ranks, args.target).returncode
+
+
+def _fail(message: str) -> int:
+    """Print one line. Under several ranks, abort the job so no other rank waits for this one."""
+    mpi4py = sys.modules.get("mpi4py.MPI")
+    if mpi4py is not None and mpi4py.Is_initialized() and mpi4py.COMM_WORLD.Get_size() > 1:
+        comm = mpi4py.COMM_WORLD
+        sys.stderr.write(f"dtrain: error (rank {comm.Get_rank()}): {message}\n")
+        sys.stderr.flush()
+        comm.Abort(EXIT_USER_ERROR)
+    sys.stderr.write(f"dtrain: error: {message}\n")
+    return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

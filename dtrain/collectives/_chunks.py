@@ -1,0 +1,63 @@
+"""How a flat buffer is cut into pieces, and the one scratch buffer each rank reuses.
+
+Every collective that splits a buffer (ring, Rabenseifner, hierarchical) cuts it the same way, so a shard produced
+by one algorithm is the input another expects, and the cost model can count bytes exactly::
+
+    n = 10 elements, p = 4 chunks: the first n % p = 2 chunks get one extra element
+    |  0  1  2 |  3  4  5 |  6  7 |  8  9 |
+      chunk 0    chunk 1   chunk 2 chunk 3      chunk_offsets(10, 4) == [0, 3, 6, 8, 10]
+
+The ring also cuts each chunk into *segments* of about ``SEGMENT_BYTES`` so it can reduce one segment while the
+next is still arriving (see ring.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dtrain.backend import array_module
+
+# A segment a little larger than a core's L2 cache slice is still cache-warm when it is reduced right after it
+# arrives, and large enough that the per-message cost (a few microseconds) stays small against its transfer.
+SEGMENT_BYTES = 512 * 1024
+
+
+def chunk_offsets(n: int, p: int) -> list[int]:
+    """``p + 1`` offsets: chunk ``c`` is ``buf[offsets[c]:offsets[c + 1]]``; the first ``n % p`` chunks are longer."""
+    base, extra = divmod(n, p)
+    offsets = [0]
+    for c in range(p):
+        offsets.append(offsets[-1] + base + (1 if c < extra else 0))
+    return offsets
+
+
+def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each of the ``p`` chunks of an ``n``-element buffer (first ``n % p`` get one extra)."""
+    offsets = chunk_offsets(n, p)
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def segment_bounds(start: int, stop: int, itemsize: int, segment_bytes: int = SEGMENT_BYTES):
+    """The segments of ``[start, stop)``: at least one (possibly empty), each at most ~``segment_bytes`` long."""
+    count = stop - start
+    per_segment = max(1, segment_bytes // itemsize)
+    nseg = max(1, -(-count // per_segment))
+    return [(start + a, start + b) for a, b in chunk_bounds(count, nseg)]
+
+
+# One scratch buffer per thread (simulated ranks are threads of one process) and per (array module, dtype). It only
+# grows, so the steady state of a training loop allocates nothing: a fresh large array costs page faults on first
+# touch every time, which would be a visible part of a fast all-reduce.
+_local = threading.local()
+
+
+def scratch(like, count: int):
+    """A reusable 1-D array of ``count`` elements of ``like``'s dtype and array module (contents undefined)."""
+    xp = array_module(like)
+    pool = _local.__dict__.setdefault("pool", {})
+    key = (xp.__name__, like.dtype.str)
+    buf = pool.get(key)
+    if buf is None or buf.size < count:
+        buf = xp.empty(max(count, 1), dtype=like.dtype)
+        pool[key] = buf
+    return buf[:count]

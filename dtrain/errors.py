@@ -1,0 +1,13 @@
+"""Errors in what the user asked for. The CLI prints their message as one line and exits non-zero (no traceback)."""
+
+
+class UserError(Exception):
+    """Bad input: the message says what is wrong and what to do about it."""
+
+
+class ConfigError(UserError, ValueError):
+    """A flag value or combination of flags that cannot be used."""
+
+
+class TrainingDiverged(UserError, RuntimeError):
+    """The loss became NaN or infinite."""

@@ -1,0 +1,105 @@
+"""Evidence a run leaves behind: ``metrics.json``, and figures made from one or several of them.
+
+The schema (``"schema": "dtrain.metrics/1"``) is documented in ``docs/metrics.md``. Lessons, notebooks, benchmarks
+and tests read these files instead of scraping printed text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "dtrain.metrics/1"
+
+
+def weights_digest(flat_params) -> str:
+    """SHA-256 of the flat parameter buffer's bytes: equal digests mean bit-identical weights."""
+    from dtrain.backend import to_host
+
+    return hashlib.sha256(np.ascontiguousarray(to_host(flat_params)).tobytes()).hexdigest()
+
+
+def environment() -> dict:
+    import dtrain
+
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "dtrain": dtrain.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
+    for name in ("mpi4py", "numba", "cupy"):
+        module = sys.modules.get(name)
+        if module is not None:
+            info[name] = getattr(module, "__version__", "?")
+    return info
+
+
+def write_metrics(out_dir, metrics: dict) -> Path:
+    """Write ``out_dir/metrics.json`` (creating the folder) and return its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "metrics.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"schema": SCHEMA, **metrics}, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, path)  # never leave a half-written file behind
+    return path
+
+
+def load_metrics(path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.json"
+    metrics = json.loads(path.read_text())
+    if metrics.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a dtrain metrics file (schema {metrics.get('schema')!r}, expected {SCHEMA})")
+    return metrics
+
+
+def plot_metrics(paths, out_png, labels=None) -> Path:
+    """Training loss and test accuracy per epoch for one or more runs, side by side, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_metrics(p) for p in paths]
+    labels = labels or [_label(run, p) for run, p in zip(runs, paths)]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for run, label in zip(runs, labels):
+        epochs = [e["epoch"] for e in run["epochs"]]
+        ax_loss.plot(epochs, [e["train_loss"] for e in run["epochs"]], marker="o", label=label)
+        ax_acc.plot(epochs, [100 * e["test_accuracy"] for e in run["epochs"]], marker="o", label=label)
+    ax_loss.set(xlabel="epoch", ylabel="training loss (mean cross-entropy)", yscale="log", title="Loss")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="Accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png
+
+
+def _label(run: dict, path) -> str:
+    cfg = run.get("config", {})
+    return f"{cfg.get('paradigm', '?')} x{run.get('world_size', '?')} ({Path(path).parent.name or path})"
+
+
+def _jsonable(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to metrics.json")
