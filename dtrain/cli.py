@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rank, and fail-fast on errors. TARGET is a script path or -m module.",
     )
     launch.add_argument("-n", "--ranks", type=int, required=True)
-    launch.add_argument("target", nargs=argparse.REMAINDER)
+    # argparse's REMAINDER cannot begin with an option, so "-m MODULE" is an option of its own.
+    launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
+    launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments (or the module's)")
 
     plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
     plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
@@ -126,11 +128,14 @@ def _train(args) -> int:
 def _launch(args) -> int:
     from dtrain.comm import mpi
 
+    target = args.target[1:] if args.target[:1] == ["--"] else args.target  # "launch -n 2 -- -c CODE"
+    if args.module:
+        target = ["-m", args.module, *target]
     if args.ranks < 1:
         raise UserError(f"-n must be >= 1, got {args.ranks}")
-    if not args.target:
+    if not target:
         raise UserError("nothing to launch: give a script path or -m module after -n N")
-    return mpi.launch(args.ranks, args.target).returncode
+    return mpi.launch(args.ranks, target).returncode
 
 
 def _fail(message: str) -> int:

@@ -1,0 +1,337 @@
+"""Counting what an algorithm communicates: bytes, messages and time per rank and per operation, and a timeline.
+
+Wrap any communicator, simulated or real, and run the algorithm on the wrapper::
+
+    tracer = Tracer()
+    tcomm = TracedComm(comm, tracer)               # comm: a SimComm or an mpi4py MPI.Comm
+    with tracer.operation("allreduce/ring", nbytes=buf.nbytes):
+        ring.allreduce(tcomm, buf)
+    tracer.summary()["operations"]["allreduce/ring"]["bytes_sent"]
+
+**What is counted.** Point-to-point calls, each as the algorithm made it: ``Send``, ``Isend`` and the send half of
+``Sendrecv`` add one message and the buffer's size to what this rank sent; ``Recv``, ``Irecv`` and the receive half
+of ``Sendrecv`` add one message and the *receive buffer's* size to what it received (algorithms size receive buffers
+exactly, so that is what arrives). ``Isend``/``Irecv`` are counted when posted; the time their ``Wait`` blocks is
+counted too. A peer of ``PROC_NULL`` counts nothing. Sub-communicators made by ``Split``, ``Split_type`` and ``Dup``
+are traced by the same tracer, so the inner rings of a hierarchical all-reduce are counted. MPI's own collectives
+(``Allreduce``, ``Bcast``, ``Reduce``) count one call with the data handed in and out (``Allreduce``: the buffer
+sent and received; ``Bcast``: sent by the root, received by the others; ``Reduce``: sent by all, received by the
+root): MPI's internal messages are invisible from here, so these are the *logical* volumes, not the wire's.
+Object methods (``gather``, ``allgather``, ``bcast``, ``allreduce``) pass through uncounted: they carry metrics and
+debug checks, not the algorithm's traffic. ``Barrier`` counts time only.
+
+**Why bytes sent per rank.** The latency-bandwidth model prices an algorithm by the bytes each rank puts on the wire
+(the ring sends ``2 (p-1)/p n`` for an n-byte buffer, whatever p is), and the busiest rank sets the pace. So the
+count to compare with the model is ``bytes_sent`` of each rank; the received bytes mirror it across the world.
+
+**Operations.** ``with tracer.operation(name):`` labels the traffic inside. Operations nest, and the traffic goes to
+the *outermost* label (a hierarchical all-reduce's inner ring counts as hierarchical); the trace still shows the
+nested spans. Traffic outside any operation is filed under "other". Per operation, :meth:`Tracer.summary` gives
+``calls`` (times entered), the four counts, ``time_s`` (wall time inside the ``with`` blocks), ``comm_time_s``
+(of which inside communication calls) and ``payload_bytes`` (the ``nbytes`` given). For "other", ``calls`` counts
+communication calls and ``time_s`` is their time.
+
+**A trace.** ``tracer.events`` are Chrome "complete" events (microseconds, one clock for all ranks of a machine).
+Gather them to rank 0 with :func:`gather_events` and write them with :func:`write_chrome_trace`; open the file at
+https://ui.perfetto.dev (or chrome://tracing): one row per rank, operations as spans with their calls inside, each
+call's peer, tag and bytes in its details.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+
+from dtrain.comm.sim import ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, SUM
+
+OTHER = "other"
+
+# Timestamps are wall-clock microseconds (so ranks in different processes share an origin) read through
+# perf_counter (so they resolve microseconds). write_chrome_trace shifts them to start at zero.
+_WALL_OFFSET = time.time() - time.perf_counter()
+
+
+def _now_us() -> float:
+    return (time.perf_counter() + _WALL_OFFSET) * 1e6
+
+
+def message_bytes(buf) -> int:
+    """The bytes a buffer argument describes: an array's ``nbytes``; ``[array, count, datatype]``: count elements."""
+    if buf is None or buf is IN_PLACE:
+        return 0
+    if isinstance(buf, (list, tuple)):
+        array = buf[0]
+        if len(buf) == 3:
+            return int(buf[1]) * array.itemsize
+        return message_bytes(array)
+    return int(buf.nbytes)
+
+
+@dataclasses.dataclass
+class OperationStats:
+    """The counts of one operation label on one rank."""
+
+    calls: int = 0
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    time_s: float = 0.0
+    comm_time_s: float = 0.0
+    payload_bytes: int = 0
+
+
+class Tracer:
+    """One rank's record of its communication: counts per operation (``summary``) and timeline ``events``.
+
+    Use one tracer per rank (simulated ranks are threads, each with its own). ``rank`` is filled in by the first
+    :class:`TracedComm` made with it.
+    """
+
+    def __init__(self, rank: int | None = None):
+        self.rank = rank
+        self.stats: dict[str, OperationStats] = {}
+        self.events: list[dict] = []
+        self._stack: list[str] = []  # open operations, outermost first
+
+    @property
+    def label(self) -> str:
+        """Where traffic goes now: the outermost open operation, or "other"."""
+        return self._stack[0] if self._stack else OTHER
+
+    def _stats(self, label: str) -> OperationStats:
+        if label not in self.stats:
+            self.stats[label] = OperationStats()
+        return self.stats[label]
+
+    @contextlib.contextmanager
+    def operation(self, name: str, nbytes: int | None = None):
+        """Label the traffic inside the ``with`` block (``nbytes``: the payload, e.g. the buffer all-reduced)."""
+        outermost = not self._stack
+        self._stack.append(name)
+        start = _now_us()
+        try:
+            yield self
+        finally:
+            end = _now_us()
+            self._stack.pop()
+            if outermost:
+                stats = self._stats(name)
+                stats.calls += 1
+                stats.time_s += (end - start) / 1e6
+                stats.payload_bytes += nbytes or 0
+            args = {} if nbytes is None else {"nbytes": nbytes}
+            self.events.append(
+                {"name": name, "cat": "operation", "ph": "X", "ts": start, "dur": end - start, "args": args}
+            )
+
+    def record_call(self, name: str, start: float, sent: tuple = (0, 0), received: tuple = (0, 0), **args):
+        """Count one communication call that began at ``start`` (from ``_now_us``) and has just returned.
+
+        ``sent`` and ``received`` are (messages, bytes). ``args`` (peer, tag ...) go into the trace event.
+        """
+        end = _now_us()
+        label = self.label
+        stats = self._stats(label)
+        seconds = (end - start) / 1e6
+        if label == OTHER:  # no enclosing block: the calls themselves are what happened
+            stats.calls += 1
+            stats.time_s += seconds
+        stats.comm_time_s += seconds
+        stats.messages_sent += sent[0]
+        stats.bytes_sent += sent[1]
+        stats.messages_received += received[0]
+        stats.bytes_received += received[1]
+        if sent[1]:
+            args["bytes_sent"] = sent[1]
+        if received[1]:
+            args["bytes_received"] = received[1]
+        self.events.append({"name": name, "cat": label, "ph": "X", "ts": start, "dur": end - start, "args": args})
+
+    def summary(self) -> dict:
+        """This rank's counts as plain JSON data: ``{"rank", "operations": {label: {...}}, "totals": {...}}``."""
+        operations = {label: dataclasses.asdict(stats) for label, stats in self.stats.items()}
+        totals = {field.name: 0 for field in dataclasses.fields(OperationStats)}
+        for counts in operations.values():
+            for key, value in counts.items():
+                totals[key] += value
+        return {"rank": self.rank, "operations": operations, "totals": totals}
+
+    def reset(self) -> None:
+        """Forget all counts and events (say, after warm-up iterations)."""
+        self.stats.clear()
+        self.events.clear()
+
+
+def _peer_counts(peer: int, nbytes: int) -> tuple:
+    return (0, 0) if peer == PROC_NULL else (1, nbytes)
+
+
+class TracedRequest:
+    """A request from a traced ``Isend``/``Irecv``: its ``Wait`` time is counted. Anything else is forwarded."""
+
+    def __init__(self, request, tracer: Tracer, call: str, **args):
+        self.request, self._tracer, self._call, self._args = request, tracer, call, args
+
+    def __getattr__(self, name):
+        if name == "request":  # not yet set (copying, unpickling): avoid recursing
+            raise AttributeError(name)
+        return getattr(self.request, name)
+
+    def Wait(self, status=None):
+        start = _now_us()
+        result = self.request.Wait(status)
+        self._tracer.record_call(f"Wait({self._call})", start, **self._args)
+        return result
+
+    def Test(self, status=None):
+        start = _now_us()
+        done = self.request.Test(status)
+        if done:  # a polling loop would otherwise flood the timeline with empty Tests
+            self._tracer.record_call(f"Test({self._call})", start, **self._args)
+        return done
+
+
+class TracedComm:
+    """A communicator that counts its traffic into ``tracer``; everything not counted is forwarded to ``comm``."""
+
+    def __init__(self, comm, tracer: Tracer | None = None):
+        self.comm = comm
+        self.tracer = tracer if tracer is not None else Tracer()
+        if self.tracer.rank is None:
+            self.tracer.rank = comm.Get_rank()
+
+    def __getattr__(self, name):
+        if name == "comm":  # not yet set (copying, unpickling): avoid recursing
+            raise AttributeError(name)
+        return getattr(self.comm, name)
+
+    def __repr__(self) -> str:
+        return f"TracedComm({self.comm!r})"
+
+    def _wrap(self, comm):
+        """A sub-communicator traced by the same tracer (``None``/``COMM_NULL`` are falsy and pass through)."""
+        return TracedComm(comm, self.tracer) if comm else comm
+
+    # --- point to point ------------------------------------------------------------------------------------
+    def Send(self, buf, dest: int, tag: int = 0) -> None:
+        start = _now_us()
+        self.comm.Send(buf, dest, tag)
+        self.tracer.record_call("Send", start, sent=_peer_counts(dest, message_bytes(buf)), peer=dest, tag=tag)
+
+    def Recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, status=None) -> None:
+        start = _now_us()
+        self.comm.Recv(buf, source, tag, status)
+        counts = _peer_counts(source, message_bytes(buf))
+        self.tracer.record_call("Recv", start, received=counts, peer=source, tag=tag)
+
+    def Sendrecv(
+        self,
+        sendbuf,
+        dest: int,
+        sendtag: int = 0,
+        recvbuf=None,
+        source: int = ANY_SOURCE,
+        recvtag: int = ANY_TAG,
+        status=None,
+    ) -> None:
+        start = _now_us()
+        self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
+        self.tracer.record_call(
+            "Sendrecv",
+            start,
+            sent=_peer_counts(dest, message_bytes(sendbuf)),
+            received=_peer_counts(source, message_bytes(recvbuf)),
+            dest=dest,
+            source=source,
+            sendtag=sendtag,
+            recvtag=recvtag,
+        )
+
+    def Isend(self, buf, dest: int, tag: int = 0) -> TracedRequest:
+        start = _now_us()
+        request = self.comm.Isend(buf, dest, tag)
+        self.tracer.record_call("Isend", start, sent=_peer_counts(dest, message_bytes(buf)), peer=dest, tag=tag)
+        return TracedRequest(request, self.tracer, "Isend", peer=dest, tag=tag)
+
+    def Irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> TracedRequest:
+        start = _now_us()
+        request = self.comm.Irecv(buf, source, tag)
+        counts = _peer_counts(source, message_bytes(buf))
+        self.tracer.record_call("Irecv", start, received=counts, peer=source, tag=tag)
+        return TracedRequest(request, self.tracer, "Irecv", peer=source, tag=tag)
+
+    # --- MPI's own collectives: logical volumes only (see the module docstring) ----------------------------
+    def Barrier(self) -> None:
+        start = _now_us()
+        self.comm.Barrier()
+        self.tracer.record_call("Barrier", start)
+
+    def Allreduce(self, sendbuf, recvbuf, op=SUM) -> None:
+        start = _now_us()
+        self.comm.Allreduce(sendbuf, recvbuf, op)
+        nbytes = message_bytes(recvbuf)
+        self.tracer.record_call("Allreduce", start, sent=(1, nbytes), received=(1, nbytes))
+
+    def Bcast(self, buf, root: int = 0) -> None:
+        start = _now_us()
+        self.comm.Bcast(buf, root)
+        counts = (1, message_bytes(buf))
+        if self.comm.Get_rank() == root:
+            self.tracer.record_call("Bcast", start, sent=counts, root=root)
+        else:
+            self.tracer.record_call("Bcast", start, received=counts, root=root)
+
+    def Reduce(self, sendbuf, recvbuf, op=SUM, root: int = 0) -> None:
+        start = _now_us()
+        self.comm.Reduce(sendbuf, recvbuf, op, root)
+        is_root = self.comm.Get_rank() == root
+        nbytes = message_bytes(recvbuf if sendbuf is IN_PLACE else sendbuf)
+        self.tracer.record_call("Reduce", start, sent=(1, nbytes), received=(1, nbytes) if is_root else (0, 0))
+
+    # --- communicators -------------------------------------------------------------------------------------
+    def Split(self, color: int = 0, key: int = 0):
+        return self._wrap(self.comm.Split(color, key))
+
+    def Split_type(self, split_type: int, key: int = 0, *args, **kwargs):
+        return self._wrap(self.comm.Split_type(split_type, key, *args, **kwargs))
+
+    def Dup(self, *args, **kwargs):
+        return self._wrap(self.comm.Dup(*args, **kwargs))
+
+
+def untraced(comm):
+    """The communicator under any number of :class:`TracedComm` wrappers."""
+    while isinstance(comm, TracedComm):
+        comm = comm.comm
+    return comm
+
+
+def gather_summaries(tracer: Tracer, comm) -> list | None:
+    """Every rank's ``summary()`` as a list on rank 0 (``None`` elsewhere), sent outside the tracer's counts."""
+    return untraced(comm).gather(tracer.summary(), root=0)
+
+
+def gather_events(tracer: Tracer, comm) -> list | None:
+    """Every rank's trace events as a list of lists on rank 0 (``None`` elsewhere), for :func:`write_chrome_trace`."""
+    return untraced(comm).gather(tracer.events, root=0)
+
+
+def write_chrome_trace(path, events_per_rank: list) -> None:
+    """Write one Chrome/Perfetto JSON trace with a row ("process") per rank: ``events_per_rank[r]`` is rank r's.
+
+    Time is shifted so the earliest event starts at zero. Open the file at https://ui.perfetto.dev.
+    """
+    starts = [event["ts"] for events in events_per_rank for event in events]
+    origin = min(starts) if starts else 0.0
+    trace = []
+    for rank, events in enumerate(events_per_rank):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        # Enclosing spans first (earlier start, then longer), the order viewers nest them in.
+        for event in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+            trace.append({**event, "ts": round(event["ts"] - origin, 3), "pid": rank, "tid": 0})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
