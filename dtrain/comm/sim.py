@@ -36,6 +36,13 @@ change again: that is a deadlock, decided exactly, with no timers. Every rank is
 :meth:`SimWorld.run` raises :class:`SimDeadlock` naming each rank's state. A rank that loops forever in Python (or
 polls ``Test()`` forever) is not blocked, so it is caught by the wall-clock ``timeout`` instead.
 
+**Collectives.** ``Barrier``, ``Split``, ``Dup`` and the stand-ins for MPI's own collectives (``Allreduce``,
+``Bcast``, ``Reduce``, and the pickled-object ``bcast``, ``gather``, ``allgather``, ``allreduce``) meet at a shared
+slot: each rank's n-th collective call on a communicator meets every other rank's n-th call there, the last rank to
+arrive combines the contributions (reductions in rank order, with NumPy), and everyone leaves with the result. They
+are the simple, obviously right baseline the hand-written algorithms are compared with. Ranks whose n-th calls
+differ (one calls ``Barrier``, another ``Bcast``) get an error instead of MPI's hang.
+
 If ``fn`` raises on any rank, the others are woken out of their waits and ended (at their next communication call, if
 they are computing), and ``run`` raises :class:`SimRankError` naming the rank, chained to the original exception.
 
@@ -48,7 +55,7 @@ Example::
         right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
         out, got = np.full(4, comm.rank, dtype=np.float32), np.empty(4, dtype=np.float32)
         comm.Sendrecv(out, dest=right, recvbuf=got, source=left)
-        return got[0]
+        return float(got[0])
 
     sim.run(4, exchange)                    # [3.0, 0.0, 1.0, 2.0]
 
@@ -676,6 +683,9 @@ class SimWorld:
                 self._stop_all(SimTimeout(report))
                 for thread in threads:  # ranks waiting in a communication call unwind at once
                     thread.join(0.5)
+        except BaseException:  # Ctrl-C in a notebook: do not leave rank threads asleep forever
+            self._stop_all(SimError("the run was interrupted"))
+            raise
         finally:
             with self._lock:
                 self._running = False
