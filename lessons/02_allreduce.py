@@ -1,0 +1,230 @@
+"""Lesson 2: all-reduce on real MPI ranks. Every hand-written algorithm, checked, timed and its bytes counted.
+
+Data parallelism ends every step with an all-reduce: each rank holds the gradients of its slice of the batch, and
+every rank must end with their sum. dtrain has several algorithms for it (dtrain/collectives/, one per file). This
+lesson runs each of them on the ranks mpiexec started:
+
+    dtrain launch -n 4 lessons/02_allreduce.py
+    dtrain launch -n 3 lessons/02_allreduce.py                      # p not a power of two: fix-ups, uneven chunks
+    dtrain launch -n 4 lessons/02_allreduce.py --ranks-per-node 2   # two emulated "nodes" of 2 ranks
+    dtrain launch -n 4 lessons/02_allreduce.py --size-mib 16 --trace allreduce.json
+
+What you will see, for one float32 buffer (1 MiB by default; each rank's values come from its own seed):
+
+  1. a table, one row per algorithm:
+     * ok: the result, on every rank, is identical to MPI's own MPI_Allreduce and to NumPy's sum of every rank's
+       buffer (each rank can regenerate every other rank's input from its seed). The values are small integers
+       stored as float32, so any order of additions gives the same bits and "identical" can be taken literally;
+     * time: median over a few runs of the slowest rank's time (an all-reduce is done when the last rank is);
+     * busbw: bus bandwidth, S / t * 2(p-1)/p (the nccl-tests definition): the bytes each rank's link must carry
+       at the least, per second, comparable across p and with a link's bandwidth;
+     * bytes sent by rank 0 counted by the tracer, against the exact formula in costmodel.bytes_sent, and whether
+       the two agree on every rank; the cost model's predicted time;
+  2. the bytes each rank sent, per algorithm: naive piles (p-1) n on rank 0, the ring spreads 2(p-1)/p n evenly;
+  3. a last line `all algorithms agree with MPI_Allreduce: yes` (the exit status is non-zero if not).
+
+Things to try:
+  * -n 3 or -n 6: doubling and rabenseifner fold the extra ranks in first (see doubling.py), and their bytes per
+    rank become uneven; the ring's chunks get uneven too, and the formulas still match to the byte;
+  * --ranks-per-node 2 (or 3 with -n 5): hierarchical does a tree inside each emulated node and a ring between the
+    node leaders; hierarchical_rs needs equal nodes and is skipped otherwise;
+  * --size-mib 0.001 against --size-mib 16: which algorithm wins when, and which one "auto" picks;
+  * --trace trace.json, then open https://ui.perfetto.dev and drag the file in: one row per rank, each all-reduce
+    as a span with every Send/Recv inside it, and its peer and bytes in the details.
+"""
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
+from dtrain.comm import mpi
+from dtrain.comm.trace import TracedComm, Tracer, write_chrome_trace
+
+parser = argparse.ArgumentParser(description="Lesson 2: every all-reduce algorithm on MPI ranks")
+parser.add_argument("--size-mib", type=float, default=1.0, help="buffer size in MiB (default %(default)s)")
+parser.add_argument("--repeats", type=int, default=10, help="timed runs per algorithm (default %(default)s)")
+parser.add_argument(
+    "--ranks-per-node",
+    type=int,
+    default=None,
+    metavar="K",
+    help="emulate nodes of K ranks for the hierarchical algorithms (default: the real nodes)",
+)
+parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
+parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of one all-reduce per algorithm")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+from mpi4py import MPI  # after argparse, so --help works without starting MPI
+
+comm = MPI.COMM_WORLD
+p, rank = comm.Get_size(), comm.Get_rank()
+K = args.ranks_per_node
+algorithms = args.algorithms.split(",")
+unknown = [a for a in algorithms if a not in ALGORITHMS]
+if unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1):
+    if rank == 0:
+        print(
+            f"bad arguments: unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or "
+            "--size-mib <= 0, --repeats < 1 or --ranks-per-node < 1",
+            file=sys.stderr,
+        )
+    raise SystemExit(2)
+
+count = max(1, int(args.size_mib * 2**20) // 4)
+nbytes = 4 * count
+
+
+def rank_input(r):
+    """Rank r's buffer: small integers as float32, from rank r's own seed (so every rank can rebuild any rank's)."""
+    return np.random.default_rng(args.seed + r).integers(-100, 101, size=count).astype(np.float32)
+
+
+src = rank_input(rank)
+# The oracles. NumPy: add every rank's input in float64 (exact for these integers). MPI: its own all-reduce.
+expected = sum(rank_input(r).astype(np.float64) for r in range(p)).astype(np.float32)
+mpi_result = np.empty_like(src)
+comm.Allreduce(src, mpi_result, op=MPI.SUM)
+mpi_agrees_with_numpy = bool(np.array_equal(mpi_result, expected))
+
+tracer = Tracer()
+tcomm = TracedComm(comm, tracer)  # one traced communicator for the whole run: hierarchical caches its sub-comms
+buf = np.empty_like(src)
+trace_events = []  # this rank's events, one traced all-reduce per algorithm
+rows = []
+
+
+def correct() -> bool:
+    return bool(np.array_equal(buf, mpi_result) and np.array_equal(buf, expected))
+
+
+def everywhere(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on every rank."""
+    return comm.allreduce(int(flag), op=MPI.MIN) == 1
+
+
+mpi.print0(
+    f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), "
+    f"median of {args.repeats} run(s), time = slowest rank"
+)
+if K is None:
+    mpi.print0("hierarchical: real nodes (one machine is one node); try --ranks-per-node K to emulate nodes")
+else:
+    mpi.print0(f"hierarchical: emulated nodes of {K} ranks, sizes {list(hierarchical.node_sizes(p, K))}")
+
+for alg in algorithms:
+    if alg == "hierarchical_rs" and K is not None and p % K:
+        rows.append({"algorithm": alg, "skipped": f"needs equal nodes, {p} ranks in nodes of {K} are not"})
+        continue
+    name = costmodel.choose(nbytes, p) if alg == "auto" else alg  # what actually runs
+
+    # 1. warm up (Numba compilation, MPI connections, hierarchical's sub-communicators) and check the result
+    buf[...] = src
+    allreduce(comm, buf, algorithm=alg, ranks_per_node=K)
+    ok = correct()
+
+    # 2. time it: the slowest rank's time of each run, then the median over runs
+    times = []
+    for _ in range(args.repeats):
+        buf[...] = src
+        comm.Barrier()
+        start = time.perf_counter()
+        allreduce(comm, buf, algorithm=alg, ranks_per_node=K)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        ok = ok and correct()
+
+    # 3. count what this rank sends, with the tracer (one untimed warm-up first, so only the all-reduce is counted)
+    buf[...] = src
+    allreduce(tcomm, buf, algorithm=alg, ranks_per_node=K)
+    tracer.reset()
+    buf[...] = src
+    label = "allreduce/auto" if alg == "auto" else f"allreduce/{name}"
+    span = tracer.operation(label, nbytes=nbytes) if alg == "auto" else contextlib.nullcontext()
+    with span:  # auto's own span, so its row in the trace says "auto" around the algorithm it picked
+        allreduce(tcomm, buf, algorithm=alg, ranks_per_node=K)
+    ok = ok and correct()
+    sent = tracer.summary()["operations"][label]["bytes_sent"]
+    formula = costmodel.bytes_sent(name, count, 4, p, rank, K)
+    trace_events += tracer.events
+
+    sent_by_rank = comm.gather((sent, formula), root=0)
+    ok = everywhere(ok)
+    if rank == 0:
+        t = statistics.median(times)
+        rows.append(
+            {
+                "algorithm": alg,
+                "name": name,
+                "ok": ok,
+                "time_s": t,
+                "busbw_GBps": nbytes / t * 2 * (p - 1) / p / 1e9,
+                "model_s": costmodel.predict_time(name, nbytes, p, ranks_per_node=K),
+                "sent": [s for s, _ in sent_by_rank],
+                "formula": [f for _, f in sent_by_rank],
+            }
+        )
+
+# --------------------------------------------------------------------------------------------------- report
+if args.trace:
+    everyone = comm.gather(trace_events, root=0)
+    if rank == 0:
+        write_chrome_trace(args.trace, everyone)
+
+if rank == 0:
+    ran = [r for r in rows if "skipped" not in r]
+    mpi_time = next((r["time_s"] for r in ran if r["algorithm"] == "mpi"), None)
+    print(
+        f"\n{'algorithm':22s} {'ok':>3s} {'time ms':>9s} {'busbw GB/s':>10s} {'MPI/alg':>7s} {'model ms':>9s}"
+        f" | {'rank 0 sent':>12s} {'formula':>12s} {'all ranks':>9s}"
+    )
+    print("-" * 103)
+    for r in rows:
+        title = r["algorithm"] if r["algorithm"] != "auto" else f"auto -> {r.get('name', '?')}"
+        if "skipped" in r:
+            print(f"{title:22s} skipped: {r['skipped']}")
+            continue
+        busbw = f"{r['busbw_GBps']:10.2f}" if p > 1 else f"{'-':>10s}"
+        ratio = f"{mpi_time / r['time_s']:6.2f}x" if mpi_time else f"{'-':>7s}"
+        same = "=" if r["sent"] == r["formula"] else "DIFFER"
+        print(
+            f"{title:22s} {'yes' if r['ok'] else 'NO':>3s} {1e3 * r['time_s']:9.3f} {busbw} {ratio}"
+            f" {1e3 * r['model_s']:9.3f} | {r['sent'][0]:12,d} {r['formula'][0]:12,d} {same:>9s}"
+        )
+
+    print("\nBytes sent by each rank, KiB (measured by the tracer; * where costmodel.bytes_sent says otherwise):")
+    print(f"{'algorithm':22s}" + "".join(f"{'rank ' + str(i):>10s}" for i in range(p)))
+    for r in ran:
+        cells = [f"{s / 1024:9.1f}" + (" " if s == f else "*") for s, f in zip(r["sent"], r["formula"])]
+        print((f"{r['name'] if r['algorithm'] != 'auto' else 'auto':22s}" + "".join(cells)).rstrip())
+    print(
+        f"(the buffer is {nbytes / 1024:.1f} KiB; a bandwidth-optimal all-reduce sends 2(p-1)/p of it per rank,"
+        f" {2 * (p - 1) / p * nbytes / 1024:.1f} KiB here.\n The mpi row is the logical volume, the buffer once:"
+        " MPI's own messages are invisible to the tracer.)"
+    )
+    m = costmodel.default_machine()
+    print(
+        f"model: alpha-beta-gamma, alpha = {m.alpha:.1e} s per message, beta = {m.beta:.1e} s per byte sent,"
+        f" gamma = {m.gamma:.1e} s per byte reduced\n (scripts/calibrate.py measures this machine's constants)"
+    )
+    if args.trace:
+        print(
+            f"\ntrace of one all-reduce per algorithm written to {args.trace}:\n open https://ui.perfetto.dev and"
+            " drag the file in (one row per rank; click a Send/Recv to see its peer and bytes)"
+        )
+
+    results_ok = mpi_agrees_with_numpy and all(r["ok"] for r in ran)
+    bytes_ok = all(r["sent"] == r["formula"] for r in ran)
+    print(f"\nMPI_Allreduce agrees with NumPy's sum: {'yes' if mpi_agrees_with_numpy else 'NO'}")
+    print(f"bytes sent match costmodel.bytes_sent on every rank: {'yes' if bytes_ok else 'NO'}")
+    print(f"all algorithms agree with MPI_Allreduce: {'yes' if results_ok else 'NO'}", flush=True)
+    failed = not (results_ok and bytes_ok)
+else:
+    failed = False
+if comm.bcast(failed, root=0):
+    raise SystemExit(1)  # on every rank, so mpiexec's exit status says so
