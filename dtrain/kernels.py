@@ -23,10 +23,11 @@ per cycle, so the time is *bytes moved / memory bandwidth*. To go faster, move f
     np.multiply(out, s, out=out) read n,  write n       ->  11 n elements, (3k - 1) n for k inputs
 
 Once the arrays outgrow the caches, every pass goes to main memory. The fused loop below reads each input once, keeps
-the running sum in a register, and writes ``out`` once: (k + 1) n elements, 5 n instead of 11 n for k = 4. Measured,
-that is 1.5-1.8x faster (docs/benchmarks.md), a bit less than the 2.2x the byte count promises because some of NumPy's
-passes still hit the cache. A single ``add_`` is already one pass in NumPy, so Numba cannot beat it: the same bytes
-move either way.
+the running sum in a register, and writes ``out`` once: (k + 1) n elements, 5 n instead of 11 n for k = 4. Measured
+on one core (scripts/bench_kernels.py, docs/benchmarks.md), k = 4 runs about 1.5x faster than NumPy from 1e5
+elements up and k = 8 1.5-2x: less than the 2.2x the byte count promises, because writing ``out`` first reads it
+into the cache (write-allocate) and five streams at once use the memory less efficiently than NumPy's two or three.
+A single ``add_`` is already one pass in NumPy, so Numba cannot beat it: the same bytes move either way.
 
 **Why no fastmath.** ``fastmath=True`` would let the compiler regroup ``(b0 + b1) + b2`` as ``b0 + (b1 + b2)``.
 Floating-point addition is not associative, so the last bit could differ from NumPy's, and ranks (or a test) using
@@ -40,10 +41,12 @@ because that needs no regrouping: element i and element i + 1 are independent.
 2. Otherwise the CPU backend decides: environment variable ``DTRAIN_KERNELS`` = ``auto`` (the default: Numba if it
    can be imported, else NumPy), ``numba`` (an error if it is missing) or ``numpy``. :func:`use` switches at run time,
    :func:`backend_name` says which one is active, :func:`describe` says why.
-3. With Numba, small arrays (under ``NUMBA_MIN_SIZE`` elements) still go to NumPy: checking the arguments and entering
-   a compiled function costs about a microsecond, more than NumPy needs for the whole job. So do arrays the compiled
-   loops do not handle (non-contiguous, read-only, mixed dtypes or shapes, other dtypes): NumPy gives them its usual
-   result or error.
+3. With Numba, ``sum_scale_`` of fewer than ``FUSED_MIN_SIZE`` elements still goes to NumPy: checking the arguments
+   and entering a compiled function costs about a microsecond, more than NumPy needs for a small job. ``add_``,
+   ``max_`` and ``scale_`` go to NumPy below ``NUMBA_MIN_SIZE``, which is large: a single pass moves the same bytes
+   either way, so single-threaded the loop only ties with NumPy, and only its prange twin (rule 4) can win. Arrays
+   the compiled loops do not handle (non-contiguous, read-only, mixed dtypes or shapes, other dtypes) also go to
+   NumPy, which gives them its usual result or error.
 4. Large arrays (``PARALLEL_MIN_SIZE`` elements and up) use a ``prange`` twin of each loop, split across Numba's
    threads, but only when there are several threads (ranks under ``mpiexec`` get one each, see
    :mod:`dtrain.comm.mpi`) and only from the main thread (the simulator's ranks are threads, and Numba's default
@@ -67,9 +70,11 @@ from dtrain.backend import is_device_array
 ENV_VAR = "DTRAIN_KERNELS"
 CHOICES = ("auto", "numba", "numpy")
 
-# Below this many elements NumPy is faster than checking arguments and calling into Numba (measured with
-# scripts/bench_kernels.py: the break-even is ~1-4k elements for sum_scale_, and add_ never gains much).
-NUMBA_MIN_SIZE = 4096
+# Sizes (in elements) from which the Numba loops are used; below them NumPy is faster (rule 3). Measured with
+# scripts/bench_kernels.py: for sum_scale_ the break-even is ~5k elements for k = 8 and ~15k for k = 2; the
+# single-pass add_/max_/scale_ gain nothing single-threaded at any size, so they wait until their prange twin can.
+FUSED_MIN_SIZE = 1 << 14
+NUMBA_MIN_SIZE = 1 << 20
 # From this many elements on, and with more than one Numba thread, the prange loops are used.
 PARALLEL_MIN_SIZE = 1 << 20
 # sum_scale_ fuses at most this many inputs per pass. Numba compiles one loop per number of inputs; more inputs are
@@ -182,18 +187,19 @@ def _loops(n: int) -> SimpleNamespace:
 
 
 def _flat(arrays):
-    """The arrays as 1-D views if the Numba loops can take them, else None (NumPy handles them; rule 3)."""
+    """The arrays as 1-D arrays if the Numba loops can take them, else None (NumPy handles them; rule 3).
+
+    They must be plain ndarrays of one supported dtype and one shape, C-contiguous, aligned and writeable
+    (``flags.carray``). This runs on every call, so it is written to be cheap (about 0.1 us per array).
+    """
     first = arrays[0]
     dtype, shape = first.dtype, first.shape
     if dtype not in _NUMBA_DTYPES:
         return None
     for a in arrays:
-        if type(a) is not np.ndarray or a.dtype != dtype or a.shape != shape:
+        if type(a) is not np.ndarray or not a.flags.carray or a.dtype != dtype or a.shape != shape:
             return None
-        flags = a.flags
-        if not (flags.c_contiguous and flags.writeable):
-            return None
-    return [a if a.ndim == 1 else a.reshape(-1) for a in arrays]
+    return arrays if len(shape) == 1 else tuple(a.reshape(-1) for a in arrays)
 
 
 def _numba_sum_scale(out, bufs, factor, flat):
@@ -266,23 +272,19 @@ def _cupy():
 # ----------------------------------------------------------------------------------------------------------------
 
 _active: str | None = None  # "numba" or "numpy" once chosen; None until the first kernel call, use() or backend_name()
-_why = ""  # one line for describe()
+_why = ""  # how it was chosen, for describe()
 _numba_module = None
-
-
-def _check_choice(name) -> str:
-    if name not in CHOICES:
-        raise ValueError(f"unknown kernel backend {name!r} (from {ENV_VAR} or kernels.use): choose one of {CHOICES}")
-    return name
 
 
 def use(name: str) -> str:
     """Switch the CPU kernels to ``name`` ("auto", "numba" or "numpy") for this process; return the active backend.
 
-    "numba" raises ImportError when Numba cannot be imported; "auto" then quietly takes NumPy.
+    "numba" raises ImportError when Numba cannot be imported; "auto" then quietly takes NumPy (:func:`describe`
+    says why).
     """
     global _active, _why, _numba_module
-    _check_choice(name)
+    if name not in CHOICES:
+        raise ValueError(f"unknown kernel backend {name!r} (from {ENV_VAR} or kernels.use): choose one of {CHOICES}")
     if name == "numpy":
         _active, _why = "numpy", "chosen"
         return _active
@@ -297,7 +299,7 @@ def use(name: str) -> str:
         _active, _why = "numpy", f"numba cannot be imported: {exc}"
         return _active
     _numba_module = numba
-    _active, _why = "numba", f"numba {numba.__version__}" + (" (chosen)" if name == "numba" else "")
+    _active, _why = "numba", "chosen" if name == "numba" else "auto: numba is installed"
     return _active
 
 
@@ -311,13 +313,12 @@ def backend_name() -> str:
 
 
 def describe() -> str:
-    """One line for a lesson to print: which CPU backend runs reductions, and why."""
-    name = _resolve()
-    if name == "numpy":
+    """One line for a lesson to print: which CPU backend runs reductions, why, and where it hands over to NumPy."""
+    if _resolve() == "numpy":
         return f"numpy ({_why})"
     return (
-        f"numba ({_why}): NumPy below {NUMBA_MIN_SIZE} elements, "
-        f"prange loops from {PARALLEL_MIN_SIZE} elements when Numba has several threads"
+        f"numba {_numba_module.__version__} ({_why}): sum_scale_ from {FUSED_MIN_SIZE} elements, add_/max_/scale_ "
+        f"from {NUMBA_MIN_SIZE}, NumPy below; prange loops from {PARALLEL_MIN_SIZE} with several Numba threads"
     )
 
 
@@ -379,7 +380,7 @@ def sum_scale_(out, bufs, factor):
     if type(out) is not np.ndarray and is_device_array(out):
         _cupy_sum_scale(out, bufs, factor)
         return out
-    if len(bufs) > 1 and out.size >= NUMBA_MIN_SIZE and _resolve() == "numba":
+    if len(bufs) > 1 and out.size >= FUSED_MIN_SIZE and _resolve() == "numba":
         flat = _flat((out, *bufs))
         if flat is not None:
             _numba_sum_scale(out, bufs, factor, flat)

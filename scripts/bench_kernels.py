@@ -1,0 +1,220 @@
+"""Is the fused Numba reduction worth it? Time dtrain's reduction kernels with Numba against NumPy (and CuPy).
+
+For ``add_``, ``scale_`` and ``sum_scale_`` (k = 2, 4, 8 inputs, plus k = 2 accumulated into ``bufs[0]``, which is
+what the ring all-reduce does), float32 from 1e3 to 1e7 elements and a few float64 rows, ONE thread:
+
+* ``numpy``: ``kernels.use("numpy")``: one ufunc per operation, so ``sum_scale_`` makes k passes over memory;
+* ``numba``: ``kernels.use("numba")`` with the size thresholds set to 0, so the compiled loops run at *every* size
+  and the table shows where they start to win (the real dispatcher hands smaller arrays to NumPy);
+* ``cupy``: the same calls on GPU arrays, if CuPy and a GPU are there (times include a device synchronize).
+
+Reported per call: the median time, the effective bandwidth (the bytes the operation must move at least, divided by
+the time: ``add_`` reads two arrays and writes one, 3n; ``scale_`` 2n; ``sum_scale_`` reads k and writes one,
+(k + 1)n; NumPy's extra passes are not counted, which is why its number is lower), and the ratio numpy time / numba
+time (above 1: Numba is faster). The machines are noisy: the contenders work on the same arrays and are timed
+interleaved, one sample of each in turn, each sample long enough to be above the timer's noise and preceded by one
+untimed call (so both find the arrays equally warm in the caches). The ratio is given twice: of the medians (the
+typical call) and of the minima (the call least disturbed by other programs); when they disagree, the machine was
+busy, so run it again.
+
+    python scripts/bench_kernels.py                  # about half a minute
+    python scripts/bench_kernels.py --quick          # sizes up to 1e6, fewer samples: a few seconds
+    python scripts/bench_kernels.py --json out.json  # also save every number
+"""
+
+from __future__ import annotations
+
+import os
+
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[_name] = "1"  # before NumPy and Numba load: one thread for every contender, as under mpiexec
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from dtrain import kernels
+
+MIN_SAMPLE_S = 2e-3  # each timing sample repeats the call until it lasts at least this long
+DEFAULT_THRESHOLDS = (kernels.NUMBA_MIN_SIZE, kernels.FUSED_MIN_SIZE)  # the dispatcher's, restored for numpy
+
+
+def cases(quick: bool):
+    """(kernel, k, aliased, dtype, n) for every row of the table."""
+    sizes = [10**3, 10**4, 10**5, 10**6] + ([] if quick else [10**7])
+    rows = []
+    for n in sizes:
+        rows += [("add_", 1, False, "float32", n), ("scale_", 1, False, "float32", n)]
+        rows += [("sum_scale_", k, False, "float32", n) for k in (2, 4, 8)]
+        rows.append(("sum_scale_", 2, True, "float32", n))
+    big = 10**6 if quick else 10**7
+    rows += [("add_", 1, False, "float64", big), ("sum_scale_", 4, False, "float64", big)]
+    return rows
+
+
+def min_bytes(kernel: str, k: int, n: int, itemsize: int) -> int:
+    """The bytes any implementation must move: read every input once, write the output once."""
+    elements = {"add_": 3 * n, "scale_": 2 * n}.get(kernel, (k + 1) * n)
+    return elements * itemsize
+
+
+def make_arrays(xp, k: int, dtype: str, n: int):
+    """k + 1 arrays of n random values (the output first), made with ``xp`` (numpy or cupy)."""
+    rng = np.random.default_rng(0)
+    return [xp.asarray(rng.standard_normal(n).astype(dtype)) for _ in range(k + 1)]
+
+
+def make_call(arrays, kernel: str, k: int, aliased: bool):
+    """A zero-argument function running the kernel once on ``arrays``."""
+    out, bufs = arrays[0], arrays[1:]
+    if kernel == "add_":
+        return lambda: kernels.add_(out, bufs[0])
+    if kernel == "scale_":
+        return lambda: kernels.scale_(out, 1.0)  # x * 1.0: values stay put however often it runs
+    if aliased:
+        return lambda: kernels.sum_scale_(out, [out, *bufs[1:]], 0.5)
+    return lambda: kernels.sum_scale_(out, bufs, 1.0 / k)
+
+
+class Contender:
+    """One backend: how to switch to it, its call for the current row, and its timing samples (seconds per call)."""
+
+    def __init__(self, name: str, xp, sync=None):
+        self.name, self.xp, self.sync = name, xp, sync or (lambda: None)
+        self.call, self.repeat, self.samples = None, 1, []
+
+    def select(self):
+        if self.name == "numba":
+            kernels.use("numba")
+            kernels.NUMBA_MIN_SIZE = kernels.FUSED_MIN_SIZE = 0
+        else:
+            kernels.use("numpy")
+            kernels.NUMBA_MIN_SIZE, kernels.FUSED_MIN_SIZE = DEFAULT_THRESHOLDS
+
+    def prepare(self, call):
+        """Take the row's call, run it once (Numba compiles or loads its cache), and size a sample."""
+        self.select()
+        self.call, self.samples = call, []
+        self.call()
+        self.sync()
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < MIN_SAMPLE_S:
+            self.call()
+            calls += 1
+        self.sync()
+        self.repeat = calls
+
+    def sample(self):
+        """One timing sample, after one untimed call that brings this contender's arrays into the caches."""
+        self.select()
+        self.call()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(self.repeat):
+            self.call()
+        self.sync()
+        self.samples.append((time.perf_counter() - start) / self.repeat)
+
+
+def contenders():
+    found = [Contender("numpy", np), Contender("numba", np)]
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        found.append(Contender("cupy", cupy, sync=cupy.cuda.Device().synchronize))
+    except Exception as exc:  # no CuPy, or no GPU: the table simply has no cupy column
+        print(f"(no cupy column: {type(exc).__name__}: {exc})")
+    return found
+
+
+def run(rows, samples: int):
+    players = contenders()
+    print_header(players)
+    results = []
+    for row in rows:
+        kernel, k, aliased, dtype, n = row
+        host = make_arrays(np, k, dtype, n)  # numpy and numba work on the very same arrays
+        for player in players:
+            arrays = host if player.xp is np else make_arrays(player.xp, k, dtype, n)
+            player.prepare(make_call(arrays, kernel, k, aliased))
+        for _ in range(samples):
+            for player in players:
+                player.sample()
+        nbytes = min_bytes(kernel, k, n, np.dtype(dtype).itemsize)
+        result = {"kernel": kernel, "k": k, "out_is_bufs0": aliased, "dtype": dtype, "n": n, "bytes": nbytes}
+        for player in players:
+            median = statistics.median(player.samples)
+            result[player.name] = {
+                "median_s": median,
+                "min_s": min(player.samples),
+                "gbps": nbytes / median / 1e9,
+                "calls_per_sample": player.repeat,
+            }
+        result["numpy_over_numba"] = result["numpy"]["median_s"] / result["numba"]["median_s"]
+        result["numpy_over_numba_min"] = result["numpy"]["min_s"] / result["numba"]["min_s"]
+        if "cupy" in result:
+            result["numpy_over_cupy"] = result["numpy"]["median_s"] / result["cupy"]["median_s"]
+        results.append(result)
+        print_row(result, players)
+    return results
+
+
+def label(result) -> str:
+    if result["kernel"] != "sum_scale_":
+        return result["kernel"]
+    return f"sum_scale_ k={result['k']}" + (" out=b0" if result["out_is_bufs0"] else "")
+
+
+def print_header(players):
+    cols = "".join(f" {p.name + ' us':>11} {p.name + ' GB/s':>11}" for p in players)
+    line = f"{'kernel':<22} {'dtype':<7} {'n':>9}{cols} {'ratio med':>10} {'ratio min':>10}"
+    print(line)
+    print("-" * len(line))
+
+
+def print_row(result, players):
+    cols = "".join(f" {result[p.name]['median_s'] * 1e6:11.1f} {result[p.name]['gbps']:11.1f}" for p in players)
+    ratios = f"{result['numpy_over_numba']:9.2f}x {result['numpy_over_numba_min']:9.2f}x"
+    print(f"{label(result):<22} {result['dtype']:<7} {result['n']:>9.0e}{cols} {ratios}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sizes up to 1e6 and 5 samples each")
+    parser.add_argument("--samples", type=int, default=None, help="timing samples per contender and row (21)")
+    parser.add_argument("--json", metavar="PATH", help="save every number to this file")
+    args = parser.parse_args(argv)
+    samples = args.samples or (5 if args.quick else 21)
+
+    kernels.use("numba")  # an ImportError if Numba is missing: there would be nothing to compare
+    import numba
+
+    header = (
+        f"{datetime.date.today()}  {platform.machine()} {os.cpu_count()} cpus  python {platform.python_version()}"
+        f"  numpy {np.__version__}  numba {numba.__version__}  one thread  {samples} samples per cell"
+    )
+    print(header)
+    print(f"dispatcher: {kernels.describe()}")
+    results = run(cases(args.quick), samples)
+    if args.json:
+        meta = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(["python", *sys.argv]),
+            "machine": platform.platform(),
+            "header": header,
+            "thresholds": dict(zip(("NUMBA_MIN_SIZE", "FUSED_MIN_SIZE"), DEFAULT_THRESHOLDS)),
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        print(f"saved {args.json}")
+
+
+if __name__ == "__main__":
+    main()
