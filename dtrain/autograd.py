@@ -187,7 +187,7 @@ class Tensor:
         return Tensor._make(self.data.sum(axis=axis, keepdims=keepdims), (self,), backward)
 
     def mean(self, axis=None, keepdims: bool = False) -> Tensor:
-        count = self.data.size if axis is None else np.prod([self.shape[a] for a in np.atleast_1d(axis)])
+        count = self.data.size if axis is None else int(np.prod([self.shape[a] for a in np.atleast_1d(axis)]))
         return self.sum(axis=axis, keepdims=keepdims) * (1.0 / count)
 
     def reshape(self, *shape) -> Tensor:

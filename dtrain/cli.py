@@ -105,12 +105,14 @@ def main(argv=None) -> int:
             return 0
     except UserError as exc:
         return _fail(str(exc))
-    except (FileNotFoundError, KeyboardInterrupt) as exc:
+    except (OSError, KeyboardInterrupt) as exc:  # a missing input, an --out that is a file, Ctrl-C
         return _fail(str(exc) or type(exc).__name__)
     return 0
 
 
 def _train(args) -> int:
+    import numpy as np
+
     from dtrain.comm import mpi
     from dtrain.train import TrainConfig, train
 
@@ -119,7 +121,9 @@ def _train(args) -> int:
     config.validate()  # before MPI starts: a bad flag never reaches communication
     comm = mpi.world()
     mpi.install_excepthook()
-    train(config, comm)
+    # Overflow on the way to a NaN loss is reported once, by train(), as TrainingDiverged: no NumPy warnings first.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        train(config, comm)
     if config.out:
         mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
     return 0
@@ -146,6 +150,7 @@ def _fail(message: str) -> int:
         sys.stderr.write(f"dtrain: error (rank {comm.Get_rank()}): {message}\n")
         sys.stderr.flush()
         comm.Abort(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR  # MPICH's Abort can return before the process manager ends this rank
     sys.stderr.write(f"dtrain: error: {message}\n")
     return EXIT_USER_ERROR
 

@@ -14,7 +14,7 @@ split's: that would leak test information into training).
 
 **Sharding** (like PyTorch's ``DistributedSampler``, arranged so data parallelism equals large-batch training)::
 
-    epoch e:  perm = permutation(n_train, seed + e)          # identical on every rank
+    epoch e:  perm = rng(seed, e).permutation(n_train)       # identical on every rank
               global batch s = perm[s*B : (s+1)*B]            # B = --batch-size, the global batch
               rank r takes    global batch s [r*b : (r+1)*b]  # b = B / world, the local batch
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -124,7 +125,7 @@ def read_idx(path) -> np.ndarray:
     try:
         with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zlib.error) as exc:  # zlib.error: a .gz whose compressed body is damaged
         raise DataError(f"{path}: cannot read it ({exc}); the file is damaged, download it again") from exc
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_TYPES:
         raise DataError(f"{path}: not an IDX file (bad magic number); expected an MNIST-format file")
@@ -199,6 +200,8 @@ def make_blobs(samples: int, features: int, classes: int, seed: int = 0, spread:
 
 def make_spirals(samples: int, classes: int = 3, seed: int = 0, noise: float = 0.2):
     """Interleaved 2-D spirals, one arm per class."""
+    if samples < 2 or classes < 2:
+        raise DataError(f"spirals needs samples >= 2 and classes >= 2 (got {samples}, {classes})")
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, classes, size=samples)
     t = rng.uniform(0.0, 1.0, size=samples)

@@ -116,11 +116,12 @@ class Module:
             raise KeyError(
                 f"state dict does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
             )
+        values = {name: np.asarray(to_host(state[name])) for name in own}
+        for name, p in own.items():  # check everything first: a failed load leaves the model untouched
+            if values[name].shape != p.data.shape:
+                raise ValueError(f"{name}: state has shape {values[name].shape}, model has {p.data.shape}")
         for name, p in own.items():
-            value = np.asarray(to_host(state[name]))
-            if value.shape != p.data.shape:
-                raise ValueError(f"{name}: state has shape {value.shape}, model has {p.data.shape}")
-            p.data[...] = to_device(value.astype(p.data.dtype, copy=False), array_module(p.data))
+            p.data[...] = to_device(values[name].astype(p.data.dtype, copy=False), array_module(p.data))
 
 
 class Linear(Module):

@@ -111,11 +111,13 @@ class Adam(Optimizer):
         beta1, beta2 = betas
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
             raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
+        if weight_decay < 0:
+            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
         self.beta1, self.beta2, self.eps, self.weight_decay = (
             float(beta1),
             float(beta2),
             float(eps),
-            weight_decay,
+            float(weight_decay),
         )
         self.m = self.xp.zeros_like(self.params)
         self.v = self.xp.zeros_like(self.params)

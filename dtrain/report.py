@@ -15,7 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dtrain.errors import UserError
+
 SCHEMA = "dtrain.metrics/1"
+
+
+class MetricsError(UserError, ValueError):
+    """A file that is not a dtrain ``metrics.json``."""
 
 
 def weights_digest(flat_params) -> str:
@@ -57,9 +63,13 @@ def load_metrics(path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.json"
-    metrics = json.loads(path.read_text())
-    if metrics.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a dtrain metrics file (schema {metrics.get('schema')!r}, expected {SCHEMA})")
+    try:
+        metrics = json.loads(path.read_text())
+    except ValueError as exc:  # invalid JSON or not text at all
+        raise MetricsError(f"{path}: not a dtrain metrics file ({exc})") from exc
+    schema = metrics.get("schema") if isinstance(metrics, dict) else None
+    if schema != SCHEMA:
+        raise MetricsError(f"{path}: not a dtrain metrics file (schema {schema!r}, expected {SCHEMA})")
     return metrics
 
 

@@ -15,6 +15,7 @@ parameter server, ...); the rest of this loop stays as it is.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -182,7 +183,7 @@ def evaluate(model, data: Dataset, xp, batch: int = 1024) -> tuple[float, float]
 
 
 def _progress(iterable, total: int, desc: str, show: bool):
-    if not show:
+    if not show or not sys.stderr.isatty():  # a bar is for a person at a terminal, not for a log or a pipe
         return iterable
     from tqdm import tqdm
 
