@@ -149,8 +149,10 @@ class Tensor:
         return Tensor._make(-self.data, (self,), lambda g: (-g,))
 
     def __mul__(self, other) -> Tensor:
-        if not isinstance(other, Tensor):  # scalar: no broadcasting bookkeeping needed
-            return Tensor._make(self.data * other, (self,), lambda g: (g * other,))
+        if not isinstance(other, Tensor):
+            if np.ndim(other) == 0:  # a Python or NumPy scalar: no broadcasting bookkeeping needed
+                return Tensor._make(self.data * other, (self,), lambda g: (g * other,))
+            other = _as_tensor(other, self)  # an array may broadcast self: its gradient must be summed back
         a, b = self.data, other.data
         return Tensor._make(
             a * b,

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -81,6 +82,8 @@ class TrainConfig:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ConfigError(f"--out {self.out} is a file; give a folder (metrics.json is written inside it)")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 

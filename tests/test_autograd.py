@@ -405,3 +405,11 @@ def test_hooks_are_for_leaves_only():
     y = Tensor(rand(2), requires_grad=True) * 2.0
     with pytest.raises(ValueError, match="leaf"):
         y.register_hook(lambda t: None)
+
+
+def test_mul_by_array_that_broadcasts_the_tensor_sums_its_gradient():
+    # a (3,) tensor times a (2, 3) array broadcasts the tensor over rows: its gradient is the column sums
+    w = Tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
+    a = np.arange(6.0).reshape(2, 3)
+    (w * a).sum().backward()
+    np.testing.assert_array_equal(w.grad, a.sum(axis=0))

@@ -220,7 +220,8 @@ def test_out_that_is_a_file_is_one_line(tmp_path):
     result = dtrain("train", "--epochs", 1, "--hidden", 8, "--quiet", "--out", tmp_path / "taken", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("dtrain"), result.stderr
-    assert "File exists" in result.stderr and "taken" in result.stderr
+    assert "is a file" in result.stderr and "taken" in result.stderr
+    assert "epoch" not in result.stdout  # refused before training, not after
 
 
 def test_gpu_without_cupy_is_one_line(tmp_path):
