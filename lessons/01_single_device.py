@@ -61,7 +61,8 @@ print(f"   {model.num_parameters():,} parameters, all in one buffer of {model.fl
 for name, where in model.param_slices.items():
     print(f"     {name:18s} flat_params[{where.start:6d}:{where.stop:6d}]")
 first = model.layers[0].weight
-print(f"   layers.0.weight is a view: shares memory with flat_params -> {np.shares_memory(first.data, model.flat_params)}")
+shares = np.shares_memory(first.data, model.flat_params)
+print(f"   layers.0.weight is a view: shares memory with flat_params -> {shares}")
 
 # -------------------------------------------------------------------------------------- 3. the training loop
 print(f"\n3. Training on digits: {data.describe()}")
@@ -84,8 +85,10 @@ with tempfile.TemporaryDirectory() as out:
     train(TrainConfig(epochs=args.epochs, out=out, progress=False, quiet=True))
     metrics = load_metrics(out)
     final = metrics["final"]["test_accuracy"]
-    print(f"   final test accuracy {100 * final:.2f}%, {metrics['samples_per_s']:,.0f} samples/s, "
-          f"weights sha256 {metrics['weights_sha256'][:16]}...")
+    print(
+        f"   final test accuracy {100 * final:.2f}%, {metrics['samples_per_s']:,.0f} samples/s, "
+        f"weights sha256 {metrics['weights_sha256'][:16]}..."
+    )
     if args.plot:
         print(f"   curves saved to {plot_metrics([out], args.plot, labels=['single device'])}")
 print("\nNext: lesson 2 runs the same arithmetic on several ranks, starting with the all-reduce.")

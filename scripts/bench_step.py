@@ -22,6 +22,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
     os.environ[_name] = "1"  # before NumPy loads BLAS: one thread, for every contender
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -105,7 +106,7 @@ class TorchStep:
         torch.set_num_threads(1)
         self.torch = torch
         layers = []
-        for i, (n_in, n_out) in enumerate(zip(SIZES[:-1], SIZES[1:])):
+        for i, (n_in, n_out) in enumerate(itertools.pairwise(SIZES)):
             layers.append(torch.nn.Linear(n_in, n_out))
             if i < len(SIZES) - 2:
                 layers.append(torch.nn.ReLU())
@@ -156,8 +157,10 @@ def main():
 
     base = statistics.median(times["numpy"])
     results = {}
-    print(f"one step of MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, 1 thread, "
-          f"{args.rounds} interleaved rounds (median)")
+    print(
+        f"one step of MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, 1 thread, "
+        f"{args.rounds} interleaved rounds (median)"
+    )
     print(f"{'impl':8s} {'ms/step':>9s} {'samples/s':>11s} {'time / numpy':>13s}")
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -168,8 +171,14 @@ def main():
         print(f"dtrain samples/s / torch samples/s = {speed:.3f}")
         results["dtrain_over_torch_samples_per_s"] = speed
     if args.json:
-        meta = {"sizes": SIZES, "batch": BATCH, "rounds": args.rounds, "numpy": np.__version__,
-                "machine": platform.platform(), "processor": platform.processor()}
+        meta = {
+            "sizes": SIZES,
+            "batch": BATCH,
+            "rounds": args.rounds,
+            "numpy": np.__version__,
+            "machine": platform.platform(),
+            "processor": platform.processor(),
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
 

@@ -6,20 +6,14 @@ by one algorithm is the input another expects, and the cost model can count byte
     n = 10 elements, p = 4 chunks: the first n % p = 2 chunks get one extra element
     |  0  1  2 |  3  4  5 |  6  7 |  8  9 |
       chunk 0    chunk 1   chunk 2 chunk 3      chunk_offsets(10, 4) == [0, 3, 6, 8, 10]
-
-The ring also cuts each chunk into *segments* of about ``SEGMENT_BYTES`` so it can reduce one segment while the
-next is still arriving (see ring.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 from dtrain.backend import array_module
-
-# A segment a little larger than a core's L2 cache slice is still cache-warm when it is reduced right after it
-# arrives, and large enough that the per-message cost (a few microseconds) stays small against its transfer.
-SEGMENT_BYTES = 512 * 1024
 
 
 def chunk_offsets(n: int, p: int) -> list[int]:
@@ -34,15 +28,7 @@ def chunk_offsets(n: int, p: int) -> list[int]:
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each of the ``p`` chunks of an ``n``-element buffer (first ``n % p`` get one extra)."""
     offsets = chunk_offsets(n, p)
-    return list(zip(offsets[:-1], offsets[1:]))
-
-
-def segment_bounds(start: int, stop: int, itemsize: int, segment_bytes: int = SEGMENT_BYTES):
-    """The segments of ``[start, stop)``: at least one (possibly empty), each at most ~``segment_bytes`` long."""
-    count = stop - start
-    per_segment = max(1, segment_bytes // itemsize)
-    nseg = max(1, -(-count // per_segment))
-    return [(start + a, start + b) for a, b in chunk_bounds(count, nseg)]
+    return list(itertools.pairwise(offsets))
 
 
 # One scratch buffer per thread (simulated ranks are threads of one process) and per (array module, dtype). It only

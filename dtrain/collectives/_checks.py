@@ -1,0 +1,123 @@
+"""Argument checks and the debug mode that turns a mismatched collective into an error instead of a hang.
+
+**Checks.** Every public collective checks its arguments on each rank before sending anything: a buffer that is not
+a C-contiguous writable array of a supported dtype, an unknown op or algorithm (the error lists the choices), a root
+that is not a rank. When all ranks make the same mistake, all ranks raise the same error and nothing hangs.
+
+**Debug mode** catches what one rank cannot see alone: rank 0 passes 10 elements and rank 1 passes 11, or rank 2
+calls ``broadcast`` while the others call ``allreduce``. Without it the ranks wait for messages that never come (or
+worse, silently combine the wrong bytes). With ``DTRAIN_DEBUG=1`` in the environment, or ``set_debug(True)``, every
+collective first gathers each rank's *signature*: (collective, algorithm, op, count, dtype, root, sequence number of
+this call on this communicator, and any argument error). If they are not all equal, every rank raises the same
+:class:`CollectiveMismatchError`, whose message lists every rank's signature. The price is one small object
+all-gather per collective, which is why it is off by default.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import numpy as np
+
+DTYPES = ("float32", "float64")
+
+_debug = None  # None: follow the DTRAIN_DEBUG environment variable
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called a collective with different arguments (debug mode); ``signatures[r]`` is rank r's call."""
+
+    def __init__(self, message: str, signatures: list):
+        super().__init__(message)
+        self.signatures = signatures
+
+
+def set_debug(enabled: bool | None) -> None:
+    """Switch debug mode on or off for this process (``None``: follow ``DTRAIN_DEBUG`` again)."""
+    global _debug
+    _debug = enabled
+
+
+def debug_enabled() -> bool:
+    if _debug is not None:
+        return _debug
+    return os.environ.get("DTRAIN_DEBUG", "") not in ("", "0")
+
+
+def check_choice(what: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+def check_buffer(buf) -> None:
+    """A C-contiguous, writable NumPy (or CuPy) array of a supported dtype, or an error that says what is wrong."""
+    if not (hasattr(buf, "dtype") and hasattr(buf, "flags") and hasattr(buf, "reshape")):
+        raise TypeError(f"the buffer must be a NumPy (or CuPy) array, not {type(buf).__name__}")
+    if np.dtype(buf.dtype).name not in DTYPES:
+        raise TypeError(f"unsupported dtype {buf.dtype}: collectives work on {' or '.join(DTYPES)} buffers")
+    if not buf.flags.c_contiguous:
+        raise ValueError(
+            "the buffer is not C-contiguous (a strided slice or a transpose?): collectives send slices of one "
+            "flat buffer; pass np.ascontiguousarray(buf) and copy the result back"
+        )
+    if not getattr(buf.flags, "writeable", True):  # (CuPy arrays are always writable and have no such flag)
+        raise ValueError("the buffer is read-only: collectives write their result into it (pass a copy)")
+
+
+def check_root(root, p: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < p:
+        raise ValueError(f"root must be a rank of the communicator, an int in [0, {p}), got {root!r}")
+
+
+# Per-communicator call counters, per thread (simulated ranks are threads): id(comm) -> (weak reference, count).
+# Communicators are not hashable; the weak reference tells a live one from a dead one whose id was reused.
+_local = threading.local()
+
+
+def next_sequence(comm) -> int:
+    """How many collectives this rank has started on ``comm`` before this one."""
+    counters = _local.__dict__.setdefault("sequence", {})
+    ref, count = counters.get(id(comm), (None, 0))
+    if ref is None or ref() is not comm:
+        count = 0
+    counters[id(comm)] = (weakref.ref(comm), count + 1)
+    return count
+
+
+def signature(collective, algorithm, op, buf, root, seq, error) -> dict:
+    """What this rank is about to do, in a form every rank can compare."""
+    return {
+        "collective": collective,
+        "algorithm": algorithm,
+        "op": op,
+        "count": int(getattr(buf, "size", -1)),
+        "dtype": str(getattr(buf, "dtype", type(buf).__name__)),
+        "root": root,
+        "seq": seq,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+
+
+def agree(comm, mine: dict) -> None:
+    """Gather every rank's signature; if they differ, raise the same CollectiveMismatchError on every rank.
+
+    (If they agree, argument errors included, each rank goes on to raise its own argument error, if any.)
+    """
+    signatures = comm.allgather(mine)
+    if all(s == signatures[0] for s in signatures):
+        return
+    fields = [k for k in mine if k != "error"]
+    lines = ["the ranks are not making the same collective call (seq: calls made before on this communicator):"]
+    for rank, sig in enumerate(signatures):
+        if not isinstance(sig, dict):  # the rank is in some other object collective (a stray comm.allgather?)
+            lines.append(f"  rank {rank}: not a collective's signature: {sig!r}")
+            continue
+        text = ", ".join(f"{k}={sig[k]!r}" for k in fields)
+        lines.append(f"  rank {rank}: {text}" + (f"  <- {sig['error']}" if sig["error"] else ""))
+    dicts = [s for s in signatures if isinstance(s, dict)]
+    bad = [k for k in fields if len({repr(s[k]) for s in dicts}) > 1]
+    if bad:
+        lines.append(f"  differing: {', '.join(bad)}")
+    raise CollectiveMismatchError("\n".join(lines), signatures)

@@ -1,0 +1,191 @@
+"""Every hand-written all-reduce against MPI's own ``Allreduce``, in the same run, with nccl-tests' bandwidths.
+
+    python scripts/bench_allreduce.py                       # p = 2 and 4, 4 KiB .. 64 MiB, writes docs/bench/
+    python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 5   # quicker
+
+The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
+yielding waits when oversubscribed), then prints one table per p, writes a JSON file and a PNG of bus bandwidth
+against message size.
+
+Definitions (NVIDIA nccl-tests, doc/PERFORMANCE.md):
+
+* ``algbw = S / t`` for a buffer of S bytes all-reduced in t seconds (t: the slowest rank's time);
+* ``busbw = algbw * 2(p-1)/p``: an all-reduce must move at least 2(p-1)/p * S bytes through each rank's link
+  (reduce-scatter then all-gather), so busbw is comparable across p and with a link's peak bandwidth.
+
+``ratio`` is MPI's time divided by the algorithm's (> 1: faster than MPI). ``model`` is the cost model's predicted
+time for that algorithm (alpha-beta-gamma, from ``dtrain/collectives/costmodel.py``). Algorithms and MPI are
+interleaved within each round, and each result is the median over rounds, so machine noise hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * factor)
+    return int(low)
+
+
+def human(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:g} {unit}"
+    return f"{n} B"
+
+
+# ----------------------------------------------------------------------------------------- on every rank
+def run_ranks(args) -> None:
+    from mpi4py import MPI
+
+    from dtrain.collectives import allreduce, costmodel
+
+    comm = MPI.COMM_WORLD
+    p, rank = comm.Get_size(), comm.Get_rank()
+    algorithms = args.algorithms.split(",")
+    machine = costmodel.Machine.load()
+    sizes = [s for s in SIZES if parse_size(args.min_size) <= s <= parse_size(args.max_size)]
+    rows = []
+    for size in sizes:
+        count = size // 4
+        src = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
+        buf = np.empty_like(src)
+        # fewer rounds for big messages keeps the whole run to minutes; never fewer than 3
+        rounds = max(3, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
+        times = {a: [] for a in algorithms}
+        for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, MPI buffers)
+            buf[...] = src
+            allreduce(comm, buf, op="sum", algorithm=alg, ranks_per_node=args.ranks_per_node)
+        for _ in range(rounds):
+            for alg in algorithms:
+                reps = max(1, min(50, (256 << 10) // size))  # repeat tiny messages to beat timer resolution
+                buf[...] = src
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    allreduce(comm, buf, op="sum", algorithm=alg, ranks_per_node=args.ranks_per_node)
+                elapsed = (time.perf_counter() - t0) / reps
+                times[alg].append(comm.allreduce(elapsed, op=MPI.MAX))
+        mpi_time = statistics.median(times["mpi"]) if "mpi" in times else None
+        for alg in algorithms:
+            t = statistics.median(times[alg])
+            algbw = size / t
+            try:
+                model = costmodel.predict_time(alg, size, p, machine, ranks_per_node=args.ranks_per_node)
+            except (ValueError, KeyError):
+                model = None
+            rows.append(
+                {
+                    "p": p,
+                    "bytes": size,
+                    "algorithm": alg,
+                    "time_s": t,
+                    "algbw_GBps": algbw / 1e9,
+                    "busbw_GBps": algbw * 2 * (p - 1) / p / 1e9,
+                    "ratio_vs_mpi": (mpi_time / t) if mpi_time else None,
+                    "model_time_s": model,
+                }
+            )
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(rows))
+
+
+# ------------------------------------------------------------------------------------------- the driver
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default %(default)s)")
+    parser.add_argument("--algorithms", default="mpi,ring,tree,naive,doubling,rabenseifner,hierarchical,auto")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated node size for hierarchical")
+    parser.add_argument("--min-size", default="4KiB")
+    parser.add_argument("--max-size", default="64MiB")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds for messages <= 1 MiB")
+    parser.add_argument("--out", default="docs/bench", help="folder for allreduce.json and allreduce_busbw.png")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_ranks(args)
+        return
+
+    from dtrain.collectives import ALGORITHMS
+    from dtrain.comm import mpi
+
+    unknown = set(args.algorithms.split(",")) - set(ALGORITHMS)
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {sorted(unknown)}: choose from {', '.join(ALGORITHMS)}")
+    all_rows = []
+    for p in [int(v) for v in args.ranks.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "rows.json"
+            forwarded = [a for a in sys.argv[1:] if a != "--worker"]
+            rc = mpi.launch(p, [__file__, *forwarded, "--worker", "--result", str(result)]).returncode
+            if rc != 0:
+                raise SystemExit(f"benchmark on {p} ranks failed (exit {rc})")
+            rows = json.loads(result.read_text())
+        all_rows += rows
+        print_table(rows, p)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python " + " ".join(sys.argv), "cpu_count": os.cpu_count(), "date": time.strftime("%F")}
+    (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": all_rows}, indent=1))
+    plot(all_rows, out / "allreduce_busbw.png")
+    print(f"\nwrote {out / 'allreduce.json'} and {out / 'allreduce_busbw.png'}")
+
+
+def print_table(rows, p) -> None:
+    print(f"\n## p = {p}: busbw in GB/s (ratio = MPI time / algorithm time; model = predicted / measured time)")
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    print(f"{'size':>9s} | " + " | ".join(f"{a:>20s}" for a in algorithms))
+    for size in sorted({r["bytes"] for r in rows}):
+        cells = []
+        for a in algorithms:
+            r = next(r for r in rows if r["bytes"] == size and r["algorithm"] == a)
+            ratio = f"{r['ratio_vs_mpi']:.2f}x" if r["ratio_vs_mpi"] else "-"
+            model = f"{r['model_time_s'] / r['time_s']:.1f}" if r["model_time_s"] else "-"
+            cells.append(f"{r['busbw_GBps']:6.2f} {ratio:>6s} m{model:>5s}")
+        print(f"{human(size):>9s} | " + " | ".join(f"{c:>20s}" for c in cells))
+
+
+def plot(rows, png) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ps = sorted({r["p"] for r in rows})
+    fig, axes = plt.subplots(1, len(ps), figsize=(6 * len(ps), 4.2), squeeze=False)
+    for ax, p in zip(axes[0], ps):
+        for alg in dict.fromkeys(r["algorithm"] for r in rows):
+            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["p"] == p and r["algorithm"] == alg)
+            style = {"color": "black", "linewidth": 2.5} if alg == "mpi" else {}
+            ax.plot([s for s, _ in pts], [b for _, b in pts], marker="o", markersize=3, label=alg, **style)
+        ax.set(
+            xscale="log",
+            xlabel="message size (bytes)",
+            ylabel="bus bandwidth (GB/s)",
+            title=f"all-reduce, p = {p} (MPI in black)",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
