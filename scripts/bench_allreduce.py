@@ -59,7 +59,7 @@ def run_ranks(args) -> None:
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
     algorithms = args.algorithms.split(",")
-    machine = costmodel.Machine.load()
+    machine = costmodel.Machine.load(p=p)  # constants measured with p ranks busy, when calibrated
     sizes = [s for s in SIZES if parse_size(args.min_size) <= s <= parse_size(args.max_size)]
     rows = []
     for size in sizes:

@@ -178,3 +178,24 @@ def test_machine_loads_a_calibration_file_or_falls_back(tmp_path):
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps({"alpha": 1e-3}))
     assert Machine.load(partial) == Machine(alpha=1e-3)
+
+
+def test_machine_for_p_ranks_takes_the_nearest_measured_rank_count(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({
+        "alpha": 1e-6, "beta": 1e-10, "gamma": 1e-10,
+        "by_ranks": {"2": {"alpha": 2e-6, "beta": 2e-10, "gamma": 2e-10},
+                     "4": {"alpha": 4e-4, "beta": 4e-10, "gamma": 4e-10, "seconds": [1, 2]}},
+    }))  # fmt: skip
+    assert Machine.load(path) == Machine(1e-6, 1e-10, 1e-10)  # no p: the idle pair
+    assert Machine.load(path, p=2) == Machine(2e-6, 2e-10, 2e-10)
+    assert Machine.load(path, p=4) == Machine(4e-4, 4e-10, 4e-10)
+    assert Machine.load(path, p=3) == Machine(2e-6, 2e-10, 2e-10)  # equally near: the smaller
+    assert Machine.load(path, p=16) == Machine(4e-4, 4e-10, 4e-10)
+
+
+def test_a_large_latency_makes_auto_prefer_fewer_steps():
+    # with ranks waiting ~0.4 ms for a descheduled peer per message, a 1 MiB all-reduce on 4 ranks is latency-bound
+    slow = Machine(alpha=4e-4, beta=1e-10, gamma=1.7e-10)
+    assert choose(1 << 20, 4, slow) == "doubling"
+    assert choose(1 << 20, 4, Machine(alpha=2e-6, beta=1e-10, gamma=2e-11)) != "doubling"

@@ -20,8 +20,12 @@ Small messages are latency-bound (doubling: log p alphas), large ones bandwidth-
 what ``dtrain.collectives`` makes each rank send (and ``dtrain.comm.trace`` counts); a buffer of 0 elements sends
 nothing. For "mpi" they are the logical volume the tracer sees (MPI's own messages are invisible): the buffer, once.
 
-The machine's constants come from ``calibration.json`` next to this file when present (``scripts/calibrate.py``
-writes it: ``{"alpha": s, "beta": s/byte, "gamma": s/byte, ...}``, other keys ignored), else the defaults below.
+The machine's constants come from ``calibration.json`` next to this file when present, else the defaults below.
+``scripts/calibrate.py`` writes it: ``{"alpha": s, "beta": s/byte, "gamma": s/byte, "by_ranks": {"4": {...}}}``.
+The top-level constants are one pair of ranks playing ping-pong on an idle machine; ``by_ranks[p]`` are measured
+with all p ranks exchanging at once, which is what an all-reduce step does. They differ when ranks share cores or a
+memory bus: 4 ranks on 2 cores each get half a core, so every message waits for its peer to be scheduled and every
+copy runs at half speed. :meth:`Machine.load` with ``p`` takes the measurement of the nearest rank count.
 """
 
 from __future__ import annotations
@@ -54,18 +58,23 @@ class Machine:
     gamma: float = 2e-10
 
     @classmethod
-    def load(cls, path=CALIBRATION) -> Machine:
-        """The calibrated machine if ``path`` exists, else the defaults."""
+    def load(cls, path=CALIBRATION, p: int | None = None) -> Machine:
+        """The calibrated machine if ``path`` exists (for ``p`` ranks: the nearest measured rank count), else the
+        defaults."""
         path = Path(path)
         if not path.exists():
             return cls()
         data = json.loads(path.read_text())
+        by_ranks = {int(k): v for k, v in data.get("by_ranks", {}).items()}
+        if p is not None and by_ranks:
+            data = by_ranks[min(by_ranks, key=lambda measured: (abs(measured - p), measured))]
         return cls(**{f.name: float(data[f.name]) for f in dataclasses.fields(cls) if f.name in data})
 
 
-@functools.lru_cache(maxsize=1)
-def default_machine() -> Machine:
-    return Machine.load()
+@functools.cache
+def default_machine(p: int | None = None) -> Machine:
+    """The calibrated machine for ``p`` ranks, read once per process."""
+    return Machine.load(p=p)
 
 
 # --- exact traffic: (messages, elements) sent by one rank in one phase -----------------------------------------
@@ -263,5 +272,11 @@ def predict_time(algorithm, nbytes, p, machine=None, ranks_per_node=None, inter=
 
 def choose(nbytes, p, machine=None) -> str:
     """The cheapest of ``CANDIDATES`` for an ``nbytes`` all-reduce on ``p`` ranks (the first on ties)."""
-    m = machine or default_machine()
-    return min(CANDIDATES, key=lambda a: predict_time(a, nbytes, p, m))
+    if machine is None:
+        return _choose_calibrated(nbytes, p)  # called on every "auto" all-reduce: remember the answers
+    return min(CANDIDATES, key=lambda a: predict_time(a, nbytes, p, machine))
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_calibrated(nbytes, p) -> str:
+    return choose(nbytes, p, default_machine(p))

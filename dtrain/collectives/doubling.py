@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dtrain import kernels
 from dtrain.collectives._chunks import chunk_offsets, scratch
+from dtrain.comm import sendrecv
 
 
 def _layout(p):
@@ -94,7 +95,7 @@ def allreduce(comm, buf, op="sum"):
         distance = 1
         while distance < p2:
             partner = _real_rank(v ^ distance, r)
-            comm.Sendrecv(buf, dest=partner, recvbuf=incoming, source=partner)
+            sendrecv(comm, buf, partner, incoming, partner)
             kernels.reduce_(buf, incoming, op)  # mine + theirs == theirs + mine: both end bit-identical
             distance <<= 1
         if op == "avg":
@@ -113,7 +114,7 @@ def _halving(comm, buf, op, v, p2, r, offsets):
         (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if v & distance else ((lo, mid), (mid, hi))
         a, b = offsets[keep_lo], offsets[keep_hi]
         incoming = scratch(buf, b - a)
-        comm.Sendrecv(buf[offsets[give_lo] : offsets[give_hi]], dest=partner, recvbuf=incoming, source=partner)
+        sendrecv(comm, buf[offsets[give_lo] : offsets[give_hi]], partner, incoming, partner)
         kernels.reduce_(buf[a:b], incoming, op)
         lo, hi = keep_lo, keep_hi
         distance //= 2
@@ -126,12 +127,7 @@ def _gathering(comm, buf, v, p2, r, offsets):
     while distance < p2:
         partner = _real_rank(v ^ distance, r)
         their_lo, their_hi = (lo - distance, lo) if v & distance else (hi, hi + distance)
-        comm.Sendrecv(
-            buf[offsets[lo] : offsets[hi]],
-            dest=partner,
-            recvbuf=buf[offsets[their_lo] : offsets[their_hi]],
-            source=partner,
-        )
+        sendrecv(comm, buf[offsets[lo] : offsets[hi]], partner, buf[offsets[their_lo] : offsets[their_hi]], partner)
         lo, hi = min(lo, their_lo), max(hi, their_hi)
         distance <<= 1
 

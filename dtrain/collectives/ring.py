@@ -34,21 +34,24 @@ straight into ``buf`` (no reduction, no scratch)::
 is the all-reduce of large gradients. Exact bytes sent by rank r (chunk sizes c_i in bytes): the reduce-scatter sends
 every chunk but its own, the all-gather every chunk but chunk r + 1, so ``(n - c_r) + (n - c_{(r+1) % p})``.
 
-**Making it fast.** Each step is one ``Sendrecv`` (both neighbours' transfers in one call) followed by one
-reduction into ``buf``. Nothing is allocated per step or per call: one scratch buffer, as long as the longest chunk,
-is reused (a fresh large array would cost page faults on every call), and the last step fuses the 1/p of an average
-into its reduction (``sum_scale_``), so "avg" costs no extra pass over memory. We also tried overlapping: cutting
-each step's chunk into segments, posting every ``Irecv`` at once and reducing segment j while j + 1 arrives. Under
-MPICH on one machine it was 10-40% *slower*: a large message is copied by the receiving process itself
-(``process_vm_readv``), so a process that is busy reducing is not moving data and there is nothing to overlap, while
-every extra message and request costs a handshake that, with more ranks than cores, waits for a descheduled peer.
-Overlap pays when a NIC or DMA engine moves the bytes while the CPU reduces.
+**Making it fast.** Each step is one exchange (``dtrain.comm.sendrecv``: receive from the left while sending to
+the right) followed by one reduction into ``buf``. Nothing is allocated per step or per call: one scratch buffer, as
+long as the longest chunk, is reused (a fresh large array would cost page faults on every call), and the last step
+fuses the 1/p of an average into its reduction (``sum_scale_``), so "avg" costs no extra pass over memory. We also
+tried overlapping: cutting each step's chunk into segments, posting every ``Irecv`` at once and reducing segment j
+while j + 1 arrives. Under MPICH on one machine it was 10-40% *slower*: a large message is copied by the receiving
+process itself (``process_vm_readv``), so a process that is busy reducing is not moving data and there is nothing to
+overlap, while every extra message and request costs a handshake that, with more ranks than cores, waits for a
+descheduled peer. Overlap pays when a NIC or DMA engine moves the bytes while the CPU reduces. What does pay with
+more ranks than cores is *how* a rank waits: ``dtrain.comm.waitall`` then sleeps between polls, so the neighbour
+whose message it waits for gets the core (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from dtrain import kernels
 from dtrain.collectives._chunks import chunk_bounds, scratch
+from dtrain.comm import sendrecv
 
 
 def reduce_scatter(comm, buf, op="sum"):
@@ -66,7 +69,7 @@ def reduce_scatter(comm, buf, op="sum"):
     for s in range(p - 1):
         (a, b), (c, d) = bounds[(r - s - 1) % p], bounds[(r - s - 2) % p]
         incoming, target = work[: d - c], buf[c:d]
-        comm.Sendrecv(buf[a:b], dest=right, recvbuf=incoming, source=left)
+        sendrecv(comm, buf[a:b], right, incoming, left)
         if s == p - 2 and op == "avg":  # last step: this chunk is final, so divide while adding
             kernels.sum_scale_(target, [target, incoming], 1.0 / p)
         else:
@@ -81,7 +84,7 @@ def allgather(comm, buf):
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         (a, b), (c, d) = bounds[(r - s) % p], bounds[(r - s - 1) % p]
-        comm.Sendrecv(buf[a:b], dest=right, recvbuf=buf[c:d], source=left)
+        sendrecv(comm, buf[a:b], right, buf[c:d], left)
     return buf
 
 

@@ -11,13 +11,26 @@ communicator provide them:
 
 from __future__ import annotations
 
+import functools
+import os
+import time
+
+WAIT_MODES = ("auto", "block", "poll")
+POLL_SLEEP_S = 5e-6  # asked for; Linux's timer slack (~50 us) makes the real sleep longer
+
 
 def waitall(requests) -> None:
     """Wait for every request in ``requests``, whichever kind of communicator made them.
 
     mpi4py's ``MPI.Request.Waitall`` is a class method that only accepts real MPI requests, so algorithms call this
-    instead: real requests go to MPI in one call (which lets MPI progress them together); simulated or traced
-    requests are waited one by one through their own ``Wait``.
+    instead. Simulated or traced requests are waited one by one through their own ``Wait``. Real requests go to MPI
+    together, in one of two ways (:func:`wait_mode`):
+
+    * **block**: ``MPI.Request.Waitall``. MPICH spins (or, with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, calls
+      ``sched_yield``) until the messages arrive: the fastest wait when every rank has a core of its own.
+    * **poll**: ``Testall`` and a short sleep until done. With more ranks than cores, a rank that is waiting must
+      really give its core to the peer it waits for; ``sched_yield`` alone barely does (the scheduler hands the core
+      straight back), so the peer that would send the message is not running. Measured in docs/benchmarks.md.
     """
     requests = list(requests)
     if not requests:
@@ -27,7 +40,47 @@ def waitall(requests) -> None:
     except ImportError:  # the simulator works without mpi4py
         MPI = None
     if MPI is not None and all(isinstance(r, MPI.Request) for r in requests):
-        MPI.Request.Waitall(requests)
+        if wait_mode() == "poll":
+            while not MPI.Request.Testall(requests):
+                time.sleep(POLL_SLEEP_S)
+        else:
+            MPI.Request.Waitall(requests)
         return
     for request in requests:
         request.Wait()
+
+
+def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:
+    """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``: ``comm.Sendrecv``, but waited for
+    through :func:`waitall`, so an exchange-heavy algorithm (ring, recursive doubling) also polls when ranks
+    outnumber cores. The receive is posted first, so the peer's message has somewhere to land at once."""
+    waitall([comm.Irecv(recvbuf, source=source), comm.Isend(sendbuf, dest=dest)])
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks of this job share this machine, as the process manager told us (1 outside ``mpiexec``).
+
+    MPICH's Hydra sets ``MPI_LOCALNRANKS``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``: no communication needed.
+    """
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@functools.cache
+def wait_mode() -> str:
+    """``DTRAIN_WAIT`` (block, poll) if set, else poll exactly when this node has more ranks than cores."""
+    mode = os.environ.get("DTRAIN_WAIT", "auto")
+    if mode not in WAIT_MODES:
+        raise ValueError(f"DTRAIN_WAIT={mode!r} is not one of: {', '.join(WAIT_MODES)}")
+    if mode == "auto":
+        return "poll" if ranks_on_this_node() > usable_cores() else "block"
+    return mode

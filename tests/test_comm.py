@@ -1,0 +1,98 @@
+"""How ranks wait for messages (dtrain.comm.waitall / wait_mode / sendrecv), and the launcher's environment."""
+
+import numpy as np
+import pytest
+from mpi_util import run_mpi
+
+import dtrain.comm as dc
+from dtrain.comm import mpi, sim
+
+
+@pytest.fixture
+def fresh_wait_mode():
+    dc.wait_mode.cache_clear()
+    yield
+    dc.wait_mode.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("local_ranks", "cores", "expected"), [(None, 2, "block"), ("2", 2, "block"), ("3", 2, "poll"), ("8", 16, "block")]
+)
+def test_auto_polls_exactly_when_this_node_has_more_ranks_than_cores(
+    monkeypatch, fresh_wait_mode, local_ranks, cores, expected
+):
+    monkeypatch.delenv("DTRAIN_WAIT", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    if local_ranks is None:
+        monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
+    else:
+        monkeypatch.setenv("MPI_LOCALNRANKS", local_ranks)
+    monkeypatch.setattr(dc, "usable_cores", lambda: cores)
+    assert dc.wait_mode() == expected
+
+
+def test_open_mpi_local_size_is_read_too(monkeypatch):
+    monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "6")
+    assert dc.ranks_on_this_node() == 6
+
+
+@pytest.mark.parametrize("mode", ["block", "poll"])
+def test_the_environment_overrides_the_wait_mode(monkeypatch, fresh_wait_mode, mode):
+    monkeypatch.setenv("DTRAIN_WAIT", mode)
+    assert dc.wait_mode() == mode
+
+
+def test_an_unknown_wait_mode_is_a_clear_error(monkeypatch, fresh_wait_mode):
+    monkeypatch.setenv("DTRAIN_WAIT", "spin")
+    with pytest.raises(ValueError, match="DTRAIN_WAIT='spin' is not one of: auto, block, poll"):
+        dc.wait_mode()
+
+
+def test_sendrecv_on_the_simulator_matches_a_ring_shift():
+    def shift(comm):
+        p, r = comm.Get_size(), comm.Get_rank()
+        out, got = np.full(3, float(r)), np.empty(3)
+        dc.sendrecv(comm, out, (r + 1) % p, got, (r - 1) % p)
+        return got
+
+    results = sim.run(4, shift)
+    for r, got in enumerate(results):
+        np.testing.assert_array_equal(got, np.full(3, float((r - 1) % 4)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["block", "poll"])
+def test_collectives_under_mpiexec_are_correct_with_either_wait(monkeypatch, mode):
+    # the exchange-based algorithms, p = 3 (non-power-of-two fix-ups too), against MPI's own Allreduce
+    monkeypatch.setenv("DTRAIN_WAIT", mode)
+    code = (
+        "import numpy as np\nfrom mpi4py import MPI\nfrom dtrain.collectives import allreduce\n"
+        "from dtrain.comm import wait_mode\n"
+        "comm = MPI.COMM_WORLD\n"
+        f"assert wait_mode() == {mode!r}\n"
+        "for alg in ('ring', 'doubling', 'rabenseifner'):\n"
+        "    if alg == 'rabenseifner' and comm.size & (comm.size - 1): continue\n"
+        "    for n in (0, 1, 7, 100003):\n"
+        "        x = np.random.default_rng(comm.rank).integers(-9, 9, n).astype(np.float64)\n"
+        "        want = x.copy(); comm.Allreduce(MPI.IN_PLACE, want)\n"
+        "        allreduce(comm, x, algorithm=alg)\n"
+        "        assert np.array_equal(x, want), (alg, n)\n"
+        "print('ok', comm.rank)\n"
+    )
+    for p in (3, 4):
+        result = run_mpi(p, ["-c", code], timeout=120)
+        assert result.stdout.count("ok") == p
+
+
+def test_launch_env_gives_one_thread_per_rank_and_yields_when_oversubscribed():
+    env = mpi.launch_env(64, base={})
+    assert all(env[name] == "1" for name in mpi.THREAD_VARIABLES)
+    assert env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
+    assert "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in mpi.launch_env(1, base={})
+    assert mpi.launch_env(64, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's choice wins
+
+
+def test_launch_refuses_zero_ranks_before_starting_anything():
+    with pytest.raises(ValueError, match="number of ranks must be >= 1"):
+        mpi.mpiexec_command(0, ["x.py"])
