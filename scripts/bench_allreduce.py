@@ -66,8 +66,8 @@ def run_ranks(args) -> None:
         count = size // 4
         src = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
         buf = np.empty_like(src)
-        # fewer rounds for big messages keeps the whole run to minutes; never fewer than 3
-        rounds = max(3, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
+        # fewer rounds for big messages keeps the whole run to minutes; never fewer than 9
+        rounds = max(9, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
         times = {a: [] for a in algorithms}
         for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, MPI buffers)
             buf[...] = src
