@@ -13,7 +13,9 @@ Definitions (NVIDIA nccl-tests, doc/PERFORMANCE.md):
 * ``busbw = algbw * 2(p-1)/p``: an all-reduce must move at least 2(p-1)/p * S bytes through each rank's link
   (reduce-scatter then all-gather), so busbw is comparable across p and with a link's peak bandwidth.
 
-``ratio`` is MPI's time divided by the algorithm's (> 1: faster than MPI). ``model`` is the cost model's predicted
+``ratio`` is MPI's time divided by the algorithm's (> 1: faster than MPI). The ``mpi`` row is
+``comm.Allreduce(MPI.IN_PLACE, buf)`` called directly, so every other row pays all of dtrain's Python (argument
+checks, dispatch, the algorithm's own loop) and MPI pays none of it. ``model`` is the cost model's predicted
 time for that algorithm (alpha-beta-gamma, from ``dtrain/collectives/costmodel.py``). Algorithms and MPI are
 interleaved within each round, and each result is the median over rounds, so machine noise hits all alike.
 """
@@ -69,9 +71,16 @@ def run_ranks(args) -> None:
         # fewer rounds for big messages keeps the whole run to minutes; never fewer than 9
         rounds = max(9, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
         times = {a: [] for a in algorithms}
+
+        def run(alg):
+            if alg == "mpi":  # the baseline: MPI's own collective, called directly (none of dtrain's Python)
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            else:
+                allreduce(comm, buf, op="sum", algorithm=alg, ranks_per_node=args.ranks_per_node)
+
         for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, MPI buffers)
             buf[...] = src
-            allreduce(comm, buf, op="sum", algorithm=alg, ranks_per_node=args.ranks_per_node)
+            run(alg)
         for _ in range(rounds):
             for alg in algorithms:
                 reps = max(1, min(50, (256 << 10) // size))  # repeat tiny messages to beat timer resolution
@@ -79,7 +88,7 @@ def run_ranks(args) -> None:
                 comm.Barrier()
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    allreduce(comm, buf, op="sum", algorithm=alg, ranks_per_node=args.ranks_per_node)
+                    run(alg)
                 elapsed = (time.perf_counter() - t0) / reps
                 times[alg].append(comm.allreduce(elapsed, op=MPI.MAX))
         mpi_time = statistics.median(times["mpi"]) if "mpi" in times else None

@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 DTYPES = ("float32", "float64")
+_DTYPE_TYPES = (np.float32, np.float64)
 
 _debug = None  # None: follow the DTRAIN_DEBUG environment variable
 
@@ -55,7 +56,7 @@ def check_buffer(buf) -> None:
     """A C-contiguous, writable NumPy (or CuPy) array of a supported dtype, or an error that says what is wrong."""
     if not (hasattr(buf, "dtype") and hasattr(buf, "flags") and hasattr(buf, "reshape")):
         raise TypeError(f"the buffer must be a NumPy (or CuPy) array, not {type(buf).__name__}")
-    if np.dtype(buf.dtype).name not in DTYPES:
+    if buf.dtype.type not in _DTYPE_TYPES:  # (the fast test: this runs on every collective call)
         raise TypeError(f"unsupported dtype {buf.dtype}: collectives work on {' or '.join(DTYPES)} buffers")
     if not buf.flags.c_contiguous:
         raise ValueError(
@@ -71,7 +72,7 @@ def check_root(root, p: int) -> None:
         raise ValueError(f"root must be a rank of the communicator, an int in [0, {p}), got {root!r}")
 
 
-# Per-communicator call counters, per thread (simulated ranks are threads): id(comm) -> (weak reference, count).
+# Per-communicator call counters, per thread (simulated ranks are threads): id(comm) -> [weak reference, count].
 # Communicators are not hashable; the weak reference tells a live one from a dead one whose id was reused.
 _local = threading.local()
 
@@ -79,10 +80,11 @@ _local = threading.local()
 def next_sequence(comm) -> int:
     """How many collectives this rank has started on ``comm`` before this one."""
     counters = _local.__dict__.setdefault("sequence", {})
-    ref, count = counters.get(id(comm), (None, 0))
-    if ref is None or ref() is not comm:
-        count = 0
-    counters[id(comm)] = (weakref.ref(comm), count + 1)
+    entry = counters.get(id(comm))
+    if entry is None or entry[0]() is not comm:
+        entry = counters[id(comm)] = [weakref.ref(comm), 0]
+    count = entry[1]
+    entry[1] = count + 1
     return count
 
 

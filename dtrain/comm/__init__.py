@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 
 WAIT_MODES = ("auto", "block", "poll")
@@ -35,10 +36,7 @@ def waitall(requests) -> None:
     requests = list(requests)
     if not requests:
         return
-    try:
-        from mpi4py import MPI
-    except ImportError:  # the simulator works without mpi4py
-        MPI = None
+    MPI = sys.modules.get("mpi4py.MPI")  # not loaded: these cannot be MPI requests (the simulator needs no MPI)
     if MPI is not None and all(isinstance(r, MPI.Request) for r in requests):
         if wait_mode() == "poll":
             while not MPI.Request.Testall(requests):
@@ -51,10 +49,16 @@ def waitall(requests) -> None:
 
 
 def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:
-    """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``: ``comm.Sendrecv``, but waited for
-    through :func:`waitall`, so an exchange-heavy algorithm (ring, recursive doubling) also polls when ranks
-    outnumber cores. The receive is posted first, so the peer's message has somewhere to land at once."""
-    waitall([comm.Irecv(recvbuf, source=source), comm.Isend(sendbuf, dest=dest)])
+    """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``.
+
+    With blocking waits this is ``comm.Sendrecv`` (one call into MPI). When ranks outnumber cores it is ``Irecv`` +
+    ``Isend`` + :func:`waitall`, so exchange-heavy algorithms (ring, recursive doubling) poll and sleep while they
+    wait; the receive is posted first, so the peer's message has somewhere to land at once.
+    """
+    if wait_mode() == "poll":
+        waitall([comm.Irecv(recvbuf, source=source), comm.Isend(sendbuf, dest=dest)])
+    else:
+        comm.Sendrecv(sendbuf, dest=dest, recvbuf=recvbuf, source=source)
 
 
 def ranks_on_this_node() -> int:
