@@ -2,6 +2,7 @@
 
     python scripts/bench_allreduce.py                       # p = 2 and 4, 4 KiB .. 64 MiB, writes docs/bench/
     python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 5   # quicker
+    python scripts/bench_allreduce.py --repeat 3       # 3 separate jobs per p: median and range of each ratio
 
 The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
 yielding waits when oversubscribed), then prints one table per p, writes a JSON file and a PNG of bus bandwidth
@@ -72,7 +73,7 @@ def run_ranks(args) -> None:
         rounds = max(9, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
         times = {a: [] for a in algorithms}
 
-        def run(alg):
+        def run(alg, buf=buf):
             if alg == "mpi":  # the baseline: MPI's own collective, called directly (none of dtrain's Python)
                 comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             else:
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--min-size", default="4KiB")
     parser.add_argument("--max-size", default="64MiB")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds for messages <= 1 MiB")
+    parser.add_argument("--repeat", type=int, default=1, help="whole sweeps per p, as separate jobs (default 1)")
     parser.add_argument("--out", default="docs/bench", help="folder for allreduce.json and allreduce_busbw.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -140,35 +142,68 @@ def main() -> None:
         raise SystemExit(f"unknown algorithm(s) {sorted(unknown)}: choose from {', '.join(ALGORITHMS)}")
     all_rows = []
     for p in [int(v) for v in args.ranks.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "rows.json"
-            forwarded = [a for a in sys.argv[1:] if a != "--worker"]
-            rc = mpi.launch(p, [__file__, *forwarded, "--worker", "--result", str(result)]).returncode
-            if rc != 0:
-                raise SystemExit(f"benchmark on {p} ranks failed (exit {rc})")
-            rows = json.loads(result.read_text())
-        all_rows += rows
-        print_table(rows, p)
+        for run in range(args.repeat):  # separate jobs: run-to-run variation on a shared machine shows in the range
+            with tempfile.TemporaryDirectory() as tmp:
+                result = Path(tmp) / "rows.json"
+                forwarded = [a for a in sys.argv[1:] if a != "--worker"]
+                rc = mpi.launch(p, [__file__, *forwarded, "--worker", "--result", str(result)]).returncode
+                if rc != 0:
+                    raise SystemExit(f"benchmark on {p} ranks failed (exit {rc})")
+                all_rows += [{**row, "run": run} for row in json.loads(result.read_text())]
+        print_table([r for r in all_rows if r["p"] == p], p, args.repeat)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python " + " ".join(sys.argv), "cpu_count": os.cpu_count(), "date": time.strftime("%F")}
+    meta = {
+        "command": "python " + " ".join(sys.argv),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%F"),
+        "repeat": args.repeat,
+    }
     (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": all_rows}, indent=1))
-    plot(all_rows, out / "allreduce_busbw.png")
+    plot(median_rows(all_rows), out / "allreduce_busbw.png")
     print(f"\nwrote {out / 'allreduce.json'} and {out / 'allreduce_busbw.png'}")
 
 
-def print_table(rows, p) -> None:
-    print(f"\n## p = {p}: busbw in GB/s (ratio = MPI time / algorithm time; model = predicted / measured time)")
+def median_rows(rows) -> list[dict]:
+    """One row per (p, size, algorithm): the median over runs of time and bandwidths, with the ratio's range."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["p"], r["bytes"], r["algorithm"]), []).append(r)
+    merged = []
+    for (p, size, alg), group in groups.items():
+        ratios = [g["ratio_vs_mpi"] for g in group if g["ratio_vs_mpi"]]
+        row = {
+            "p": p,
+            "bytes": size,
+            "algorithm": alg,
+            "runs": len(group),
+            "ratio_min": min(ratios) if ratios else None,
+            "ratio_max": max(ratios) if ratios else None,
+        }
+        for key in ("time_s", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi", "model_time_s"):
+            values = [g[key] for g in group if g[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        merged.append(row)
+    return merged
+
+
+def print_table(rows, p, repeat) -> None:
+    rows = median_rows(rows)
+    spread = f", median of {repeat} runs [min..max ratio]" if repeat > 1 else ""
+    print(f"\n## p = {p}: busbw GB/s, ratio = MPI time / algorithm time{spread}, m = model time / measured time")
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
-    print(f"{'size':>9s} | " + " | ".join(f"{a:>20s}" for a in algorithms))
+    width = 30 if repeat > 1 else 20
+    print(f"{'size':>9s} | " + " | ".join(f"{a:>{width}s}" for a in algorithms))
     for size in sorted({r["bytes"] for r in rows}):
         cells = []
         for a in algorithms:
             r = next(r for r in rows if r["bytes"] == size and r["algorithm"] == a)
             ratio = f"{r['ratio_vs_mpi']:.2f}x" if r["ratio_vs_mpi"] else "-"
+            if repeat > 1 and r["ratio_min"] is not None and a != "mpi":
+                ratio += f" [{r['ratio_min']:.2f}..{r['ratio_max']:.2f}]"
             model = f"{r['model_time_s'] / r['time_s']:.1f}" if r["model_time_s"] else "-"
-            cells.append(f"{r['busbw_GBps']:6.2f} {ratio:>6s} m{model:>5s}")
-        print(f"{human(size):>9s} | " + " | ".join(f"{c:>20s}" for c in cells))
+            cells.append(f"{r['busbw_GBps']:6.2f} {ratio} m{model}")
+        print(f"{human(size):>9s} | " + " | ".join(f"{c:>{width}s}" for c in cells))
 
 
 def plot(rows, png) -> None:

@@ -39,11 +39,12 @@ _local = threading.local()
 
 def scratch(like, count: int):
     """A reusable 1-D array of ``count`` elements of ``like``'s dtype and array module (contents undefined)."""
-    xp = array_module(like)
-    pool = _local.__dict__.setdefault("pool", {})
-    key = (xp.__name__, like.dtype.str)
+    pool = getattr(_local, "pool", None)
+    if pool is None:
+        pool = _local.pool = {}
+    key = (type(like), like.dtype)  # (cheap to hash: this runs on every collective call)
     buf = pool.get(key)
     if buf is None or buf.size < count:
-        buf = xp.empty(max(count, 1), dtype=like.dtype)
+        buf = array_module(like).empty(max(count, 1), dtype=like.dtype)
         pool[key] = buf
     return buf[:count]
