@@ -21,6 +21,8 @@ what ``dtrain.collectives`` makes each rank send (and ``dtrain.comm.trace`` coun
 nothing. For "mpi" they are the logical volume the tracer sees (MPI's own messages are invisible): the buffer, once.
 
 The machine's constants come from ``calibration.json`` next to this file when present, else the defaults below.
+The file shipped with dtrain was measured on the reference machine of docs/benchmarks.md (2 cores); on yours, run
+``python scripts/calibrate.py`` first, or ``auto`` chooses by another machine's numbers.
 ``scripts/calibrate.py`` writes it: ``{"alpha": s, "beta": s/byte, "gamma": s/byte, "by_ranks": {"4": {...}}}``.
 The top-level constants are one pair of ranks playing ping-pong on an idle machine; ``by_ranks[p]`` are measured
 with all p ranks exchanging at once, which is what an all-reduce step does. They differ when ranks share cores or a
