@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=DEVICES, default=defaults.device)
     t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
     t.add_argument("--out", metavar="DIR", help="write DIR/metrics.json")
+    t.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the communication (JSON)")
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     t.add_argument("--quiet", action="store_true", help="no per-epoch lines")
 
@@ -126,6 +127,8 @@ def _train(args) -> int:
         train(config, comm)
     if config.out:
         mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
+    if config.trace:
+        mpi.print0(f"trace written to {config.trace} (open it at https://ui.perfetto.dev)", comm=comm)
     return 0
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from dtrain import backend, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
+from dtrain.comm.trace import TracedComm, Tracer, gather_events, gather_summaries, write_chrome_trace
 from dtrain.data import DATASETS, Dataset, ShardedLoader, check_batch, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
@@ -51,6 +52,7 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "float32"
     out: str | None = None
+    trace: str | None = None  # write a Chrome/Perfetto trace of every rank's communication here
     progress: bool = True  # rank 0's progress bar
     quiet: bool = False  # no per-epoch summary lines
 
@@ -84,6 +86,8 @@ class TrainConfig:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; give a folder (metrics.json is written inside it)")
+        if self.trace is not None and Path(self.trace).is_dir():
+            raise ConfigError(f"--trace {self.trace} is a folder; give a file name such as trace.json")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 
@@ -97,6 +101,10 @@ def train(config: TrainConfig, comm=None) -> dict:
             f"--paradigm single trains on one rank, but {world} were launched; "
             f"run without mpiexec or choose a distributed paradigm"
         )
+    # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
+    tracer = Tracer(rank)
+    if comm is not None:
+        comm = TracedComm(comm, tracer)
     xp = backend.get_xp(config.device)
     dtype = backend.resolve_dtype(config.dtype)
 
@@ -167,6 +175,11 @@ def train(config: TrainConfig, comm=None) -> dict:
         "weights_sha256": report.weights_digest(model.flat_params),
         "environment": report.environment(),
     }
+    metrics["communication"] = {"per_rank": gather_summaries(tracer, comm) if comm is not None else [tracer.summary()]}
+    if config.trace:
+        events = gather_events(tracer, comm) if comm is not None else [tracer.events]
+        if rank == 0:
+            write_chrome_trace(config.trace, events)
     if config.out and rank == 0:
         report.write_metrics(config.out, metrics)
     return metrics

@@ -323,3 +323,21 @@ def test_paradigm_single_on_two_ranks_fails_fast_with_one_clear_error(tmp_path):
     ranks = re.findall(r"dtrain: error(?: \(rank (\d)\))?: --paradigm single trains on one rank, but 2", result.stderr)
     assert 1 <= len(ranks) <= 2 and len(set(ranks)) == len(ranks), result.stderr
     assert set(ranks) <= {"0", "1"}, f"a message without its rank:\n{result.stderr}"
+
+
+def test_trace_and_communication_summary(tmp_path):
+    result = dtrain("train", "--epochs", 1, "--hidden", 8, "--quiet", "--out", tmp_path / "run",
+                    "--trace", tmp_path / "trace.json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    per_rank = metrics["communication"]["per_rank"]
+    assert len(per_rank) == metrics["world_size"] == 1
+    assert per_rank[0]["totals"]["bytes_sent"] == 0  # one rank sends nothing
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert "traceEvents" in trace
+
+
+def test_trace_that_is_a_folder_is_one_line(tmp_path):
+    result = dtrain("train", "--epochs", 1, "--quiet", "--trace", tmp_path, cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "--trace" in result.stderr, result.stderr
