@@ -71,8 +71,9 @@ ENV_VAR = "DTRAIN_KERNELS"
 CHOICES = ("auto", "numba", "numpy")
 
 # Sizes (in elements) from which the Numba loops are used; below them NumPy is faster (rule 3). Measured with
-# scripts/bench_kernels.py: for sum_scale_ the break-even is ~5k elements for k = 8 and ~15k for k = 2; the
-# single-pass add_/max_/scale_ gain nothing single-threaded at any size, so they wait until their prange twin can.
+# scripts/bench_kernels.py (docs/bench/kernels.txt): sum_scale_ breaks even between 1e3 and 1e4 elements for k = 8
+# and between 1e4 and 1e5 for k = 2 (the ring's case); the single-pass add_/max_/scale_ gain nothing single-threaded
+# at any size (add_ and scale_: 0.55-1.07x of NumPy's speed), so they wait until their prange twin can.
 FUSED_MIN_SIZE = 1 << 14
 NUMBA_MIN_SIZE = 1 << 20
 # From this many elements on, and with more than one Numba thread, the prange loops are used.

@@ -1,7 +1,7 @@
 """Every hand-written all-reduce against MPI's own ``Allreduce``, in the same run, with nccl-tests' bandwidths.
 
     python scripts/bench_allreduce.py                       # p = 2 and 4, 4 KiB .. 64 MiB, writes docs/bench/
-    python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 5   # quicker
+    python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 9   # quicker (9 rounds is the least)
     python scripts/bench_allreduce.py --repeat 3       # 3 separate jobs per p: median and range of each ratio
 
 The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
@@ -124,7 +124,9 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated node size for hierarchical")
     parser.add_argument("--min-size", default="4KiB")
     parser.add_argument("--max-size", default="64MiB")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds for messages <= 1 MiB")
+    parser.add_argument(
+        "--rounds", type=int, default=15, help="timed rounds for messages <= 1 MiB (fewer above, never below 9)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="whole sweeps per p, as separate jobs (default 1)")
     parser.add_argument("--out", default="docs/bench", help="folder for allreduce.json and allreduce_busbw.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -257,3 +257,33 @@ def test_reduce_scatter_leaves_rank_r_owning_chunk_r():
 
     total = np.arange(10) * (1 + 2 + 3 + 4)
     assert sim.run(4, fn) == [total[a:b].tolist() for a, b in collectives.chunk_bounds(10, 4)]
+
+
+def test_a_new_tracer_wrapper_reuses_the_split_and_counts_into_its_own_tracer():
+    def fn(comm):
+        first, second = TracedComm(comm, Tracer()), TracedComm(comm, Tracer())
+        a, b = hierarchical.topology(first, 2), hierarchical.topology(second, 2)
+        same_split = hierarchical.untraced(a.node) is hierarchical.untraced(b.node)
+        buf = np.ones(10)
+        collectives.allreduce(second, buf, algorithm="hierarchical", ranks_per_node=2)
+        counted = second.tracer.summary()["operations"]["allreduce/hierarchical"]["messages_sent"]
+        hierarchical.free_communicators()
+        return same_split, first.tracer.summary()["totals"]["messages_sent"], counted, buf[0]
+
+    for same_split, first_sent, counted, value in sim.run(4, fn):
+        assert same_split and first_sent == 0 and counted > 0 and value == 4.0
+
+
+def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node():
+    def fn(comm):
+        k = 2 if comm.Get_rank() == 0 else 1
+        collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", ranks_per_node=k)
+
+    collectives.set_debug(True)
+    try:
+        with pytest.raises(sim.SimRankError) as info:
+            sim.run(2, fn)
+    finally:
+        collectives.set_debug(None)
+    assert isinstance(info.value.exception, collectives.CollectiveMismatchError)
+    assert "ranks_per_node" in str(info.value.exception)

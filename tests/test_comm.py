@@ -96,3 +96,50 @@ def test_launch_env_gives_one_thread_per_rank_and_yields_when_oversubscribed():
 def test_launch_refuses_zero_ranks_before_starting_anything():
     with pytest.raises(ValueError, match="number of ranks must be >= 1"):
         mpi.mpiexec_command(0, ["x.py"])
+
+
+def test_requests_wrapped_by_the_tracer_are_polled_not_blocked_on(monkeypatch):
+    # real MPI requests (a rank sending to itself) inside TracedRequest wrappers: in poll mode, waitall must Test
+    # them (and sleep between tests), never call their blocking Wait
+    from mpi4py import MPI
+
+    from dtrain.comm.trace import TracedComm, Tracer
+
+    calls = []
+
+    class Spy(TracedComm):
+        def Isend(self, buf, dest, tag=0):
+            return _spied(super().Isend(buf, dest, tag), calls)
+
+        def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+            return _spied(super().Irecv(buf, source, tag), calls)
+
+    monkeypatch.setattr(dc, "wait_mode", lambda: "poll")
+    comm = Spy(MPI.COMM_SELF, Tracer())
+    got = np.zeros(4)
+    dc.sendrecv(comm, np.arange(4.0), 0, got, 0)
+    np.testing.assert_array_equal(got, np.arange(4.0))
+    assert "Test" in calls and "Wait" not in calls
+    assert comm.tracer.summary()["totals"]["bytes_sent"] == 32
+
+
+def _spied(request, calls):
+    class SpiedRequest(type(request)):
+        def Test(self, status=None):
+            calls.append("Test")
+            return super().Test(status)
+
+        def Wait(self, status=None):
+            calls.append("Wait")
+            return super().Wait(status)
+
+    request.__class__ = SpiedRequest
+    return request
+
+
+@pytest.mark.parametrize("mode", ["block", "poll"])
+def test_simulated_requests_always_use_their_own_wait(monkeypatch, mode):
+    # the simulator's blocking Wait is what makes its deadlock detection exact: waitall must not poll it
+    monkeypatch.setattr(dc, "wait_mode", lambda: mode)
+    with pytest.raises(sim.SimDeadlock):
+        sim.run(2, lambda comm: dc.waitall([comm.Irecv(np.zeros(1), source=1 - comm.Get_rank())]))

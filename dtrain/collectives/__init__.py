@@ -36,7 +36,6 @@ from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive
 from dtrain.collectives._checks import CollectiveMismatchError, debug_enabled, set_debug
 from dtrain.collectives._chunks import chunk_bounds, chunk_offsets
 from dtrain.comm.sim import IN_PLACE, MAX, SUM
-from dtrain.comm.trace import TracedComm
 
 __all__ = [
     "ALGORITHMS", "OPS", "CollectiveMismatchError", "allgather", "allreduce", "broadcast", "chunk_bounds",
@@ -51,7 +50,7 @@ ALLGATHER_ALGORITHMS = ("ring", "doubling")
 _MPI_OPS = {"sum": SUM, "avg": SUM, "max": MAX}
 
 
-def _begin(comm, collective, buf, op, root, check):
+def _begin(comm, collective, buf, op, root, check, ranks_per_node=None):
     """Run ``check()`` (which returns the algorithm to use); in debug mode compare every rank's call first."""
     seq = _checks.next_sequence(comm)
     error, algorithm = None, None
@@ -61,7 +60,7 @@ def _begin(comm, collective, buf, op, root, check):
         error = exc
     if _checks.debug_enabled():
         try:
-            _checks.agree(comm, _checks.signature(collective, algorithm, op, buf, root, seq, error))
+            _checks.agree(comm, _checks.signature(collective, algorithm, op, buf, root, seq, error, ranks_per_node))
         except CollectiveMismatchError as mismatch:
             raise mismatch from error
     if error is not None:
@@ -71,8 +70,9 @@ def _begin(comm, collective, buf, op, root, check):
 
 def _traced(comm, label, buf):
     """Label the traffic inside for the tracer, when ``comm`` is traced."""
-    if isinstance(comm, TracedComm):
-        return comm.tracer.operation(label, nbytes=buf.nbytes)
+    tracer = getattr(comm, "tracer", None)  # a TracedComm, or a wrapper around one (GPU staging forwards it)
+    if tracer is not None:
+        return tracer.operation(label, nbytes=buf.nbytes)
     return contextlib.nullcontext()
 
 
@@ -144,7 +144,7 @@ def allreduce(comm, buf, op="sum", algorithm="auto", *, ranks_per_node=None):
         _check_nodes(algorithm, p, ranks_per_node)
         return costmodel.choose(buf.nbytes, p) if algorithm == "auto" else algorithm
 
-    name = _begin(comm, "allreduce", buf, op, None, check)
+    name = _begin(comm, "allreduce", buf, op, None, check, ranks_per_node)
     flat = buf.reshape(-1)
     if flat.size:
         if name.startswith("hierarchical"):  # make (or find) the node communicators outside the traced span

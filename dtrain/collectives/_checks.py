@@ -21,6 +21,8 @@ import weakref
 
 import numpy as np
 
+from dtrain.comm.trace import untraced
+
 DTYPES = ("float32", "float64")
 _DTYPE_TYPES = (np.float32, np.float64)
 
@@ -79,6 +81,7 @@ _local = threading.local()
 
 def next_sequence(comm) -> int:
     """How many collectives this rank has started on ``comm`` before this one."""
+    comm = untraced(comm)  # a traced wrapper and the communicator it wraps are one communicator: one count
     counters = _local.__dict__.setdefault("sequence", {})
     entry = counters.get(id(comm))
     if entry is None or entry[0]() is not comm:
@@ -88,12 +91,13 @@ def next_sequence(comm) -> int:
     return count
 
 
-def signature(collective, algorithm, op, buf, root, seq, error) -> dict:
+def signature(collective, algorithm, op, buf, root, seq, error, ranks_per_node=None) -> dict:
     """What this rank is about to do, in a form every rank can compare."""
     return {
         "collective": collective,
         "algorithm": algorithm,
         "op": op,
+        "ranks_per_node": ranks_per_node,
         "count": int(getattr(buf, "size", -1)),
         "dtype": str(getattr(buf, "dtype", type(buf).__name__)),
         "root": root,

@@ -236,9 +236,10 @@ def _time(steps, sent, reduced, machine):
 def predict_time(algorithm, nbytes, p, machine=None, ranks_per_node=None, inter=None) -> float:
     """Predicted seconds for an ``nbytes`` all-reduce on ``p`` ranks (formulas in the module docstring).
 
-    ``inter`` prices the links between nodes for the hierarchical algorithms (default: the same ``machine``).
+    ``machine`` defaults to the one calibrated for ``p`` ranks, the constants ``auto`` chooses by. ``inter`` prices
+    the links between nodes for the hierarchical algorithms (default: the same ``machine``).
     """
-    m = machine or default_machine()
+    m = machine or default_machine(p)
     n = float(nbytes)
     if p == 1 or nbytes == 0:
         return 0.0

@@ -48,6 +48,7 @@ import numpy as np
 from dtrain import kernels
 from dtrain.collectives import ring, tree
 from dtrain.comm.sim import COMM_TYPE_SHARED, UNDEFINED
+from dtrain.comm.trace import TracedComm, untraced
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ class Topology:
     node_sizes: tuple | None  # known when nodes are emulated; None when they come from Split_type
 
 
-# Per thread (simulated ranks are threads): id(comm) -> (weak reference to comm, {ranks_per_node: Topology}).
+# Per thread (simulated ranks are threads): id(base comm) -> (weak reference to it, {ranks_per_node: Topology}).
 # Communicators are not hashable, so the key is the id, and the weak reference tells a live communicator from a
 # dead one whose id has been reused.
 _local = threading.local()
@@ -72,15 +73,27 @@ def _cache() -> dict:
 
 
 def topology(comm, ranks_per_node=None) -> Topology:
-    """The node structure of ``comm`` (cached): emulated nodes of ``ranks_per_node`` ranks, or real ones."""
+    """The node structure of ``comm`` (cached): emulated nodes of ``ranks_per_node`` ranks, or real ones.
+
+    The cache is keyed by the communicator under any tracer wrapper, so wrapping the same communicator again does
+    not split it again; a traced caller gets the cached sub-communicators wrapped in its own tracer.
+    """
+    base = untraced(comm)
     cache = _cache()
-    ref, by_k = cache.get(id(comm), (None, None))
-    if ref is None or ref() is not comm:
+    ref, by_k = cache.get(id(base), (None, None))
+    if ref is None or ref() is not base:
         by_k = {}
-        cache[id(comm)] = (weakref.ref(comm), by_k)
+        cache[id(base)] = (weakref.ref(base), by_k)
     if ranks_per_node not in by_k:
-        by_k[ranks_per_node] = _build(comm, ranks_per_node)
-    return by_k[ranks_per_node]
+        by_k[ranks_per_node] = _build(base, ranks_per_node)
+    topo = by_k[ranks_per_node]
+    if isinstance(comm, TracedComm):
+
+        def traced(sub):
+            return None if sub is None else TracedComm(sub, comm.tracer)
+
+        topo = dataclasses.replace(topo, node=traced(topo.node), leaders=traced(topo.leaders), cross=traced(topo.cross))
+    return topo
 
 
 def node_sizes(p: int, ranks_per_node: int) -> tuple:

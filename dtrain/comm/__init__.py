@@ -1,8 +1,10 @@
 """The communication layer: the world of ranks and the small mpi4py subset algorithms are written against.
 
 Algorithms above this package call only ``Get_rank``, ``Get_size``, ``Send``, ``Recv``, ``Sendrecv``,
-``Isend``/``Irecv`` (and :func:`waitall` on the requests), ``Barrier`` and ``Split`` on a communicator. Three kinds of
-communicator provide them:
+``Isend``/``Irecv`` (and :func:`waitall` on the requests), ``Barrier``, and ``Split``/``Split_type``/``Free`` on a
+communicator; exchanges go through :func:`sendrecv`, so how a rank waits is decided here, once. (The collectives'
+debug mode also uses the object ``allgather``, and their "mpi" baseline MPI's own ``Allreduce``/``Reduce``/``Bcast``.)
+Three kinds of communicator provide them:
 
 * a real ``mpi4py.MPI.Comm`` under ``mpiexec`` (:mod:`dtrain.comm.mpi`);
 * :mod:`dtrain.comm.sim`, N simulated ranks as threads in one process (notebooks, fast tests);
@@ -24,28 +26,41 @@ def waitall(requests) -> None:
     """Wait for every request in ``requests``, whichever kind of communicator made them.
 
     mpi4py's ``MPI.Request.Waitall`` is a class method that only accepts real MPI requests, so algorithms call this
-    instead. Simulated or traced requests are waited one by one through their own ``Wait``. Real requests go to MPI
-    together, in one of two ways (:func:`wait_mode`):
+    instead. Requests of the simulator are waited one by one through their own ``Wait`` (which keeps its deadlock
+    detection exact). Requests backed by real MPI (bare, or wrapped by the tracer or by GPU staging, which keep the
+    wrapped request as ``.request``) are waited in one of two ways (:func:`wait_mode`):
 
-    * **block**: ``MPI.Request.Waitall``. MPICH spins (or, with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, calls
-      ``sched_yield``) until the messages arrive: the fastest wait when every rank has a core of its own.
-    * **poll**: ``Testall`` and a short sleep until done. With more ranks than cores, a rank that is waiting must
-      really give its core to the peer it waits for; ``sched_yield`` alone barely does (the scheduler hands the core
+    * **block**: MPICH spins (or, with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, calls ``sched_yield``) until the messages
+      arrive: the fastest wait when every rank has a core of its own.
+    * **poll**: ``Test`` and a short sleep until done. With more ranks than cores, a rank that is waiting must really
+      give its core to the peer it waits for; ``sched_yield`` alone barely does (the scheduler hands the core
       straight back), so the peer that would send the message is not running. Measured in docs/benchmarks.md.
     """
     requests = list(requests)
     if not requests:
         return
     MPI = sys.modules.get("mpi4py.MPI")  # not loaded: these cannot be MPI requests (the simulator needs no MPI)
-    if MPI is not None and all(isinstance(r, MPI.Request) for r in requests):
-        if wait_mode() == "poll":
-            while not MPI.Request.Testall(requests):
+    if MPI is None or not all(isinstance(_innermost(r), MPI.Request) for r in requests):
+        for request in requests:
+            request.Wait()
+    elif wait_mode() == "poll":
+        pending = requests
+        while pending:
+            pending = [r for r in pending if not r.Test()]  # a wrapper's Test does its own bookkeeping when done
+            if pending:
                 time.sleep(POLL_SLEEP_S)
-        else:
-            MPI.Request.Waitall(requests)
-        return
-    for request in requests:
-        request.Wait()
+    elif all(isinstance(r, MPI.Request) for r in requests):
+        MPI.Request.Waitall(requests)  # one call: MPI progresses them together
+    else:
+        for request in requests:
+            request.Wait()
+
+
+def _innermost(request):
+    """The request under any wrappers (tracer, GPU staging), each of which keeps the one it wraps as ``.request``."""
+    while not type(request).__module__.startswith("mpi4py") and hasattr(request, "request"):
+        request = request.request
+    return request
 
 
 def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:

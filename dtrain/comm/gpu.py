@@ -40,8 +40,9 @@ functions, and both answer 0: it is built without CUDA support, so GPU runs on i
 
 **Testing without a GPU.** Every device operation goes through a small adapter (:class:`CupyDevice`): ``is_device``,
 ``alloc_pinned``, ``to_host``, ``to_device``, ``synchronize``. Tests hand :class:`StagedComm` a stand-in whose
-"device arrays" are a NumPy subclass, and check the staging (which buffers, how many bytes, the data that arrives)
-on a simulated or real communicator.
+"device arrays" keep their data private and expose no buffer (so the simulator or MPI would reject one that slipped
+through unstaged), and check the staging (which buffers, how many bytes, the data that arrives) on a simulated or
+real communicator.
 """
 
 from __future__ import annotations

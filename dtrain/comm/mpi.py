@@ -7,8 +7,10 @@ Three things a learner trips over in their first MPI hour are handled here once:
    ``MPI.COMM_WORLD.Abort``, which ends every rank of the job at once. (``python -m mpi4py script.py`` does the same;
    the launcher below runs scripts that way.)
 2. **More ranks than cores crawl.** MPICH waits for messages by busy-polling; with 4 ranks on 2 cores the waiting
-   ranks steal the CPU from the working ones. ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` makes waiters yield. Likewise each
-   rank must use one BLAS/Numba thread, or 4 ranks x 2 threads fight over 2 cores.
+   ranks steal the CPU from the working ones. ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` makes waiters yield (which alone
+   barely helps: the scheduler hands a yielding waiter its core straight back, so dtrain's own waits also sleep
+   between polls, see :func:`dtrain.comm.waitall`). Likewise each rank must use one BLAS/Numba thread, or 4 ranks x
+   2 threads fight over 2 cores.
 3. **The wrong ``mpiexec``.** An ``mpiexec`` from another MPI on PATH starts N independent singletons, each of size
    1. :func:`mpiexec_path` takes the one installed beside this Python (the ``mpich`` wheel puts it there).
 
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+
+from dtrain.comm import usable_cores
 
 # One thread per rank for every threaded library a rank may load: BLAS (OpenBLAS, MKL), OpenMP, Numba.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -92,7 +96,7 @@ def launch_env(nranks: int, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     for name in THREAD_VARIABLES:
         env.setdefault(name, "1")
-    if nranks > (os.cpu_count() or 1):
+    if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
         env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     return env
 

@@ -563,7 +563,8 @@ class SimComm:
         world = self._world
 
         def new_contexts(values):  # one fresh context per colour, chosen once for everyone
-            return {c: world._new_context() for c, _ in values if c != UNDEFINED}
+            colours = dict.fromkeys(c for c, _ in values if c != UNDEFINED)  # each colour once, in rank order
+            return {c: world._new_context() for c in colours}
 
         values, contexts = self._collective((call,), (color, key), new_contexts)
         if color == UNDEFINED:

@@ -2,7 +2,8 @@
 
 Run under mpiexec (``tests/test_collectives.py`` does, for p = 1 .. 8)::
 
-    python -m dtrain.comm.mpi ... or:  mpiexec -n 4 python -m mpi4py tests/mpi_scripts/check_collectives.py
+    python -m dtrain launch -n 4 tests/mpi_scripts/check_collectives.py
+    mpiexec -n 4 python -m mpi4py tests/mpi_scripts/check_collectives.py     # the same, by hand
 
 The same ``run_checks(comm, ...)`` runs on the simulator (``sim.run(p, run_checks)``). Every rank can regenerate
 every rank's input from a seed, so each rank computes the expected result itself. Two kinds of input:
