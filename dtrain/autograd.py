@@ -32,25 +32,30 @@ no gradient, so ``x @ W`` never computes ``dL/dx`` (the first layer's most expen
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from dtrain.backend import array_module
 
-_grad_enabled = True
+# The grad mode belongs to a thread, as in PyTorch: the simulator's ranks (dtrain.comm.sim) are threads, and one
+# rank evaluating under no_grad must not switch off the graph of another rank that is in the middle of a forward.
+_mode = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_mode, "enabled", True)
 
 
 class no_grad:
-    """Context manager that builds no graph (evaluation, optimizer updates)."""
+    """Context manager that builds no graph (evaluation, optimizer updates), in the current thread."""
 
     def __enter__(self):
-        global _grad_enabled
-        self._previous, _grad_enabled = _grad_enabled, False
+        self._previous, _mode.enabled = is_grad_enabled(), False
 
     def __exit__(self, *exc):
-        global _grad_enabled
-        _grad_enabled = self._previous
+        _mode.enabled = self._previous
 
 
 class Tensor:
@@ -104,7 +109,7 @@ class Tensor:
     def _make(data, parents: tuple[Tensor, ...], backward: Callable) -> Tensor:
         """The output of an op: it joins the graph only if some parent needs a gradient."""
         out = Tensor(data)
-        if _grad_enabled and any(p.requires_grad for p in parents):
+        if is_grad_enabled() and any(p.requires_grad for p in parents):
             out.requires_grad = True
             out._parents = parents
             out._backward = backward
@@ -124,23 +129,22 @@ class Tensor:
 
     def __add__(self, other) -> Tensor:
         other = _as_tensor(other, self)
-        shape_a, shape_b = self.shape, other.shape
         return Tensor._make(
             self.data + other.data,
             (self, other),
-            lambda g: (unbroadcast(g, shape_a), unbroadcast(g, shape_b)),
+            lambda g: (_summed_back(g, self), _summed_back(g, other)),
         )
 
     __radd__ = __add__
 
     def __sub__(self, other) -> Tensor:
         other = _as_tensor(other, self)
-        shape_a, shape_b = self.shape, other.shape
-        return Tensor._make(
-            self.data - other.data,
-            (self, other),
-            lambda g: (unbroadcast(g, shape_a), -unbroadcast(g, shape_b)),
-        )
+
+        def backward(g):
+            gb = _summed_back(g, other)
+            return _summed_back(g, self), (None if gb is None else -gb)
+
+        return Tensor._make(self.data - other.data, (self, other), backward)
 
     def __rsub__(self, other) -> Tensor:
         return _as_tensor(other, self) - self
@@ -151,6 +155,8 @@ class Tensor:
     def __mul__(self, other) -> Tensor:
         if not isinstance(other, Tensor):
             if np.ndim(other) == 0:  # a Python or NumPy scalar: no broadcasting bookkeeping needed
+                # As a Python float it keeps self's dtype: NumPy 2 turns float32 * np.float64(2) into float64.
+                other = float(other)
                 return Tensor._make(self.data * other, (self,), lambda g: (g * other,))
             other = _as_tensor(other, self)  # an array may broadcast self: its gradient must be summed back
         a, b = self.data, other.data
@@ -306,6 +312,11 @@ def unbroadcast(grad, shape):
     extra = grad.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(i + extra for i, n in enumerate(shape) if n == 1 and grad.shape[i + extra] != 1)
     return grad.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _summed_back(grad, parent: Tensor):
+    """``grad`` summed to ``parent``'s shape, or None when ``parent`` needs no gradient (nothing is computed)."""
+    return unbroadcast(grad, parent.shape) if parent.requires_grad else None
 
 
 def _as_tensor(value, like: Tensor) -> Tensor:

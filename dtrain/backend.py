@@ -35,7 +35,7 @@ def get_xp(device: str = "cpu") -> types.ModuleType:
         except ImportError as exc:
             raise BackendError(
                 "--device gpu needs CuPy, which is not installed: "
-                "pip install 'dtrain[gpu]' (the cupy-cuda12x wheel), or use --device cpu"
+                "pip install cupy-cuda12x (what dtrain's [gpu] extra installs), or use --device cpu"
             ) from exc
         try:
             cupy.cuda.runtime.getDeviceCount()
@@ -47,7 +47,7 @@ def get_xp(device: str = "cpu") -> types.ModuleType:
 
 def array_module(array) -> types.ModuleType:
     """The module an array belongs to (``cupy`` for a CuPy array, else ``numpy``), without importing CuPy."""
-    if type(array).__module__.startswith("cupy"):
+    if is_device_array(array):
         import cupy
 
         return cupy

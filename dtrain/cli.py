@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hidden",
         type=_hidden_sizes,
         default=defaults.hidden,
-        help="comma-separated hidden layer sizes, e.g. 512,512 (default %(default)s)",
+        help="comma-separated hidden layer sizes, e.g. 512,512, or none for no hidden layer (default %(default)s)",
     )
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--device", choices=DEVICES, default=defaults.device)

@@ -172,6 +172,8 @@ def load_idx_dataset(name: str, data_dir) -> Dataset:
                 f"{data_dir}: {len(images)} {split} images but {len(labels)} labels; "
                 f"the image and label files do not belong together"
             )
+        if labels.min(initial=0) < 0:  # a negative label would silently index the last class
+            raise DataError(f"{data_dir}: the {split} labels include {labels.min()}; class labels are 0, 1, 2, ...")
         parts[split] = (images.reshape(len(images), -1).astype(np.float64) / 255.0, labels.astype(np.int64))
     classes = int(max(parts["train"][1].max(initial=0), parts["test"][1].max(initial=0))) + 1
     return Dataset(name, *parts["train"], *parts["test"], n_classes=classes)

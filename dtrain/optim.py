@@ -70,8 +70,8 @@ class SGD(Optimizer):
         super().__init__(model, lr=lr, **buffers)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0:
-            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        if not 0 <= weight_decay < math.inf:  # also refuses NaN
+            raise ValueError(f"weight decay must be a finite number >= 0, got {weight_decay}")
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.velocity = self.xp.zeros_like(self.params) if momentum else None
         self._scratch = self.xp.empty_like(self.params)
@@ -111,8 +111,8 @@ class Adam(Optimizer):
         beta1, beta2 = betas
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
             raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
-        if weight_decay < 0:
-            raise ValueError(f"weight decay must be >= 0, got {weight_decay}")
+        if not 0 <= weight_decay < math.inf:  # also refuses NaN
+            raise ValueError(f"weight decay must be a finite number >= 0, got {weight_decay}")
         self.beta1, self.beta2, self.eps, self.weight_decay = (
             float(beta1),
             float(beta2),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+import dtrain
+from dtrain.backend import to_host
 from dtrain.errors import UserError
 
 SCHEMA = "dtrain.metrics/1"
@@ -26,14 +28,10 @@ class MetricsError(UserError, ValueError):
 
 def weights_digest(flat_params) -> str:
     """SHA-256 of the flat parameter buffer's bytes: equal digests mean bit-identical weights."""
-    from dtrain.backend import to_host
-
     return hashlib.sha256(np.ascontiguousarray(to_host(flat_params)).tobytes()).hexdigest()
 
 
 def environment() -> dict:
-    import dtrain
-
     info = {
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -75,7 +73,10 @@ def load_metrics(path) -> dict:
 
 def plot_metrics(paths, out_png, labels=None) -> Path:
     """Training loss and test accuracy per epoch for one or more runs, side by side, saved as a PNG."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # not a core dependency: `pip install -e .` does not bring it
+        raise UserError("plotting needs matplotlib, which is not installed: pip install matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -94,15 +95,23 @@ def plot_metrics(paths, out_png, labels=None) -> Path:
         ax.legend()
     fig.tight_layout()
     out_png = Path(out_png)
+    if not out_png.suffix:
+        out_png = out_png.with_suffix(".png")  # what matplotlib writes for a bare name: report the real file
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out_png, dpi=120)
+    except ValueError as exc:  # an extension matplotlib cannot write, such as -o curves.txt
+        raise UserError(f"{out_png}: {exc}") from exc
+    finally:
+        plt.close(fig)
     return out_png
 
 
 def _label(run: dict, path) -> str:
-    cfg = run.get("config", {})
-    return f"{cfg.get('paradigm', '?')} x{run.get('world_size', '?')} ({Path(path).parent.name or path})"
+    """``paradigm xN (run folder)``, for a metrics.json path or a run folder alike."""
+    cfg, path = run.get("config", {}), Path(path)
+    folder = path if path.is_dir() else path.parent
+    return f"{cfg.get('paradigm', '?')} x{run.get('world_size', '?')} ({folder.name or path})"
 
 
 def _jsonable(value):

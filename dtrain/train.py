@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from dtrain import backend, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
 from dtrain.comm.trace import TracedComm, Tracer, gather_events, gather_summaries, write_chrome_trace
-from dtrain.data import DATASETS, Dataset, ShardedLoader, check_batch, load_dataset
+from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
 from dtrain.optim import OPTIMIZERS, make_optimizer
@@ -47,7 +47,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
-    hidden: tuple[int, ...] = field(default=(128, 128))
+    hidden: tuple[int, ...] = (128, 128)
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -82,8 +82,10 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:  # also refuses NaN
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; give a folder (metrics.json is written inside it)")
         if self.trace is not None and Path(self.trace).is_dir():
@@ -94,6 +96,7 @@ class TrainConfig:
 
 def train(config: TrainConfig, comm=None) -> dict:
     """Train as ``config`` says; return (and, with ``config.out``, write) the metrics dictionary."""
+    started = time.perf_counter()
     config.validate()
     world, rank = (comm.Get_size(), comm.Get_rank()) if comm is not None else (1, 0)
     if config.paradigm == "single" and world != 1:
@@ -117,13 +120,13 @@ def train(config: TrainConfig, comm=None) -> dict:
         seed=config.seed,
         dtype=dtype,
     )
-    check_batch(config.batch_size, world, len(data.y_train))
+    # The loader checks the batch size against the training set and the world before anything else is built.
+    loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, rank, world, config.seed, xp)
     model = MLP([data.n_features, *config.hidden, data.n_classes], seed=config.seed, xp=xp, dtype=dtype)
     optimizer = make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay)
-    loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, rank, world, config.seed, xp)
 
     show = config.progress and not config.quiet and rank == 0
-    epochs, started = [], time.perf_counter()
+    epochs = []
     for epoch in range(1, config.epochs + 1):
         epoch_start = time.perf_counter()
         losses = []
@@ -170,7 +173,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             "test_loss": epochs[-1]["test_loss"],
             "test_accuracy": epochs[-1]["test_accuracy"],
         },
-        "samples_per_s": sum(len(loader) * config.batch_size for _ in epochs) / sum(e["train_time_s"] for e in epochs),
+        "samples_per_s": len(epochs) * len(loader) * config.batch_size / sum(e["train_time_s"] for e in epochs),
         "wall_time_s": wall,
         "weights_sha256": report.weights_digest(model.flat_params),
         "environment": report.environment(),

@@ -207,10 +207,11 @@ if rank == 0:
         f" {2 * (p - 1) / p * nbytes / 1024:.1f} KiB here.\n The mpi row is the logical volume, the buffer once:"
         " MPI's own messages are invisible to the tracer.)"
     )
-    m = costmodel.default_machine()
+    m = costmodel.default_machine(p)  # the constants measured with p ranks busy: what auto chooses by
     print(
         f"model: alpha-beta-gamma, alpha = {m.alpha:.1e} s per message, beta = {m.beta:.1e} s per byte sent,"
-        f" gamma = {m.gamma:.1e} s per byte reduced\n (scripts/calibrate.py measures this machine's constants)"
+        f" gamma = {m.gamma:.1e} s per byte reduced\n (scripts/calibrate.py measures them on this machine,"
+        f" with {p} ranks busy at once)"
     )
     if args.trace:
         print(

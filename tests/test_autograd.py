@@ -8,6 +8,8 @@ overlap relies on are checked for timing (each fires once, with its final gradie
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -320,6 +322,37 @@ def test_no_grad_builds_no_graph_and_restores_the_previous_mode():
     assert (w * 2.0).requires_grad
 
 
+def test_no_grad_in_one_thread_leaves_the_others_building_graphs():
+    """The simulator's ranks are threads: one rank evaluating under no_grad must not cut another rank's graph."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def evaluating_rank():
+        with no_grad():
+            inside.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=evaluating_rank)
+    other.start()
+    try:
+        assert inside.wait(10)
+        w = Tensor(rand(3, 2), requires_grad=True)
+        out = (w * 2.0).sum()
+        assert out.requires_grad, "no_grad in another thread switched off this thread's graph"
+        out.backward()
+        np.testing.assert_array_equal(w.grad, 2.0)
+    finally:
+        leave.set()
+        other.join()
+
+
+def test_a_constant_operand_of_add_or_sub_gets_no_gradient_computed():
+    w, c = Tensor(rand(3, 4), requires_grad=True), Tensor(rand(4))
+    for op in (lambda: w + c, lambda: c + w, lambda: w - c, lambda: c - w):
+        out = op()
+        grads = out._backward(np.ones((3, 4)))
+        assert [g is None for g in grads] == [p is c for p in out._parents]
+
+
 def test_backward_on_a_non_scalar_needs_an_explicit_gradient():
     y = Tensor(rand(3, 2), requires_grad=True) * 2.0
     with pytest.raises(RuntimeError, match="scalar"):
@@ -355,6 +388,18 @@ def test_float32_stays_float32():
         assert out.dtype == np.float32, f"{name} gives {out.dtype}"
     sum(o.sum() for o in outputs.values()).backward()
     assert x.grad.dtype == np.float32 and b.grad.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "scalar", [np.float64(3.0), np.int64(3), 3.0, 3], ids=["np.float64", "np.int64", "float", "int"]
+)
+def test_numpy_and_python_scalars_keep_float32(scalar):
+    """NumPy 2 promotes float32 * np.float64(3) to float64; the tensor must stay float32, forward and backward."""
+    x = Tensor(rand(3, 4).astype(np.float32), requires_grad=True)
+    outputs = [x * scalar, scalar * x, x / scalar, x + scalar, scalar - x]
+    assert [o.dtype for o in outputs] == [np.float32] * len(outputs)
+    sum(o.sum() for o in outputs).backward()
+    assert x.grad.dtype == np.float32
 
 
 # ------------------------------------------------------------------------------------------------- hooks

@@ -186,6 +186,8 @@ BAD_INPUTS = {
     "epochs 0": (["--epochs", "0"], None, "--epochs must be >= 1"),
     "negative lr": (["--lr", "-1"], None, "--lr must be a positive number"),
     "momentum 1": (["--momentum", "1"], None, "--momentum must be in [0, 1)"),
+    "weight decay nan": (["--weight-decay", "nan"], None, "--weight-decay must be a finite number"),
+    "negative seed": (["--seed", "-1"], None, "--seed must be >= 0"),
     "lr not a number": (["--lr", "fast"], None, "invalid float value: 'fast'"),
     "mnist without data dir": (["--dataset", "mnist"], None, "pass --data-dir DIR"),
     "missing IDX file": (["--dataset", "mnist"], _remove_a_file, "missing t10k-images-idx3-ubyte"),
@@ -270,6 +272,29 @@ def test_plot_writes_a_png(runs, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000  # a real figure, not an empty canvas
     assert str(out) in result.stdout
+
+
+def test_plot_output_names(runs, tmp_path):
+    bare = ok(dtrain("plot", runs / "a", "-o", tmp_path / "curves", cwd=tmp_path))
+    assert bare.stdout.strip() == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
+    wrong = dtrain("plot", runs / "a", "-o", tmp_path / "curves.txt", cwd=tmp_path)
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    assert len(wrong.stderr.splitlines()) == 1 and "'txt' is not supported" in wrong.stderr, wrong.stderr
+
+
+def test_plot_labels_name_the_run_folder(runs):
+    from dtrain.report import _label, load_metrics
+
+    m = load_metrics(runs / "a")
+    assert _label(m, runs / "a") == _label(m, runs / "a" / "metrics.json") == "single x1 (a)"
+
+
+def test_plot_without_matplotlib_is_one_line(runs, tmp_path):
+    """matplotlib is not a core dependency (`pip install -e .` leaves it out): say so, not a traceback."""
+    (tmp_path / "matplotlib.py").write_text("raise ImportError('No module named matplotlib')\n")
+    result = dtrain("plot", runs / "a", "-o", tmp_path / "x.png", cwd=tmp_path)  # python -m: cwd comes first
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "pip install matplotlib" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

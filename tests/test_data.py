@@ -310,6 +310,13 @@ def test_mnist_label_count_mismatch(fake_mnist_dir):
         load_dataset("mnist", fake_mnist_dir)
 
 
+def test_mnist_negative_labels_are_refused(fake_mnist_dir):
+    labels = np.arange(10, dtype=np.int8) - 1  # -1 would silently pick the last class
+    (fake_mnist_dir / "t10k-labels-idx1-ubyte").write_bytes(idx_bytes(0x09, (10,), labels.tobytes()))
+    with pytest.raises(DataError, match="the test labels include -1"):
+        load_dataset("mnist", fake_mnist_dir)
+
+
 def test_mnist_labels_must_be_a_vector(fake_mnist_dir):
     write_idx(fake_mnist_dir / "t10k-labels-idx1-ubyte", np.zeros((10, 1), dtype=np.uint8))
     with pytest.raises(DataError, match=r"labels \(n,\)"):

@@ -29,6 +29,7 @@ def test_lesson_01_single_device_trains():
     accuracy = re.search(r"final test accuracy ([\d.]+)%", result.stdout)
     assert accuracy, result.stdout
     assert float(accuracy.group(1)) > 80, result.stdout  # two epochs on digits already reach ~95%
+    assert "bit-identical to the weights of the loop in section 3: yes" in result.stdout, result.stdout
 
 
 @pytest.mark.mpi

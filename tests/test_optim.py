@@ -184,6 +184,8 @@ def test_bad_learning_rates_raise(cls, lr):
         (lambda m: SGD(m, lr=0.1, momentum=-0.1), "momentum"),
         (lambda m: SGD(m, lr=0.1, momentum=1.0), "momentum"),
         (lambda m: SGD(m, lr=0.1, weight_decay=-1e-4), "weight decay"),
+        (lambda m: SGD(m, lr=0.1, weight_decay=math.nan), "weight decay"),
+        (lambda m: Adam(m, lr=0.1, weight_decay=math.inf), "weight decay"),
         (lambda m: Adam(m, lr=0.1, betas=(1.0, 0.999)), "betas"),
         (lambda m: Adam(m, lr=0.1, betas=(0.9, -0.1)), "betas"),
         (lambda m: Adam(m, lr=0.1, weight_decay=-1e-4), "weight decay"),
