@@ -116,7 +116,8 @@ class Tensor:
         return out
 
     # ------------------------------------------------------------- operations
-    def __matmul__(self, other: Tensor) -> Tensor:
+    def __matmul__(self, other) -> Tensor:
+        other = _as_tensor(other, self)  # a plain array is a constant: no gradient flows to it
         a, b = self.data, other.data
 
         def backward(g):

@@ -113,6 +113,8 @@ class Adam(Optimizer):
             raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
         if not 0 <= weight_decay < math.inf:  # also refuses NaN
             raise ValueError(f"weight decay must be a finite number >= 0, got {weight_decay}")
+        if not 0 < eps < math.inf:
+            raise ValueError(f"Adam's eps must be a small positive number (1e-8 is usual), got {eps}")
         self.beta1, self.beta2, self.eps, self.weight_decay = (
             float(beta1),
             float(beta2),

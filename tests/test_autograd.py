@@ -458,3 +458,9 @@ def test_mul_by_array_that_broadcasts_the_tensor_sums_its_gradient():
     a = np.arange(6.0).reshape(2, 3)
     (w * a).sum().backward()
     np.testing.assert_array_equal(w.grad, a.sum(axis=0))
+
+
+def test_matmul_by_a_plain_array_treats_it_as_a_constant():
+    y = Tensor(np.arange(6.0).reshape(3, 2), requires_grad=True)
+    (y @ np.ones((2, 5))).sum().backward()  # d/dy sum(y @ B) = B summed over its columns, for every row
+    np.testing.assert_array_equal(y.grad, np.full((3, 2), 5.0))

@@ -205,3 +205,10 @@ def test_make_optimizer():
     assert isinstance(sgd, SGD) and (sgd.lr, sgd.momentum, sgd.weight_decay) == (0.2, 0.5, 0.1)
     adam = make_optimizer("adam", model, 0.01, weight_decay=0.1)
     assert isinstance(adam, Adam) and (adam.lr, adam.weight_decay) == (0.01, 0.1)
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-8, float("nan"), float("inf")])
+def test_adam_refuses_a_bad_eps(eps):
+    model = MLP([3, 2], seed=0)
+    with pytest.raises(ValueError, match="eps"):
+        Adam(model, lr=1e-3, eps=eps)
