@@ -23,11 +23,9 @@ per cycle, so the time is *bytes moved / memory bandwidth*. To go faster, move f
     np.multiply(out, s, out=out) read n,  write n       ->  11 n elements, (3k - 1) n for k inputs
 
 Once the arrays outgrow the caches, every pass goes to main memory. The fused loop below reads each input once, keeps
-the running sum in a register, and writes ``out`` once: (k + 1) n elements, 5 n instead of 11 n for k = 4. Measured
-on one core (scripts/bench_kernels.py, docs/benchmarks.md), k = 4 runs about 1.5x faster than NumPy from 1e5
-elements up and k = 8 1.5-2x: less than the 2.2x the byte count promises, because writing ``out`` first reads it
-into the cache (write-allocate) and five streams at once use the memory less efficiently than NumPy's two or three.
-A single ``add_`` is already one pass in NumPy, so Numba cannot beat it: the same bytes move either way.
+the running sum in a register, and writes ``out`` once: (k + 1) n elements, 5 n instead of 11 n for k = 4. A single
+``add_`` is already one pass in NumPy, so Numba cannot beat it: the same bytes move either way. (What the fused
+loops gain in practice, and why it is less than the byte count promises: docs/benchmarks.md.)
 
 **Why no fastmath.** ``fastmath=True`` would let the compiler regroup ``(b0 + b1) + b2`` as ``b0 + (b1 + b2)``.
 Floating-point addition is not associative, so the last bit could differ from NumPy's, and ranks (or a test) using
@@ -35,16 +33,18 @@ different backends would disagree. Without it each element is computed exactly a
 ``+ b2``, ..., each rounded to the array's dtype, then times the factor cast to that dtype. The loop still uses SIMD,
 because that needs no regrouping: element i and element i + 1 are independent.
 
-**Which implementation runs (the dispatch rule).**
+**Which implementation runs (the dispatch rule).** It is written once, in ``_dispatch``; each kernel only supplies
+its three implementations.
 
 1. A CuPy array goes to CuPy (its ufuncs; a generated elementwise kernel for ``sum_scale_``).
 2. Otherwise the CPU backend decides: environment variable ``DTRAIN_KERNELS`` = ``auto`` (the default: Numba if it
    can be imported, else NumPy), ``numba`` (an error if it is missing) or ``numpy``. :func:`use` switches at run time,
    :func:`backend_name` says which one is active, :func:`describe` says why.
 3. With Numba, ``sum_scale_`` of fewer than ``FUSED_MIN_SIZE`` elements still goes to NumPy: checking the arguments
-   and entering a compiled function costs about a microsecond, more than NumPy needs for a small job. ``add_``,
-   ``max_`` and ``scale_`` go to NumPy below ``NUMBA_MIN_SIZE``, which is large: a single pass moves the same bytes
-   either way, so single-threaded the loop only ties with NumPy, and only its prange twin (rule 4) can win. Arrays
+   and entering a compiled function costs about a microsecond, more than NumPy needs for a small job (so does a
+   ``sum_scale_`` of one input, a plain scale: one NumPy pass at any size). ``add_``, ``max_`` and ``scale_`` go to
+   NumPy below ``NUMBA_MIN_SIZE``, which is large: a single pass moves the same bytes either way, so
+   single-threaded the loop only ties with NumPy, and only its prange twin (rule 4) can win. Arrays
    the compiled loops do not handle (non-contiguous, read-only, mixed dtypes or shapes, other dtypes) also go to
    NumPy, which gives them its usual result or error.
 4. Large arrays (``PARALLEL_MIN_SIZE`` elements and up) use a ``prange`` twin of each loop, split across Numba's
@@ -59,9 +59,12 @@ given dtype (and number of inputs), and ``cache=True`` keeps the machine code on
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -91,20 +94,27 @@ _NUMBA_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _numpy_add(dst, src):
+# Every implementation of every kernel takes ``(arrays, factor)``: ``arrays[0]`` is the destination, the rest the
+# inputs (``sum_scale_``'s ``bufs``, which may start with the destination itself); ``factor`` is already cast to the
+# destination's dtype, and None for add_ and max_, which do not scale.
+
+
+def _numpy_add(arrays, factor):
+    dst, src = arrays
     np.add(dst, src, out=dst)
 
 
-def _numpy_max(dst, src):
+def _numpy_max(arrays, factor):
+    dst, src = arrays
     np.maximum(dst, src, out=dst)
 
 
-def _numpy_scale(buf, factor):
-    np.multiply(buf, buf.dtype.type(factor), out=buf)
+def _numpy_scale(arrays, factor):
+    np.multiply(arrays[0], factor, out=arrays[0])
 
 
-def _numpy_sum_scale(out, bufs, factor):
-    factor = out.dtype.type(factor)
+def _numpy_sum_scale(arrays, factor):
+    out, bufs = arrays[0], arrays[1:]
     if len(bufs) == 1:
         np.multiply(bufs[0], factor, out=out)
         return
@@ -203,12 +213,26 @@ def _flat(arrays):
     return arrays if len(shape) == 1 else tuple(a.reshape(-1) for a in arrays)
 
 
-def _numba_sum_scale(out, bufs, factor, flat):
-    """``sum_scale_`` with the fused loops, ``MAX_FUSED`` inputs per pass; ``flat`` = [out, *bufs] as 1-D views."""
+# The Numba side of each kernel: ``(loops, flat, arrays, factor)``, ``flat`` being ``arrays`` as 1-D views (_flat).
+
+
+def _numba_add(loops, flat, arrays, factor):
+    loops.add(flat[0], flat[1])
+
+
+def _numba_max(loops, flat, arrays, factor):
+    loops.max(flat[0], flat[1])
+
+
+def _numba_scale(loops, flat, arrays, factor):
+    loops.scale(flat[0], factor)
+
+
+def _numba_sum_scale(loops, flat, arrays, factor):
+    """``sum_scale_`` with the fused loops, ``MAX_FUSED`` inputs per pass (two inputs at least: see sum_scale_)."""
     out_flat, flat_bufs = flat[0], flat[1:]
-    factor, one = out.dtype.type(factor), out.dtype.type(1)
-    loops = _loops(out.size)
-    if out is bufs[0]:
+    one = arrays[0].dtype.type(1)
+    if arrays[0] is arrays[1]:  # accumulating into bufs[0] (compare the arrays: their 1-D views are new objects)
         first, rest = out_flat, flat_bufs[1:]
     else:
         first, rest = flat_bufs[0], flat_bufs[1:]
@@ -248,12 +272,23 @@ def _cupy_sum_scale_kernel(k: int):
     return _cupy_sum_kernels[k]
 
 
-def _cupy_sum_scale(out, bufs, factor):
-    import cupy
+def _cupy_add(arrays, factor):
+    _cupy().add(arrays[0], arrays[1], out=arrays[0])
 
-    factor, one = out.dtype.type(factor), out.dtype.type(1)
+
+def _cupy_max(arrays, factor):
+    _cupy().maximum(arrays[0], arrays[1], out=arrays[0])
+
+
+def _cupy_scale(arrays, factor):
+    _cupy().multiply(arrays[0], factor, out=arrays[0])
+
+
+def _cupy_sum_scale(arrays, factor):
+    out, bufs = arrays[0], arrays[1:]
+    one = out.dtype.type(1)
     if len(bufs) == 1:
-        cupy.multiply(bufs[0], factor, out=out)
+        _cupy().multiply(bufs[0], factor, out=out)
         return
     first, rest = bufs[0], list(bufs[1:])
     while rest:
@@ -328,46 +363,50 @@ def describe() -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class _Kernel(NamedTuple):
+    """One reduction, implemented three times (each with the ``(arrays, factor)`` signature above)."""
+
+    numpy: Callable
+    numba: Callable
+    cupy: Callable
+
+
+_ADD = _Kernel(_numpy_add, _numba_add, _cupy_add)
+_MAX = _Kernel(_numpy_max, _numba_max, _cupy_max)
+_SCALE = _Kernel(_numpy_scale, _numba_scale, _cupy_scale)
+_SUM_SCALE = _Kernel(_numpy_sum_scale, _numba_sum_scale, _cupy_sum_scale)
+
+
+def _dispatch(kernel: _Kernel, numba_from: float, arrays: tuple, factor=None):
+    """Run ``kernel`` on ``arrays`` by the dispatch rule of the module docstring; return the destination.
+
+    A CuPy array goes to CuPy (rule 1). Otherwise the Numba loops run from ``numba_from`` elements on (rule 3: the
+    caller passes the threshold, read when it is called), when Numba is the backend (rule 2) and the loops can take
+    these arrays; everything else goes to NumPy.
+    """
+    out = arrays[0]
+    if type(out) is not np.ndarray and is_device_array(out):
+        kernel.cupy(arrays, factor)
+    elif out.size >= numba_from and _resolve() == "numba" and (flat := _flat(arrays)) is not None:
+        kernel.numba(_loops(out.size), flat, arrays, factor)
+    else:
+        kernel.numpy(arrays, factor)
+    return out
+
+
 def add_(dst, src):
     """``dst += src`` in place; returns ``dst``."""
-    if type(dst) is not np.ndarray and is_device_array(dst):
-        _cupy().add(dst, src, out=dst)
-        return dst
-    if dst.size >= NUMBA_MIN_SIZE and _resolve() == "numba":
-        flat = _flat((dst, src))
-        if flat is not None:
-            _loops(dst.size).add(*flat)
-            return dst
-    _numpy_add(dst, src)
-    return dst
+    return _dispatch(_ADD, NUMBA_MIN_SIZE, (dst, src))
 
 
 def max_(dst, src):
     """``dst = maximum(dst, src)`` in place (a NaN in either wins, as with ``np.maximum``); returns ``dst``."""
-    if type(dst) is not np.ndarray and is_device_array(dst):
-        _cupy().maximum(dst, src, out=dst)
-        return dst
-    if dst.size >= NUMBA_MIN_SIZE and _resolve() == "numba":
-        flat = _flat((dst, src))
-        if flat is not None:
-            _loops(dst.size).max(*flat)
-            return dst
-    _numpy_max(dst, src)
-    return dst
+    return _dispatch(_MAX, NUMBA_MIN_SIZE, (dst, src))
 
 
 def scale_(buf, factor):
     """``buf *= factor`` in place, the factor cast to ``buf``'s dtype first; returns ``buf``."""
-    if type(buf) is not np.ndarray and is_device_array(buf):
-        _cupy().multiply(buf, buf.dtype.type(factor), out=buf)
-        return buf
-    if buf.size >= NUMBA_MIN_SIZE and _resolve() == "numba":
-        flat = _flat((buf,))
-        if flat is not None:
-            _loops(buf.size).scale(flat[0], buf.dtype.type(factor))
-            return buf
-    _numpy_scale(buf, factor)
-    return buf
+    return _dispatch(_SCALE, NUMBA_MIN_SIZE, (buf,), buf.dtype.type(factor))
 
 
 def sum_scale_(out, bufs, factor):
@@ -378,22 +417,16 @@ def sum_scale_(out, bufs, factor):
     """
     if not bufs:
         raise ValueError("sum_scale_ needs at least one input buffer")
-    if type(out) is not np.ndarray and is_device_array(out):
-        _cupy_sum_scale(out, bufs, factor)
-        return out
-    if len(bufs) > 1 and out.size >= FUSED_MIN_SIZE and _resolve() == "numba":
-        flat = _flat((out, *bufs))
-        if flat is not None:
-            _numba_sum_scale(out, bufs, factor, flat)
-            return out
-    _numpy_sum_scale(out, bufs, factor)
-    return out
+    numba_from = FUSED_MIN_SIZE if len(bufs) > 1 else math.inf  # one input is a scale: one NumPy pass already
+    return _dispatch(_SUM_SCALE, numba_from, (out, *bufs), out.dtype.type(factor))
+
+
+_REDUCTIONS = {"sum": _ADD, "avg": _ADD, "max": _MAX}  # an average adds: the caller applies its 1/p
 
 
 def reduce_(dst, src, op):
     """``dst op= src`` for op "sum"/"avg" (an add: the 1/p of an average is applied by the caller) or "max"."""
-    if op in ("sum", "avg"):
-        return add_(dst, src)
-    if op == "max":
-        return max_(dst, src)
-    raise ValueError(f"unknown reduction op {op!r}: choose sum, avg or max")
+    kernel = _REDUCTIONS.get(op)
+    if kernel is None:
+        raise ValueError(f"unknown reduction op {op!r}: choose sum, avg or max")
+    return _dispatch(kernel, NUMBA_MIN_SIZE, (dst, src))

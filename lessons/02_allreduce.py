@@ -94,7 +94,12 @@ comm.Allreduce(src, mpi_result, op=MPI.SUM)
 mpi_agrees_with_numpy = bool(np.array_equal(mpi_result, expected))
 
 tracer = Tracer()
-tcomm = TracedComm(comm, tracer)  # one traced communicator for the whole run: hierarchical caches its sub-comms
+tcomm = TracedComm(comm, tracer)  # one traced communicator for the whole run
+# The hierarchical algorithms run on nodes: split the communicator once (a collective call, slower than a small
+# all-reduce) and hand the topology to every call; the other algorithms ignore it. The traced communicator gets its
+# own, whose sub-communicators are traced too.
+nodes = hierarchical.topology(comm, K)
+traced_nodes = hierarchical.topology(tcomm, K)
 buf = np.empty_like(src)
 trace_events = []  # this rank's events, one traced all-reduce per algorithm
 rows = []
@@ -124,9 +129,9 @@ for alg in algorithms:
         continue
     name = costmodel.choose(nbytes, p) if alg == "auto" else alg  # what actually runs
 
-    # 1. warm up (Numba compilation, MPI connections, hierarchical's sub-communicators) and check the result
+    # 1. warm up (Numba compilation, MPI connections) and check the result
     buf[...] = src
-    allreduce(comm, buf, algorithm=alg, ranks_per_node=K)
+    allreduce(comm, buf, algorithm=alg, topology=nodes)
     ok = correct()
 
     # 2. time it: the slowest rank's time of each run, then the median over runs
@@ -135,19 +140,19 @@ for alg in algorithms:
         buf[...] = src
         comm.Barrier()
         start = time.perf_counter()
-        allreduce(comm, buf, algorithm=alg, ranks_per_node=K)
+        allreduce(comm, buf, algorithm=alg, topology=nodes)
         times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         ok = ok and correct()
 
     # 3. count what this rank sends, with the tracer (one untimed warm-up first, so only the all-reduce is counted)
     buf[...] = src
-    allreduce(tcomm, buf, algorithm=alg, ranks_per_node=K)
+    allreduce(tcomm, buf, algorithm=alg, topology=traced_nodes)
     tracer.reset()
     buf[...] = src
     label = "allreduce/auto" if alg == "auto" else f"allreduce/{name}"
     span = tracer.operation(label, nbytes=nbytes) if alg == "auto" else contextlib.nullcontext()
     with span:  # auto's own span, so its row in the trace says "auto" around the algorithm it picked
-        allreduce(tcomm, buf, algorithm=alg, ranks_per_node=K)
+        allreduce(tcomm, buf, algorithm=alg, topology=traced_nodes)
     ok = ok and correct()
     sent = tracer.summary()["operations"][label]["bytes_sent"]
     formula = costmodel.bytes_sent(name, count, 4, p, rank, K)
@@ -169,6 +174,9 @@ for alg in algorithms:
                 "formula": [f for _, f in sent_by_rank],
             }
         )
+
+nodes.free()  # collective, like the split
+traced_nodes.free()
 
 # --------------------------------------------------------------------------------------------------- report
 if args.trace:

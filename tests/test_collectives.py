@@ -235,18 +235,61 @@ def test_tracer_labels_each_call_with_its_algorithm():
     assert ops["allreduce/ring"]["payload_bytes"] == 400
 
 
-def test_node_communicators_are_made_once_per_comm_and_k():
+def test_a_topology_is_built_once_and_reused_by_every_call():
     def fn(comm):
-        first = hierarchical.topology(comm, 2)
-        again = hierarchical.topology(comm, 2)
-        other = hierarchical.topology(comm, 3)
-        sizes = (first.node.Get_size(), first.cross.Get_size(), first.leaders is not None)
-        hierarchical.free_communicators()
-        return first is again and first is not other, sizes
+        topo = hierarchical.topology(comm, 2)
+        subs = (topo.node, topo.leaders, topo.cross)
+        sizes = (topo.node.Get_size(), topo.cross.Get_size(), topo.leaders is not None)
+        buf = np.ones(10)
+        for _ in range(3):
+            collectives.allreduce(comm, buf, algorithm="hierarchical", topology=topo)
+        same = (topo.node, topo.leaders, topo.cross) == subs  # nothing was split again or swapped
+        topo.free()
+        return same, sizes, buf[0], topo.node_sizes
 
     results = sim.run(5, fn)
-    assert all(same for same, _ in results)
-    assert [sizes for _, sizes in results] == [(2, 3, True), (2, 2, False), (2, 3, True), (2, 2, False), (1, 3, True)]
+    assert all(same for same, *_ in results)
+    assert [sizes for _, sizes, *_ in results] == [
+        (2, 3, True), (2, 2, False), (2, 3, True), (2, 2, False), (1, 3, True)
+    ]  # fmt: skip
+    assert all(value == 5**3 and layout == (2, 2, 1) for _, _, value, layout in results)
+
+
+def test_free_frees_the_sub_communicators():
+    def fn(comm):
+        topo = hierarchical.topology(comm, 2)
+        topo.free()
+        return [sub._freed for sub in (topo.node, topo.leaders, topo.cross) if sub is not None]
+
+    assert all(all(freed) for freed in sim.run(4, fn))
+
+
+def test_without_a_topology_the_call_builds_one_and_frees_it(monkeypatch):
+    made = []
+    real = hierarchical.topology
+    monkeypatch.setattr(hierarchical, "topology", lambda comm, k=None: made.append(real(comm, k)) or made[-1])
+
+    def fn(comm):
+        buf = np.full(6, float(comm.Get_rank()))
+        collectives.allreduce(comm, buf, algorithm="hierarchical_rs", ranks_per_node=2)
+        collectives.allreduce(comm, buf, op="avg", algorithm="hierarchical")  # the real nodes: one node here
+        return buf.tolist()
+
+    assert sim.run(4, fn) == [[6.0] * 6] * 4
+    assert len(made) == 8 and all(sub._freed for topo in made for sub in (topo.node, topo.cross))
+
+
+def test_a_topology_belongs_to_its_communicator():
+    def fn(comm):
+        half = comm.Split(comm.Get_rank() % 2, 0)
+        topo = hierarchical.topology(comm, 2)
+        try:
+            collectives.allreduce(half, np.ones(4), algorithm="hierarchical", topology=topo)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    assert all("another communicator" in message for message in sim.run(4, fn))
 
 
 def test_reduce_scatter_leaves_rank_r_owning_chunk_r():
@@ -259,25 +302,31 @@ def test_reduce_scatter_leaves_rank_r_owning_chunk_r():
     assert sim.run(4, fn) == [total[a:b].tolist() for a, b in collectives.chunk_bounds(10, 4)]
 
 
-def test_a_new_tracer_wrapper_reuses_the_split_and_counts_into_its_own_tracer():
+def test_a_traced_communicators_topology_counts_into_its_tracer():
     def fn(comm):
-        first, second = TracedComm(comm, Tracer()), TracedComm(comm, Tracer())
-        a, b = hierarchical.topology(first, 2), hierarchical.topology(second, 2)
-        same_split = hierarchical.untraced(a.node) is hierarchical.untraced(b.node)
+        untraced, traced = Tracer(), Tracer()
+        plain = TracedComm(comm, untraced)  # another tracer on the same communicator: must count nothing
+        tcomm = TracedComm(comm, traced)
+        topo = hierarchical.topology(tcomm, 2)
+        traced_subs = all(isinstance(sub, TracedComm) and sub.tracer is traced for sub in (topo.node, topo.cross))
         buf = np.ones(10)
-        collectives.allreduce(second, buf, algorithm="hierarchical", ranks_per_node=2)
-        counted = second.tracer.summary()["operations"]["allreduce/hierarchical"]["messages_sent"]
-        hierarchical.free_communicators()
-        return same_split, first.tracer.summary()["totals"]["messages_sent"], counted, buf[0]
+        collectives.allreduce(tcomm, buf, algorithm="hierarchical", topology=topo)
+        counted = traced.summary()["operations"]["allreduce/hierarchical"]["messages_sent"]
+        topo.free()
+        return traced_subs, plain.tracer.summary()["totals"]["messages_sent"], counted, buf[0]
 
-    for same_split, first_sent, counted, value in sim.run(4, fn):
-        assert same_split and first_sent == 0 and counted > 0 and value == 4.0
+    for traced_subs, other_sent, counted, value in sim.run(4, fn):
+        assert traced_subs and other_sent == 0 and counted > 0 and value == 4.0
 
 
-def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node():
+@pytest.mark.parametrize("given", [True, False], ids=["topology", "per-call"])
+def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node(given):
     def fn(comm):
         k = 2 if comm.Get_rank() == 0 else 1
-        collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", ranks_per_node=k)
+        if given:
+            collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", topology=hierarchical.topology(comm, k))
+        else:
+            collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", ranks_per_node=k)
 
     collectives.set_debug(True)
     try:
@@ -287,3 +336,17 @@ def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node():
         collectives.set_debug(None)
     assert isinstance(info.value.exception, collectives.CollectiveMismatchError)
     assert "ranks_per_node" in str(info.value.exception)
+
+
+def test_debug_mode_catches_a_topology_given_on_one_rank_and_not_another():
+    def fn(comm):
+        topo = hierarchical.topology(comm, 1)
+        collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", topology=topo if comm.Get_rank() else None)
+
+    collectives.set_debug(True)
+    try:
+        with pytest.raises(sim.SimRankError) as info:
+            sim.run(2, fn)
+    finally:
+        collectives.set_debug(None)
+    assert "topology='given'" in str(info.value.exception) and "topology='per call'" in str(info.value.exception)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from mpi_util import run_mpi_code
 
-from dtrain.comm import gpu, sim, waitall
-from dtrain.comm.gpu import StagedComm
+from dtrain.comm import cuda_aware, names, sim, staging, waitall
+from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import TracedComm
 
 
@@ -171,9 +171,9 @@ def test_in_place_allreduce_copies_the_buffer_down_and_back_up():
     inner, device = RecordingComm(), FakeDevice()
     comm = StagedComm(inner, cuda_aware=False, device=device)
     buf = FakeGpuArray(np.arange(5, dtype=np.float32))
-    comm.Allreduce(sim.IN_PLACE, buf)
+    comm.Allreduce(names.IN_PLACE, buf)
     _, sendbuf, _ = inner.calls[0]
-    assert sendbuf is sim.IN_PLACE
+    assert sendbuf is names.IN_PLACE
     assert np.array_equal(buf.get(), np.full(5, 7.0))
     assert (comm.staged_bytes_to_host, comm.staged_bytes_to_device) == (20, 20)
 
@@ -190,7 +190,7 @@ def test_irecv_copies_up_only_when_the_request_completes():
     comm = StagedComm(inner, cuda_aware=False, device=device)
     buf = gpu_array(8, 0.0)
     request = comm.Irecv(buf, 1)
-    assert isinstance(request, gpu.StagedRequest) and request.tag == "irecv"  # other attributes are forwarded
+    assert isinstance(request, staging.StagedRequest) and request.tag == "irecv"  # other attributes are forwarded
     assert comm.staged_bytes_to_device == 0 and np.array_equal(buf.get(), np.zeros(8))
     waitall([request])
     assert comm.staged_bytes_to_device == 32 and np.array_equal(buf.get(), np.full(8, 7.0))
@@ -269,7 +269,7 @@ def exchange(comm, device, cuda_aware=None):
     total = gpu_array(6, 0.0)
     staged.Allreduce(mine, total)
     results["allreduce"] = total.get()
-    staged.Allreduce(sim.IN_PLACE, mine)
+    staged.Allreduce(names.IN_PLACE, mine)
     results["allreduce in place"] = mine.get()
     shared = FakeGpuArray(np.full(3, 42.0 if rank == 1 else 0.0))
     staged.Bcast(shared, root=1)
@@ -310,7 +310,7 @@ def test_split_and_dup_stay_staged_and_share_the_counters():
         staged = StagedComm(TracedComm(comm), device=device)  # the tracer is seen through: still the simulator
         assert not staged.cuda_aware
         half = staged.Split(color=comm.Get_rank() % 2)
-        nobody = staged.Split(color=sim.UNDEFINED)
+        nobody = staged.Split(color=names.UNDEFINED)
         twin = staged.Dup()
         assert isinstance(half, StagedComm) and isinstance(twin, StagedComm) and nobody is None
         got = gpu_array(4, 0.0)
@@ -354,7 +354,7 @@ def test_cupy_device_adapter_with_a_stand_in_cupy(monkeypatch):
 
     def run(comm):
         staged = StagedComm(comm)  # the default device adapter: CupyDevice
-        assert isinstance(staged.device, gpu.CupyDevice)
+        assert isinstance(staged.device, staging.CupyDevice)
         rank = comm.Get_rank()
         mine = StandInCupyArray(np.full(4, rank + 1.0, dtype=np.float32), log)
         theirs = StandInCupyArray(np.zeros(4, dtype=np.float32), log)
@@ -363,7 +363,7 @@ def test_cupy_device_adapter_with_a_stand_in_cupy(monkeypatch):
 
     assert sim.run(2, run) == [([2.0] * 4, 16, 16), ([1.0] * 4, 16, 16)]
     assert log.count(("get", stream)) == log.count(("set", stream)) == 2 and log.count("synchronize") == 4
-    device = gpu.CupyDevice()
+    device = staging.CupyDevice()
     pinned = device.alloc_pinned(24, np.dtype(np.float64))
     assert type(pinned) is np.ndarray and pinned.shape == (3,) and pinned.dtype == np.float64
 
@@ -375,28 +375,28 @@ def test_cupy_device_adapter_with_a_stand_in_cupy(monkeypatch):
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), (" 1\n", True)])
 def test_environment_override(monkeypatch, value, expected):
-    monkeypatch.setenv(gpu.ENV_VAR, value)
-    monkeypatch.setattr(gpu, "_ask_mpi_library", lambda: pytest.fail("the library must not be asked"))
-    assert gpu.cuda_aware_mpi() is expected
-    assert gpu.ENV_VAR in gpu.cuda_awareness_reason()
+    monkeypatch.setenv(cuda_aware.ENV_VAR, value)
+    monkeypatch.setattr(cuda_aware, "_ask_mpi_library", lambda: pytest.fail("the library must not be asked"))
+    assert cuda_aware.cuda_aware_mpi() is expected
+    assert cuda_aware.ENV_VAR in cuda_aware.cuda_awareness_reason()
     assert StagedComm(RecordingComm(), device=FakeDevice()).cuda_aware is expected
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "2", "-1"])
 def test_environment_override_rejects_other_values(monkeypatch, value):
-    monkeypatch.setenv(gpu.ENV_VAR, value)
-    with pytest.raises(ValueError, match=rf"{gpu.ENV_VAR}=.*use 1 .* 0 "):
-        gpu.cuda_aware_mpi()
+    monkeypatch.setenv(cuda_aware.ENV_VAR, value)
+    with pytest.raises(ValueError, match=rf"{cuda_aware.ENV_VAR}=.*use 1 .* 0 "):
+        cuda_aware.cuda_aware_mpi()
 
 
 def test_the_installed_mpi_library_is_asked_once(monkeypatch):
-    monkeypatch.delenv(gpu.ENV_VAR, raising=False)
-    monkeypatch.setattr(gpu, "_library_answer", None)
-    aware = gpu.cuda_aware_mpi()
-    reason = gpu.cuda_awareness_reason()
+    monkeypatch.delenv(cuda_aware.ENV_VAR, raising=False)
+    monkeypatch.setattr(cuda_aware, "_library_answer", None)
+    aware = cuda_aware.cuda_aware_mpi()
+    reason = cuda_aware.cuda_awareness_reason()
     assert isinstance(aware, bool) and reason
-    monkeypatch.setattr(gpu, "_ask_mpi_library", lambda: pytest.fail("asked twice"))
-    assert gpu.cuda_aware_mpi() is aware
+    monkeypatch.setattr(cuda_aware, "_ask_mpi_library", lambda: pytest.fail("asked twice"))
+    assert cuda_aware.cuda_aware_mpi() is aware
     from mpi4py import MPI
 
     if "pypi.org/p/mpich" in MPI.Get_library_version():  # the mpich wheel: built without CUDA, and it says so
@@ -405,15 +405,15 @@ def test_the_installed_mpi_library_is_asked_once(monkeypatch):
 
 
 def test_any_failure_means_not_aware(monkeypatch):
-    monkeypatch.delenv(gpu.ENV_VAR, raising=False)
-    monkeypatch.setattr(gpu, "_library_answer", None)
+    monkeypatch.delenv(cuda_aware.ENV_VAR, raising=False)
+    monkeypatch.setattr(cuda_aware, "_library_answer", None)
 
     def broken():
         raise OSError("cannot map library")
 
-    monkeypatch.setattr(gpu, "_ask_mpi_library", broken)
-    assert gpu.cuda_aware_mpi() is False
-    assert "failed" in gpu.cuda_awareness_reason() and "cannot map library" in gpu.cuda_awareness_reason()
+    monkeypatch.setattr(cuda_aware, "_ask_mpi_library", broken)
+    assert cuda_aware.cuda_aware_mpi() is False
+    assert "failed" in cuda_aware.cuda_awareness_reason() and "cannot map library" in cuda_aware.cuda_awareness_reason()
 
 
 class FakeFunction:
@@ -428,20 +428,20 @@ class FakeFunction:
 
 def test_query_functions_are_read_correctly():
     open_mpi_style = types.SimpleNamespace(MPIX_Query_cuda_support=FakeFunction(lambda: 1))
-    assert gpu._query_cuda_support(open_mpi_style) == (True, "MPIX_Query_cuda_support()")
+    assert cuda_aware._query_cuda_support(open_mpi_style) == (True, "MPIX_Query_cuda_support()")
 
     def gpu_query(kind, flag_pointer):
-        assert kind == gpu.MPIX_GPU_SUPPORT_CUDA
+        assert kind == cuda_aware.MPIX_GPU_SUPPORT_CUDA
         flag_pointer._obj.value = 1  # what the C function does through its int* argument
         return 0
 
     mpich_style = types.SimpleNamespace(MPIX_GPU_query_support=FakeFunction(gpu_query))
-    assert gpu._query_cuda_support(mpich_style) == (True, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)")
+    assert cuda_aware._query_cuda_support(mpich_style) == (True, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)")
     failing = types.SimpleNamespace(MPIX_GPU_query_support=FakeFunction(lambda kind, flag: 1))
-    assert gpu._query_cuda_support(failing)[0] is False
+    assert cuda_aware._query_cuda_support(failing)[0] is False
     libc = ctypes.util.find_library("c")
     if libc:
-        assert gpu._query_cuda_support(ctypes.CDLL(libc)) is None  # the C library has no MPI in it
+        assert cuda_aware._query_cuda_support(ctypes.CDLL(libc)) is None  # the C library has no MPI in it
 
 
 def test_loaded_mpi_libraries_are_found():
@@ -449,7 +449,7 @@ def test_loaded_mpi_libraries_are_found():
 
     if not Path("/proc/self/maps").exists():
         pytest.skip("no /proc/self/maps on this platform")
-    assert any("libmpi" in Path(p).name for p in gpu._loaded_mpi_libraries())
+    assert any("libmpi" in Path(p).name for p in cuda_aware._loaded_mpi_libraries())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 from mpi_util import run_mpi_code
 
-from dtrain.comm import sim, waitall
+from dtrain.comm import names, sim, waitall
 
 
 def _rank_threads_alive() -> list[str]:
@@ -38,8 +38,8 @@ def test_rank_and_size():
 
 
 def test_constants_are_mpi4pys():
-    assert (sim.ANY_SOURCE, sim.ANY_TAG, sim.PROC_NULL) == (MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.PROC_NULL)
-    assert sim.IN_PLACE is MPI.IN_PLACE and sim.SUM is MPI.SUM and sim.MAX is MPI.MAX
+    assert (names.ANY_SOURCE, names.ANY_TAG, names.PROC_NULL) == (MPI.ANY_SOURCE, MPI.ANY_TAG, MPI.PROC_NULL)
+    assert names.IN_PLACE is MPI.IN_PLACE and names.SUM is MPI.SUM and names.MAX is MPI.MAX
 
 
 def test_messages_with_one_tag_do_not_overtake_and_tags_select():
@@ -70,9 +70,9 @@ def test_wildcards_and_status():
             return None
         buf = np.zeros(8, dtype=np.int32)
         status = sim.SimStatus()
-        comm.Recv(buf, source=sim.ANY_SOURCE, tag=12, status=status)  # only rank 2 uses tag 12
+        comm.Recv(buf, source=names.ANY_SOURCE, tag=12, status=status)  # only rank 2 uses tag 12
         first = (status.Get_source(), status.Get_tag(), status.Get_count(), buf[:3].tolist())
-        comm.Recv(buf, source=sim.ANY_SOURCE, tag=sim.ANY_TAG, status=status)  # what is left: rank 1's
+        comm.Recv(buf, source=names.ANY_SOURCE, tag=names.ANY_TAG, status=status)  # what is left: rank 1's
         return first, (status.Get_source(), status.Get_tag(), status.Get_count(np.int32), buf[:2].tolist())
 
     first, second = sim.run(3, program)[0]
@@ -89,7 +89,7 @@ def test_any_source_takes_every_sender_once():
         status = sim.SimStatus()
         buf = np.empty(1)
         for _ in range(comm.size - 1):
-            comm.Recv(buf, source=sim.ANY_SOURCE, tag=sim.ANY_TAG, status=status)
+            comm.Recv(buf, source=names.ANY_SOURCE, tag=names.ANY_TAG, status=status)
             got.append((status.Get_source(), status.Get_tag(), float(buf[0])))
         return sorted(got)
 

@@ -8,8 +8,17 @@
     rabenseifner      doubling.py       2 log2 p        2 (p-1)/p n                            large, power-of-2 p
     hierarchical      hierarchical.py   tree+ring+tree  leaders: ring on n                     nodes, small n
     hierarchical_rs   hierarchical.py   ring x 3        2 (K-1)/K n + ring on n/K              nodes, large n
-    mpi               (MPI's own)       ?               ?                                      the baseline
+    mpi               native.py         (MPI's own)     (MPI's own)                            the baseline
     auto              costmodel.py picks by message size and p
+
+Which file does what::
+
+    __init__.py      the front door (this file): the five collectives, the table of algorithms, one path through it
+    _checks.py       argument checks; debug mode (ranks compare their calls first)
+    _chunks.py       how a buffer is cut into p chunks; the scratch buffer each rank reuses
+    naive.py tree.py ring.py doubling.py hierarchical.py native.py      the algorithms (table above)
+    costmodel.py     alpha-beta-gamma: predicted time, exact bytes and messages per rank, the "auto" choice
+    calibration.json this machine's alpha, beta, gamma (written by scripts/calibrate.py)
 
 Everything works in place on one C-contiguous float32/float64 array (any shape; it is treated as flat)::
 
@@ -17,175 +26,124 @@ Everything works in place on one C-contiguous float32/float64 array (any shape; 
     collectives.allreduce(comm, grads, op="avg", algorithm="ring")     # returns grads, now averaged
     shard = collectives.reduce_scatter(comm, grads)                    # rank r's chunk r, a view of grads
     collectives.allgather(comm, grads)                                 # chunk r from rank r, to everyone
+    topo = hierarchical.topology(comm, ranks_per_node=2)               # nodes: built once, handed to every call
+    collectives.allreduce(comm, grads, algorithm="hierarchical", topology=topo)
 
-``comm`` is an ``mpi4py`` communicator, a simulated one (``dtrain.comm.sim``) or either wrapped by the tracer
-(``dtrain.comm.trace.TracedComm``); with the tracer each call is labelled ``"<collective>/<algorithm>"``. Ops are
-"sum", "avg" (sum / p) and "max". Chunks follow ``chunk_bounds(n, p)``: the first n % p chunks are one element longer.
+``comm`` is an ``mpi4py`` communicator, a simulated one (``dtrain.comm.sim``) or either wrapped (tracer, GPU
+staging, watchdog); with the tracer each call is labelled ``"<collective>/<algorithm>"``. Ops are "sum", "avg"
+(sum / p) and "max". Chunks follow ``chunk_bounds(n, p)``: the first n % p chunks are one element longer.
 
-Arguments are checked on every rank before anything is sent (see _checks.py); with ``DTRAIN_DEBUG=1`` (or
-``set_debug(True)``) the ranks also compare their calls first, so a mismatch raises ``CollectiveMismatchError`` on
-every rank instead of hanging.
+**One path for every collective.** :data:`TABLE` lists, per collective, each algorithm's function and what it needs
+(a power-of-two p, a topology of nodes, nodes of equal size). Every public function hands its arguments to
+``_run``, which (1) checks them on every rank before anything is sent (see _checks.py), (2) in debug mode
+(``DTRAIN_DEBUG=1`` or ``set_debug(True)``) compares every rank's call first, so a mismatch raises
+``CollectiveMismatchError`` on every rank instead of hanging, (3) picks the algorithm ("auto": the cost model's
+choice for this size and p), (4) tells the watchdog what this rank is in, labels the traffic for the tracer, and
+runs the algorithm on the flat buffer. A small all-reduce takes a few microseconds, so this path is written to cost
+about one: no closures or dictionaries made per call, the auto choice remembered per size, the debug-mode call
+number counted only in debug mode (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
+from typing import NamedTuple
 
-from dtrain import kernels
-from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, ring, tree
+import numpy as np
+
+from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, tree
 from dtrain.collectives._checks import CollectiveMismatchError, debug_enabled, set_debug
 from dtrain.collectives._chunks import chunk_bounds, chunk_offsets
-from dtrain.comm.sim import IN_PLACE, MAX, SUM
+from dtrain.comm import watchdog
+from dtrain.comm.wrapper import innermost
 
 __all__ = [
-    "ALGORITHMS", "OPS", "CollectiveMismatchError", "allgather", "allreduce", "broadcast", "chunk_bounds",
+    "ALGORITHMS", "OPS", "TABLE", "CollectiveMismatchError", "allgather", "allreduce", "broadcast", "chunk_bounds",
     "chunk_offsets", "debug_enabled", "reduce", "reduce_scatter", "set_debug",
 ]  # fmt: skip
 
 OPS = ("sum", "avg", "max")
-ALGORITHMS = ("auto", "ring", "tree", "naive", "doubling", "rabenseifner", "hierarchical", "hierarchical_rs", "mpi")
-REDUCE_ALGORITHMS = ("tree", "naive", "mpi")  # also broadcast's
-REDUCE_SCATTER_ALGORITHMS = ("ring", "rabenseifner")
-ALLGATHER_ALGORITHMS = ("ring", "doubling")
-_MPI_OPS = {"sum": SUM, "avg": SUM, "max": MAX}
+AUTO = "auto"
 
 
-def _begin(comm, collective, buf, op, root, check, ranks_per_node=None):
-    """Run ``check()`` (which returns the algorithm to use); in debug mode compare every rank's call first."""
-    seq = _checks.next_sequence(comm)
-    error, algorithm = None, None
-    try:
-        algorithm = check()
-    except (TypeError, ValueError) as exc:
-        error = exc
-    if _checks.debug_enabled():
-        try:
-            _checks.agree(comm, _checks.signature(collective, algorithm, op, buf, root, seq, error, ranks_per_node))
-        except CollectiveMismatchError as mismatch:
-            raise mismatch from error
-    if error is not None:
-        raise error
-    return algorithm
+class Algorithm(NamedTuple):
+    """One way to run a collective: its function and what it needs. ``label`` is "<collective>/<algorithm>"."""
+
+    run: Callable  # run(comm, flat_buffer, *the collective's own arguments: (op,), (root, op), (root,) or ())
+    power_of_two: bool = False  # p must be a power of two
+    nodes: bool = False  # runs on a hierarchical.Topology (passed in place of comm), not on the communicator
+    equal_nodes: bool = False  # ... whose nodes all have the same number of ranks
+    label: str = ""
 
 
-def _traced(comm, label, buf):
-    """Label the traffic inside for the tracer, when ``comm`` is traced."""
-    tracer = getattr(comm, "tracer", None)  # a TracedComm, or a wrapper around one (GPU staging forwards it)
-    if tracer is not None:
-        return tracer.operation(label, nbytes=buf.nbytes)
-    return contextlib.nullcontext()
+def _collective(name, **algorithms) -> dict:
+    """``{algorithm name: Algorithm}`` for the collective ``name``, each entry labelled with both names."""
+    return {algorithm: entry._replace(label=f"{name}/{algorithm}") for algorithm, entry in algorithms.items()}
 
 
-def _power_of_two(algorithm, p):
-    if p & (p - 1):
-        raise ValueError(f"algorithm {algorithm!r} needs a power-of-two number of ranks, not {p}: use 'ring'")
-
-
-def _check_nodes(algorithm, p, ranks_per_node):
-    if ranks_per_node is None:
-        return
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
-    sizes = hierarchical.node_sizes(p, ranks_per_node)
-    if algorithm == "hierarchical_rs" and len(set(sizes)) > 1:
-        raise ValueError(
-            f"hierarchical_rs needs nodes of equal size, {p} ranks with ranks_per_node={ranks_per_node} gives "
-            f"{list(sizes)}: use 'hierarchical', which allows a smaller last node"
-        )
-
-
-def _mpi_allreduce(comm, buf, op):
-    comm.Allreduce(IN_PLACE, buf, op=_MPI_OPS[op])
-    if op == "avg":
-        kernels.scale_(buf, 1.0 / comm.Get_size())
-    return buf
-
-
-def _mpi_reduce(comm, buf, root, op):
-    if comm.Get_rank() == root:
-        comm.Reduce(IN_PLACE, buf, op=_MPI_OPS[op], root=root)
-        if op == "avg":
-            kernels.scale_(buf, 1.0 / comm.Get_size())
-    else:
-        comm.Reduce(buf, None, op=_MPI_OPS[op], root=root)
-    return buf
-
-
-def _mpi_broadcast(comm, buf, root):
-    comm.Bcast(buf, root=root)
-    return buf
-
-
-_ALLREDUCE = {
-    "ring": lambda comm, buf, op, k: ring.allreduce(comm, buf, op),
-    "tree": lambda comm, buf, op, k: tree.allreduce(comm, buf, op),
-    "naive": lambda comm, buf, op, k: naive.allreduce(comm, buf, op),
-    "doubling": lambda comm, buf, op, k: doubling.allreduce(comm, buf, op),
-    "rabenseifner": lambda comm, buf, op, k: doubling.rabenseifner(comm, buf, op),
-    "hierarchical": lambda comm, buf, op, k: hierarchical.allreduce(comm, buf, op, k),
-    "hierarchical_rs": lambda comm, buf, op, k: hierarchical.allreduce_rs(comm, buf, op, k),
-    "mpi": lambda comm, buf, op, k: _mpi_allreduce(comm, buf, op),
+TABLE = {
+    "allreduce": _collective(
+        "allreduce",
+        ring=Algorithm(ring.allreduce),
+        tree=Algorithm(tree.allreduce),
+        naive=Algorithm(naive.allreduce),
+        doubling=Algorithm(doubling.allreduce),
+        rabenseifner=Algorithm(doubling.rabenseifner),
+        hierarchical=Algorithm(hierarchical.allreduce, nodes=True),
+        hierarchical_rs=Algorithm(hierarchical.allreduce_rs, nodes=True, equal_nodes=True),
+        mpi=Algorithm(native.allreduce),
+    ),
+    "reduce": _collective(
+        "reduce", tree=Algorithm(tree.reduce), naive=Algorithm(naive.reduce), mpi=Algorithm(native.reduce)
+    ),
+    "broadcast": _collective(
+        "broadcast", tree=Algorithm(tree.broadcast), naive=Algorithm(naive.broadcast), mpi=Algorithm(native.broadcast)
+    ),
+    "reduce_scatter": _collective(
+        "reduce_scatter",
+        ring=Algorithm(ring.reduce_scatter),
+        rabenseifner=Algorithm(doubling.reduce_scatter, power_of_two=True),
+    ),
+    "allgather": _collective(
+        "allgather", ring=Algorithm(ring.allgather), doubling=Algorithm(doubling.allgather, power_of_two=True)
+    ),
 }
-_REDUCE = {"tree": tree.reduce, "naive": naive.reduce, "mpi": _mpi_reduce}
-_BROADCAST = {"tree": tree.broadcast, "naive": naive.broadcast, "mpi": _mpi_broadcast}
+CHOOSE = {"allreduce": costmodel.choose}  # what algorithm="auto" means, for the collectives that have it
+CHOICES = {name: ((AUTO,) if name in CHOOSE else ()) + tuple(table) for name, table in TABLE.items()}
+
+ALGORITHMS = CHOICES["allreduce"]
+REDUCE_ALGORITHMS = CHOICES["reduce"]  # also broadcast's
+REDUCE_SCATTER_ALGORITHMS = CHOICES["reduce_scatter"]
+ALLGATHER_ALGORITHMS = CHOICES["allgather"]
 
 
-def allreduce(comm, buf, op="sum", algorithm="auto", *, ranks_per_node=None):
+# --- the five collectives -------------------------------------------------------------------------------------
+# Each passes the algorithm's own arguments after the buffer, in the algorithm's order (a tuple: calling with
+# positional arguments is the cheapest call), and op and root once more by name, for the checks.
+
+
+def allreduce(comm, buf, op="sum", algorithm="auto", *, topology=None, ranks_per_node=None):
     """Reduce ``buf`` over all ranks of ``comm`` in place with ``op``; every rank gets the result. Returns ``buf``.
 
-    ``ranks_per_node`` emulates nodes of that many ranks for the hierarchical algorithms (default: real nodes).
+    The hierarchical algorithms run on a ``topology`` (``hierarchical.topology(comm, ranks_per_node)``): build it
+    once and pass it to every call. Without one they still work, the way a learner would expect the line
+    ``allreduce(comm, buf, algorithm="hierarchical")`` to: the call builds a topology for itself (emulated nodes of
+    ``ranks_per_node`` ranks, else the real nodes) and frees it afterwards. That is three ``Split`` calls, each a
+    collective that costs more than a small all-reduce, so it is slow; the other algorithms ignore both arguments.
     """
-    p = comm.Get_size()
-
-    def check():
-        _checks.check_buffer(buf)
-        _checks.check_choice("op", op, OPS)
-        _checks.check_choice("algorithm", algorithm, ALGORITHMS)
-        _check_nodes(algorithm, p, ranks_per_node)
-        return costmodel.choose(buf.nbytes, p) if algorithm == "auto" else algorithm
-
-    name = _begin(comm, "allreduce", buf, op, None, check, ranks_per_node)
-    flat = buf.reshape(-1)
-    if flat.size:
-        if name.startswith("hierarchical"):  # make (or find) the node communicators outside the traced span
-            hierarchical.topology(comm, ranks_per_node)
-        with _traced(comm, f"allreduce/{name}", buf):
-            _ALLREDUCE[name](comm, flat, op, ranks_per_node)
+    _run("allreduce", comm, buf, algorithm, (op,), op=op, topology=topology, ranks_per_node=ranks_per_node)
     return buf
 
 
 def reduce(comm, buf, root=0, op="sum", algorithm="tree"):
     """Reduce every rank's ``buf`` into ``buf`` on ``root`` (other ranks' buffers may hold partial results)."""
-
-    def check():
-        _checks.check_buffer(buf)
-        _checks.check_choice("op", op, OPS)
-        _checks.check_choice("algorithm", algorithm, REDUCE_ALGORITHMS)
-        _checks.check_root(root, comm.Get_size())
-        return algorithm
-
-    _begin(comm, "reduce", buf, op, root, check)
-    flat = buf.reshape(-1)
-    if flat.size:
-        with _traced(comm, f"reduce/{algorithm}", buf):
-            _REDUCE[algorithm](comm, flat, root, op)
+    _run("reduce", comm, buf, algorithm, (root, op), op=op, root=root)
     return buf
 
 
 def broadcast(comm, buf, root=0, algorithm="tree"):
     """Copy ``buf`` from ``root`` into every rank's ``buf``. Returns ``buf``."""
-
-    def check():
-        _checks.check_buffer(buf)
-        _checks.check_choice("algorithm", algorithm, REDUCE_ALGORITHMS)
-        _checks.check_root(root, comm.Get_size())
-        return algorithm
-
-    _begin(comm, "broadcast", buf, None, root, check)
-    flat = buf.reshape(-1)
-    if flat.size:
-        with _traced(comm, f"broadcast/{algorithm}", buf):
-            _BROADCAST[algorithm](comm, flat, root)
+    _run("broadcast", comm, buf, algorithm, (root,), root=root)
     return buf
 
 
@@ -194,24 +152,7 @@ def reduce_scatter(comm, buf, op="sum", algorithm="ring"):
 
     The rest of ``buf`` holds partial results afterwards. "rabenseifner" (recursive halving) needs p a power of 2.
     """
-    p = comm.Get_size()
-
-    def check():
-        _checks.check_buffer(buf)
-        _checks.check_choice("op", op, OPS)
-        _checks.check_choice("algorithm", algorithm, REDUCE_SCATTER_ALGORITHMS)
-        if algorithm == "rabenseifner":
-            _power_of_two(algorithm, p)
-        return algorithm
-
-    _begin(comm, "reduce_scatter", buf, op, None, check)
-    flat = buf.reshape(-1)
-    if not flat.size:
-        return flat
-    with _traced(comm, f"reduce_scatter/{algorithm}", buf):
-        if algorithm == "ring":
-            return ring.reduce_scatter(comm, flat, op)
-        return doubling.reduce_scatter(comm, flat, op)
+    return _run("reduce_scatter", comm, buf, algorithm, (op,), op=op)
 
 
 def allgather(comm, buf, algorithm="ring"):
@@ -219,18 +160,117 @@ def allgather(comm, buf, algorithm="ring"):
 
     "doubling" (recursive doubling) needs p a power of 2.
     """
-    p = comm.Get_size()
-
-    def check():
-        _checks.check_buffer(buf)
-        _checks.check_choice("algorithm", algorithm, ALLGATHER_ALGORITHMS)
-        if algorithm == "doubling":
-            _power_of_two(algorithm, p)
-        return algorithm
-
-    _begin(comm, "allgather", buf, None, None, check)
-    flat = buf.reshape(-1)
-    if flat.size:
-        with _traced(comm, f"allgather/{algorithm}", buf):
-            (ring.allgather if algorithm == "ring" else doubling.allgather)(comm, flat)
+    _run("allgather", comm, buf, algorithm, ())
     return buf
+
+
+# --- the one path ---------------------------------------------------------------------------------------------
+
+
+_NONE = object()  # "this collective has no such argument" (None is a wrong value the checks must catch)
+
+
+def _run(collective, comm, buf, algorithm, args, op=_NONE, root=_NONE, topology=None, ranks_per_node=None):
+    """Check, agree (debug mode), pick, watch, label and run ``collective``; return what the algorithm returns (for
+    an empty buffer: its flat view, untouched). ``args`` go to the algorithm after the buffer."""
+    entry = error = None
+    try:
+        entry = _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node)
+    except (TypeError, ValueError) as exc:  # raised below, after the ranks have compared calls in debug mode
+        error = exc
+    if _checks.debug_enabled():
+        _agree(collective, comm, buf, entry, op, root, topology, ranks_per_node, error)
+    if error is not None:
+        raise error
+    flat = buf if buf.ndim == 1 else buf.reshape(-1)
+    if not flat.size:
+        return flat
+    token = watchdog.begin(comm, entry.label)
+    try:
+        target = comm
+        if entry.nodes:  # the algorithm runs on the nodes; without a topology, on one built for this call only
+            target = topology if topology is not None else hierarchical.topology(comm, ranks_per_node)
+        tracer = getattr(comm, "tracer", None)  # a TracedComm, or any wrapper around one (they forward attributes)
+        if tracer is None:
+            result = entry.run(target, flat, *args)
+        else:
+            with tracer.operation(entry.label, nbytes=flat.nbytes):
+                result = entry.run(target, flat, *args)
+        if target is not comm and target is not topology:
+            target.free()
+        return result
+    finally:
+        watchdog.end(token)
+
+
+def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) -> Algorithm:
+    """Check the call on this rank alone (nothing is sent) and return the table's entry for the algorithm to run."""
+    # The common buffer passes one inline test (a function call costs as much as the test); the rest, and CuPy
+    # arrays, get the detailed checks, whose errors say what is wrong.
+    if not (type(buf) is np.ndarray and buf.dtype.type in _checks.FLOAT_TYPES and buf.flags.carray):
+        _checks.check_buffer(buf)
+    if op is not _NONE and op not in OPS:
+        _checks.check_choice("op", op, OPS)
+    p = comm.Get_size()
+    if root is not _NONE:
+        _checks.check_root(root, p)
+    try:  # a name in the table, or what "auto" chose before for this size and p
+        entry = TABLE[collective].get(algorithm) or _chosen.get((collective, algorithm, buf.nbytes, p))
+    except TypeError:  # unhashable: not a name at all
+        entry = None
+    if entry is None:
+        entry = _choose(collective, algorithm, buf.nbytes, p)
+    if entry.power_of_two and p & (p - 1):
+        raise ValueError(f"algorithm {algorithm!r} needs a power-of-two number of ranks, not {p}: use 'ring'")
+    if topology is not None or ranks_per_node is not None:
+        _check_nodes(entry, comm, p, topology, ranks_per_node)
+    return entry
+
+
+_chosen: dict = {}  # (collective, "auto", nbytes, p) -> the entry "auto" picked: the cost model is asked once
+
+
+def _choose(collective, algorithm, nbytes, p) -> Algorithm:
+    """ "auto" met for the first time at this size and p: ask the cost model, remember its answer. Any other name
+    that is not in the table is an error that lists the choices."""
+    if algorithm != AUTO or collective not in CHOOSE:
+        _checks.check_choice("algorithm", algorithm, CHOICES[collective])
+    if len(_chosen) > 4096:  # a sweep over many sizes: start again rather than grow without end
+        _chosen.clear()
+    entry = _chosen[collective, algorithm, nbytes, p] = TABLE[collective][CHOOSE[collective](nbytes, p)]
+    return entry
+
+
+def _check_nodes(entry, comm, p, topology, ranks_per_node) -> None:
+    if topology is not None and ranks_per_node is not None:
+        raise ValueError("give a topology or ranks_per_node, not both (the topology knows its ranks per node)")
+    _checks.check_ranks_per_node(ranks_per_node)
+    if not entry.nodes:
+        return
+    if topology is not None:
+        if innermost(topology.comm) is not innermost(comm):
+            raise ValueError("this topology was built on another communicator: use hierarchical.topology(comm)")
+        sizes = topology.node_sizes
+    else:
+        sizes = hierarchical.node_sizes(p, ranks_per_node)
+    if entry.equal_nodes and len(set(sizes)) > 1:
+        raise ValueError(
+            f"{entry.label} needs nodes of equal size, {p} ranks in nodes of {list(sizes)} are not: use "
+            "'hierarchical', which allows a smaller last node"
+        )
+
+
+def _agree(collective, comm, buf, entry, op, root, topology, ranks_per_node, error) -> None:
+    """Debug mode: every rank's call must be the same one (see _checks.py), or every rank raises the same error."""
+    seq = _checks.next_sequence(comm)
+    algorithm = None if entry is None else entry.label.partition("/")[2]
+    nodes = entry is not None and entry.nodes
+    if topology is not None:
+        ranks_per_node = topology.ranks_per_node
+    made = ("given" if topology is not None else "per call") if nodes else None
+    op, root = (None if value is _NONE else value for value in (op, root))
+    mine = _checks.signature(collective, algorithm, op, buf, root, seq, error, ranks_per_node, made)
+    try:
+        _checks.agree(comm, mine)
+    except CollectiveMismatchError as mismatch:
+        raise mismatch from error

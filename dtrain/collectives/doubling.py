@@ -37,7 +37,7 @@ sends, per halving step, the size of the half it gives away and, per gathering s
 from __future__ import annotations
 
 from dtrain import kernels
-from dtrain.collectives._chunks import chunk_offsets, scratch
+from dtrain.collectives._chunks import offsets_for, scratch
 from dtrain.comm import sendrecv
 
 
@@ -59,10 +59,8 @@ def _real_rank(v, r):
     return 2 * v if v < r else v + r
 
 
-def _fold(comm, buf, op):
+def _fold(comm, buf, op, rank, r):
     """The first 2r ranks pair up: odd sends its buffer to even, even adds it. Returns the new rank (or None)."""
-    rank = comm.Get_rank()
-    _, r = _layout(comm.Get_size())
     v = _new_rank(rank, r)
     if rank < 2 * r:
         if v is None:
@@ -74,10 +72,8 @@ def _fold(comm, buf, op):
     return v
 
 
-def _unfold(comm, buf):
+def _unfold(comm, buf, rank, r):
     """Each even rank < 2r gives the finished result to the odd rank that folded into it."""
-    rank = comm.Get_rank()
-    _, r = _layout(comm.Get_size())
     if rank < 2 * r:
         if rank % 2:
             comm.Recv(buf, source=rank - 1)
@@ -87,26 +83,30 @@ def _unfold(comm, buf):
 
 def allreduce(comm, buf, op="sum"):
     """Recursive-doubling all-reduce: log2 p' exchanges of the whole buffer (plus the non-power-of-two fix-up)."""
-    p = comm.Get_size()
+    p, rank = comm.Get_size(), comm.Get_rank()
     p2, r = _layout(p)
-    v = _fold(comm, buf, op)
+    v = _fold(comm, buf, op, rank, r) if r else rank  # (r = 0: p is a power of two, no fix-up, v = rank)
     if v is not None:
-        # Reduce into the buffer that just *arrived*, then send that one next: writing into the buffer the partner
-        # has just read costs cache-line invalidations on its core (measured: a 1 MiB write 8x slower). So the two
-        # buffers take turns, and only the final result is copied back when it ends up in the scratch one.
+        # buf and one scratch buffer take turns: each step receives into the one not being sent and reduces into
+        # the one that just *arrived*, which is sent next (writing into the buffer the partner has just read costs
+        # cache-line invalidations on its core). The last step reduces into buf, where the result must end anyway:
+        # whichever of the two it received into, the other one is the scratch buffer.
         mine, incoming = buf, scratch(buf, buf.size)
+        work = incoming
         distance = 1
         while distance < p2:
-            partner = _real_rank(v ^ distance, r)
+            partner = _real_rank(v ^ distance, r) if r else v ^ distance
             sendrecv(comm, mine, partner, incoming, partner)
-            kernels.reduce_(incoming, mine, op)  # theirs + mine == mine + theirs: both partners end bit-identical
-            mine, incoming = incoming, mine
             distance <<= 1
-        if mine is not buf:
-            buf[...] = mine
-        if op == "avg":
-            kernels.scale_(buf, 1.0 / p)
-    _unfold(comm, buf)
+            if distance < p2:
+                kernels.reduce_(incoming, mine, op)  # theirs + mine == mine + theirs: partners end bit-identical
+                mine, incoming = incoming, mine
+            elif op == "avg":  # the last step: divide while adding, one pass over memory
+                kernels.sum_scale_(buf, [buf, work], 1.0 / p)
+            else:
+                kernels.reduce_(buf, work, op)
+    if r:
+        _unfold(comm, buf, rank, r)
     return buf
 
 
@@ -140,16 +140,16 @@ def _gathering(comm, buf, v, p2, r, offsets):
 
 def rabenseifner(comm, buf, op="sum"):
     """Rabenseifner's all-reduce: recursive-halving reduce-scatter, then recursive-doubling all-gather."""
-    p = comm.Get_size()
+    p, rank = comm.Get_size(), comm.Get_rank()
     p2, r = _layout(p)
-    v = _fold(comm, buf, op)
+    v = _fold(comm, buf, op, rank, r)
     if v is not None:
-        offsets = chunk_offsets(buf.size, p2)
-        _halving(comm, buf, op, v, p2, r, offsets)
+        cut = offsets_for(buf.size, p2)
+        _halving(comm, buf, op, v, p2, r, cut)
         if op == "avg":  # only my chunk is final here: scaling it costs 1/p' of a pass over the buffer
-            kernels.scale_(buf[offsets[v] : offsets[v + 1]], 1.0 / p)
-        _gathering(comm, buf, v, p2, r, offsets)
-    _unfold(comm, buf)
+            kernels.scale_(buf[cut[v] : cut[v + 1]], 1.0 / p)
+        _gathering(comm, buf, v, p2, r, cut)
+    _unfold(comm, buf, rank, r)
     return buf
 
 
@@ -158,9 +158,9 @@ def reduce_scatter(comm, buf, op="sum"):
     p, rank = comm.Get_size(), comm.Get_rank()
     if p & (p - 1):
         raise ValueError(f"recursive halving needs a power-of-two number of ranks, not {p}: use the ring")
-    offsets = chunk_offsets(buf.size, p)
-    _halving(comm, buf, op, rank, p, 0, offsets)
-    mine = buf[offsets[rank] : offsets[rank + 1]]
+    cut = offsets_for(buf.size, p)
+    _halving(comm, buf, op, rank, p, 0, cut)
+    mine = buf[cut[rank] : cut[rank + 1]]
     if op == "avg":
         kernels.scale_(mine, 1.0 / p)
     return mine
@@ -171,5 +171,5 @@ def allgather(comm, buf):
     p, rank = comm.Get_size(), comm.Get_rank()
     if p & (p - 1):
         raise ValueError(f"recursive doubling all-gather needs a power-of-two number of ranks, not {p}: use the ring")
-    _gathering(comm, buf, rank, p, 0, chunk_offsets(buf.size, p))
+    _gathering(comm, buf, rank, p, 0, offsets_for(buf.size, p))
     return buf

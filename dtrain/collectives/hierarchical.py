@@ -31,69 +31,50 @@ more than n/K; (3) ring all-gather inside each node. For p = 4, K = 2 (nodes {0,
 Exact bytes per rank: the sum of what it sends in each phase (tree.py and ring.py give the per-phase counts; for
 hierarchical_rs the inter-node ring runs on shard i, ``chunk_bounds(n, K)[i]``).
 
-**Nodes.** By default ``comm.Split_type(COMM_TYPE_SHARED)`` finds the ranks that share memory. On one machine that
-is everyone, so ``ranks_per_node=K`` emulates nodes instead: node = rank // K. Splitting a communicator is a
-collective call that costs far more than a small all-reduce, so the sub-communicators are made once per
-(communicator, K) and cached; :func:`free_communicators` releases them (collectively: every rank must call it).
+**Nodes** are a :class:`Topology`, built once by whoever owns the communicator and handed to every call::
+
+    topo = hierarchical.topology(comm, ranks_per_node=2)      # collective: every rank calls it, once
+    collectives.allreduce(comm, grads, algorithm="hierarchical", topology=topo)   # as often as you like
+    topo.free()                                               # collective too, when done
+
+``topology(comm)`` finds the ranks that share memory (``comm.Split_type(COMM_TYPE_SHARED)``). On one machine that is
+everyone, so ``ranks_per_node=K`` emulates nodes instead: node = rank // K, the last node possibly smaller. The
+sub-communicators are made with ``Split`` on the communicator given, so a traced communicator gives traced ones (and
+a staged one staged ones): the algorithms below never need to know which wrappers exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
-
-import numpy as np
 
 from dtrain import kernels
 from dtrain.collectives import ring, tree
-from dtrain.comm.sim import COMM_TYPE_SHARED, UNDEFINED
-from dtrain.comm.trace import TracedComm, untraced
+from dtrain.collectives._checks import check_ranks_per_node
+from dtrain.comm.names import COMM_TYPE_SHARED, UNDEFINED
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Topology:
-    """A rank's view of the nodes: its node's communicator, the leaders' (None off leaders) and its cross one."""
+    """One rank's view of the nodes of ``comm``: its node's communicator, the leaders' (None off leaders), its cross
+    one. Build it with :func:`topology`; free its communicators with :meth:`free` (every rank, once)."""
 
+    comm: object  # the communicator it was built on (the whole world of the all-reduce)
     node: object  # the ranks of my node, ordered by rank; my local rank is node.Get_rank()
     leaders: object  # local rank 0 of every node (None on the other ranks)
     cross: object  # the ranks with my local rank, one per node, ordered by node
-    equal: bool  # every node has the same number of ranks
-    node_sizes: tuple | None  # known when nodes are emulated; None when they come from Split_type
+    node_sizes: tuple  # every node's size, in node order
+    ranks_per_node: int | None  # the emulated node size, or None for real nodes
 
+    @property
+    def equal(self) -> bool:
+        """Every node has the same number of ranks (what hierarchical_rs needs)."""
+        return len(set(self.node_sizes)) == 1
 
-# Per thread (simulated ranks are threads): id(base comm) -> (weak reference to it, {ranks_per_node: Topology}).
-# Communicators are not hashable, so the key is the id, and the weak reference tells a live communicator from a
-# dead one whose id has been reused.
-_local = threading.local()
-
-
-def _cache() -> dict:
-    return _local.__dict__.setdefault("topologies", {})
-
-
-def topology(comm, ranks_per_node=None) -> Topology:
-    """The node structure of ``comm`` (cached): emulated nodes of ``ranks_per_node`` ranks, or real ones.
-
-    The cache is keyed by the communicator under any tracer wrapper, so wrapping the same communicator again does
-    not split it again; a traced caller gets the cached sub-communicators wrapped in its own tracer.
-    """
-    base = untraced(comm)
-    cache = _cache()
-    ref, by_k = cache.get(id(base), (None, None))
-    if ref is None or ref() is not base:
-        by_k = {}
-        cache[id(base)] = (weakref.ref(base), by_k)
-    if ranks_per_node not in by_k:
-        by_k[ranks_per_node] = _build(base, ranks_per_node)
-    topo = by_k[ranks_per_node]
-    if isinstance(comm, TracedComm):
-
-        def traced(sub):
-            return None if sub is None else TracedComm(sub, comm.tracer)
-
-        topo = dataclasses.replace(topo, node=traced(topo.node), leaders=traced(topo.leaders), cross=traced(topo.cross))
-    return topo
+    def free(self) -> None:
+        """Free the sub-communicators (a collective call: every rank of ``comm`` makes it)."""
+        for sub in (self.node, self.leaders, self.cross):
+            if sub is not None:
+                sub.Free()
 
 
 def node_sizes(p: int, ranks_per_node: int) -> tuple:
@@ -101,60 +82,48 @@ def node_sizes(p: int, ranks_per_node: int) -> tuple:
     return tuple(min(ranks_per_node, p - start) for start in range(0, p, ranks_per_node))
 
 
-def _build(comm, ranks_per_node):
+def topology(comm, ranks_per_node: int | None = None) -> Topology:
+    """Split ``comm`` into nodes (a collective call): emulated ones of ``ranks_per_node`` ranks, or the real ones.
+
+    Splitting costs far more than a small all-reduce, so build the topology once and pass it to every call.
+    """
+    check_ranks_per_node(ranks_per_node)
     p, r = comm.Get_size(), comm.Get_rank()
     if ranks_per_node is None:
         node = comm.Split_type(COMM_TYPE_SHARED, key=r)
-        sizes = None
-        # Are all nodes the same size? Only a collective can tell: all-reduce (size, -size) with max.
-        extremes = np.array([node.Get_size(), -node.Get_size()], dtype=np.float64)
-        tree.allreduce(comm, extremes, "max")
-        equal = extremes[0] == -extremes[1]
+        # Every node's size, in the order of its leader's rank: only a collective can tell.
+        layout = comm.allgather((node.Get_rank(), node.Get_size()))
+        sizes = tuple(size for local, size in layout if local == 0)
     else:
         node = comm.Split(r // ranks_per_node, key=r)
         sizes = node_sizes(p, ranks_per_node)
-        equal = len(set(sizes)) == 1
     local = node.Get_rank()
     leaders = comm.Split(0 if local == 0 else UNDEFINED, key=r)
     cross = comm.Split(local, key=r)
-    return Topology(node, leaders or None, cross, bool(equal), sizes)
+    return Topology(comm, node, leaders or None, cross, sizes, ranks_per_node)
 
 
-def free_communicators() -> None:
-    """Free every cached sub-communicator (a collective call: all ranks must make it, in the same order)."""
-    cache = _cache()
-    for _, by_k in cache.values():
-        for topo in by_k.values():
-            for sub in (topo.node, topo.leaders, topo.cross):
-                if sub is not None:
-                    sub.Free()
-    cache.clear()
-
-
-def allreduce(comm, buf, op="sum", ranks_per_node=None):
+def allreduce(topo: Topology, buf, op="sum"):
     """Tree reduce to each node's leader, ring all-reduce among leaders, tree broadcast inside each node."""
-    topo = topology(comm, ranks_per_node)
     inner = "sum" if op == "avg" else op  # divide once, by the world size, not by each level's size
     tree.reduce(topo.node, buf, 0, inner)
     if topo.leaders is not None:
         ring.allreduce(topo.leaders, buf, inner)
         if op == "avg":
-            kernels.scale_(buf, 1.0 / comm.Get_size())
+            kernels.scale_(buf, 1.0 / topo.comm.Get_size())
     return tree.broadcast(topo.node, buf, 0)
 
 
-def allreduce_rs(comm, buf, op="sum", ranks_per_node=None):
+def allreduce_rs(topo: Topology, buf, op="sum"):
     """Intra-node reduce-scatter, inter-node all-reduce of each shard, intra-node all-gather (equal nodes only)."""
-    topo = topology(comm, ranks_per_node)
     if not topo.equal:
-        sizes = f" {list(topo.node_sizes)}" if topo.node_sizes else ""
         raise ValueError(
-            f"hierarchical_rs needs nodes of equal size, these are not{sizes}: use 'hierarchical', "
+            f"hierarchical_rs needs nodes of equal size, these are {list(topo.node_sizes)}: use 'hierarchical', "
             "which allows a smaller last node"
         )
     inner = "sum" if op == "avg" else op
     shard = ring.reduce_scatter(topo.node, buf, inner)  # my local rank's shard, a view of buf
     ring.allreduce(topo.cross, shard, inner)
     if op == "avg":
-        kernels.scale_(shard, 1.0 / comm.Get_size())
+        kernels.scale_(shard, 1.0 / topo.comm.Get_size())
     return ring.allgather(topo.node, buf)

@@ -34,23 +34,15 @@ straight into ``buf`` (no reduction, no scratch)::
 is the all-reduce of large gradients. Exact bytes sent by rank r (chunk sizes c_i in bytes): the reduce-scatter sends
 every chunk but its own, the all-gather every chunk but chunk r + 1, so ``(n - c_r) + (n - c_{(r+1) % p})``.
 
-**Making it fast.** Each step is one exchange (``dtrain.comm.sendrecv``: receive from the left while sending to
-the right) followed by one reduction into ``buf``. Nothing is allocated per step or per call: one scratch buffer, as
-long as the longest chunk, is reused (a fresh large array would cost page faults on every call), and the last step
-fuses the 1/p of an average into its reduction (``sum_scale_``), so "avg" costs no extra pass over memory. We also
-tried overlapping: cutting each step's chunk into segments, posting every ``Irecv`` at once and reducing segment j
-while j + 1 arrives. Under MPICH on one machine it was 10-40% *slower*: a large message is copied by the receiving
-process itself (``process_vm_readv``), so a process that is busy reducing is not moving data and there is nothing to
-overlap, while every extra message and request costs a handshake that, with more ranks than cores, waits for a
-descheduled peer. Overlap pays when a NIC or DMA engine moves the bytes while the CPU reduces. What does pay with
-more ranks than cores is *how* a rank waits: ``dtrain.comm.waitall`` then sleeps between polls, so the neighbour
-whose message it waits for gets the core (see docs/benchmarks.md).
+**How it is written.** Each step is one exchange (``dtrain.comm.sendrecv``: receive from the left while sending
+to the right) and one reduction into ``buf``, through one scratch buffer as long as the longest chunk; the last step
+of an "avg" divides while it adds (``sum_scale_``). Why this way and not with overlapped segments: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 from dtrain import kernels
-from dtrain.collectives._chunks import chunk_bounds, scratch
+from dtrain.collectives._chunks import bounds_for, scratch
 from dtrain.comm import sendrecv
 
 
@@ -60,14 +52,14 @@ def reduce_scatter(comm, buf, op="sum"):
     The rest of ``buf`` holds partial sums afterwards. With op "avg" the owned chunk is divided by p.
     """
     p, r = comm.Get_size(), comm.Get_rank()
-    bounds = chunk_bounds(buf.size, p)
-    mine = buf[bounds[r][0] : bounds[r][1]]
+    cut = bounds_for(buf.size, p)
+    mine = buf[cut[r][0] : cut[r][1]]
     if p == 1:
         return mine
     right, left = (r + 1) % p, (r - 1) % p
-    work = scratch(buf, bounds[0][1] - bounds[0][0])  # chunk 0 is the longest
+    work = scratch(buf, cut[0][1])  # chunk 0 is the longest
     for s in range(p - 1):
-        (a, b), (c, d) = bounds[(r - s - 1) % p], bounds[(r - s - 2) % p]
+        (a, b), (c, d) = cut[(r - s - 1) % p], cut[(r - s - 2) % p]
         incoming, target = work[: d - c], buf[c:d]
         sendrecv(comm, buf[a:b], right, incoming, left)
         if s == p - 2 and op == "avg":  # last step: this chunk is final, so divide while adding
@@ -80,10 +72,10 @@ def reduce_scatter(comm, buf, op="sum"):
 def allgather(comm, buf):
     """Rank r contributes chunk r of ``buf`` (``chunk_bounds``); afterwards every rank holds every chunk."""
     p, r = comm.Get_size(), comm.Get_rank()
-    bounds = chunk_bounds(buf.size, p)
+    cut = bounds_for(buf.size, p)
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
-        (a, b), (c, d) = bounds[(r - s) % p], bounds[(r - s - 1) % p]
+        (a, b), (c, d) = cut[(r - s) % p], cut[(r - s - 1) % p]
         sendrecv(comm, buf[a:b], right, buf[c:d], left)
     return buf
 
@@ -92,3 +84,31 @@ def allreduce(comm, buf, op="sum"):
     """Ring all-reduce of ``buf`` in place (op "sum", "avg" or "max"): reduce-scatter, then all-gather."""
     reduce_scatter(comm, buf, op)
     return allgather(comm, buf)
+
+
+def allreduce_steps(comm, buf, op="sum", tag=0, work=None):
+    """The same ring all-reduce as a *non-blocking* collective: a generator that posts one step and yields.
+
+    Each ``next()`` posts one step's ``Irecv`` (from the left) and ``Isend`` (to the right) and yields the two
+    requests; the caller resumes it once both have completed (``Test`` or ``wait``), and it reduces what arrived and
+    posts the next step. So the caller decides when the ring moves on: data-parallel training advances several of
+    these between the layers of backward (see ``dtrain/parallel/data_parallel.py``), as MPI's ``MPI_Iallreduce``
+    is progressed by the library. ``tag`` keeps the messages of several rings in flight on one communicator apart;
+    ``work`` is a scratch array as long as chunk 0, of ``buf``'s dtype (each ring in flight needs its own). Same
+    messages, same bytes and bit-identical results as :func:`allreduce`.
+    """
+    p, r = comm.Get_size(), comm.Get_rank()
+    cut = bounds_for(buf.size, p)
+    right, left = (r + 1) % p, (r - 1) % p
+    work = scratch(buf, cut[0][1]) if work is None else work
+    for s in range(p - 1):  # reduce-scatter
+        (a, b), (c, d) = cut[(r - s - 1) % p], cut[(r - s - 2) % p]
+        incoming, target = work[: d - c], buf[c:d]
+        yield [comm.Irecv(incoming, source=left, tag=tag), comm.Isend(buf[a:b], dest=right, tag=tag)]
+        if s == p - 2 and op == "avg":
+            kernels.sum_scale_(target, [target, incoming], 1.0 / p)
+        else:
+            kernels.reduce_(target, incoming, op)
+    for s in range(p - 1):  # all-gather
+        (a, b), (c, d) = cut[(r - s) % p], cut[(r - s - 1) % p]
+        yield [comm.Irecv(buf[c:d], source=left, tag=tag), comm.Isend(buf[a:b], dest=right, tag=tag)]

@@ -4,11 +4,23 @@ Algorithms above this package call only ``Get_rank``, ``Get_size``, ``Send``, ``
 ``Isend``/``Irecv`` (and :func:`waitall` on the requests), ``Barrier``, and ``Split``/``Split_type``/``Free`` on a
 communicator; exchanges go through :func:`sendrecv`, so how a rank waits is decided here, once. (The collectives'
 debug mode also uses the object ``allgather``, and their "mpi" baseline MPI's own ``Allreduce``/``Reduce``/``Bcast``.)
-Three kinds of communicator provide them:
 
-* a real ``mpi4py.MPI.Comm`` under ``mpiexec`` (:mod:`dtrain.comm.mpi`);
-* :mod:`dtrain.comm.sim`, N simulated ranks as threads in one process (notebooks, fast tests);
-* either of those wrapped by :mod:`dtrain.comm.trace`, which counts bytes, messages and time.
+Which file does what:
+
+============== ==========================================================================================
+``names``       MPI's constants and ops (``ANY_SOURCE``, ``IN_PLACE``, ``SUM`` ...), shared by every communicator
+``mpi``         the real world under ``mpiexec``: fail-fast excepthook, the right ``mpiexec``, the launcher
+``sim``         a simulated world of N ranks as threads, with exact deadlock detection (notebooks, fast tests)
+``simcomm``     the simulated world's communicator: mpi4py's buffer API over shared queues
+``wrapper``     the base of every communicator wrapper (calls as records, wrapped sub-communicators, innermost)
+``trace``       a wrapper counting bytes, messages and time per operation; the Chrome/Perfetto trace
+``staging``     a wrapper staging GPU buffers through pinned host memory for an MPI that is not CUDA-aware
+``cuda_aware``  asks the MPI library whether it takes GPU buffers
+``watchdog``    ends a job whose rank has waited too long, with a report of what it waited for
+``prepare``     the one communicator a run uses: world, staging, tracer and watchdog in one call
+============== ==========================================================================================
+
+So one algorithm runs unchanged on a real ``mpi4py.MPI.Comm``, on a simulated one, and on either wrapped.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ import functools
 import os
 import sys
 import time
+
+from dtrain.comm.wrapper import innermost
 
 WAIT_MODES = ("auto", "block", "poll")
 POLL_SLEEP_S = 5e-6  # asked for; Linux's timer slack (~50 us) makes the real sleep longer
@@ -40,7 +54,7 @@ def waitall(requests) -> None:
     if not requests:
         return
     MPI = sys.modules.get("mpi4py.MPI")  # not loaded: these cannot be MPI requests (the simulator needs no MPI)
-    if MPI is None or not all(isinstance(_innermost(r), MPI.Request) for r in requests):
+    if MPI is None or not all(isinstance(innermost(r), MPI.Request) for r in requests):
         for request in requests:
             request.Wait()
     elif wait_mode() == "poll":
@@ -54,13 +68,6 @@ def waitall(requests) -> None:
     else:
         for request in requests:
             request.Wait()
-
-
-def _innermost(request):
-    """The request under any wrappers (tracer, GPU staging), each of which keeps the one it wraps as ``.request``."""
-    while not type(request).__module__.startswith("mpi4py") and hasattr(request, "request"):
-        request = request.request
-    return request
 
 
 def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:

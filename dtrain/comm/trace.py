@@ -44,7 +44,8 @@ import dataclasses
 import json
 import time
 
-from dtrain.comm.sim import ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, SUM
+from dtrain.comm.names import IN_PLACE, PROC_NULL
+from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, RequestWrapper, forward
 
 OTHER = "other"
 
@@ -87,11 +88,13 @@ class Tracer:
     """One rank's record of its communication: counts per operation (``summary``) and timeline ``events``.
 
     Use one tracer per rank (simulated ranks are threads, each with its own). ``rank`` is filled in by the first
-    :class:`TracedComm` made with it.
+    :class:`TracedComm` made with it. ``keep_events=False`` keeps the counts but no timeline (a long training run
+    that writes no trace would otherwise hold an event for every message it ever sent).
     """
 
-    def __init__(self, rank: int | None = None):
+    def __init__(self, rank: int | None = None, keep_events: bool = True):
         self.rank = rank
+        self.keep_events = keep_events
         self.stats: dict[str, OperationStats] = {}
         self.events: list[dict] = []
         self._stack: list[str] = []  # open operations, outermost first
@@ -107,8 +110,12 @@ class Tracer:
         return self.stats[label]
 
     @contextlib.contextmanager
-    def operation(self, name: str, nbytes: int | None = None):
-        """Label the traffic inside the ``with`` block (``nbytes``: the payload, e.g. the buffer all-reduced)."""
+    def operation(self, name: str, nbytes: int | None = None, resumed: bool = False):
+        """Label the traffic inside the ``with`` block (``nbytes``: the payload, e.g. the buffer all-reduced).
+
+        ``resumed``: the block continues an operation already counted (a later step of a non-blocking collective):
+        its traffic and time count, but not as another call.
+        """
         outermost = not self._stack
         self._stack.append(name)
         start = _now_us()
@@ -119,13 +126,24 @@ class Tracer:
             self._stack.pop()
             if outermost:
                 stats = self._stats(name)
-                stats.calls += 1
+                stats.calls += 0 if resumed else 1
                 stats.time_s += (end - start) / 1e6
                 stats.payload_bytes += nbytes or 0
-            args = {} if nbytes is None else {"nbytes": nbytes}
-            self.events.append(
-                {"name": name, "cat": "operation", "ph": "X", "ts": start, "dur": end - start, "args": args}
-            )
+            if self.keep_events:
+                args = {} if nbytes is None else {"nbytes": nbytes}
+                self.events.append(
+                    {"name": name, "cat": "operation", "ph": "X", "ts": start, "dur": end - start, "args": args}
+                )
+
+    def span(self, name: str, start_s: float, end_s: float, **args) -> None:
+        """Put a span that is not a communication call on the timeline (backward, a collective in flight), from
+        ``time.perf_counter()`` readings; it counts nothing."""
+        if not self.keep_events:
+            return
+        ts = (start_s + _WALL_OFFSET) * 1e6
+        self.events.append(
+            {"name": name, "cat": "span", "ph": "X", "ts": ts, "dur": (end_s - start_s) * 1e6, "args": args}
+        )
 
     def record_call(self, name: str, start: float, sent: tuple = (0, 0), received: tuple = (0, 0), **args):
         """Count one communication call that began at ``start`` (from ``_now_us``) and has just returned.
@@ -144,6 +162,8 @@ class Tracer:
         stats.bytes_sent += sent[1]
         stats.messages_received += received[0]
         stats.bytes_received += received[1]
+        if not self.keep_events:
+            return
         if sent[1]:
             args["bytes_sent"] = sent[1]
         if received[1]:
@@ -169,16 +189,12 @@ def _peer_counts(peer: int, nbytes: int) -> tuple:
     return (0, 0) if peer == PROC_NULL else (1, nbytes)
 
 
-class TracedRequest:
-    """A request from a traced ``Isend``/``Irecv``: its ``Wait`` time is counted. Anything else is forwarded."""
+class TracedRequest(RequestWrapper):
+    """A request from a traced ``Isend``/``Irecv``: the time its ``Wait`` (or successful ``Test``) takes is counted."""
 
     def __init__(self, request, tracer: Tracer, call: str, **args):
-        self.request, self._tracer, self._call, self._args = request, tracer, call, args
-
-    def __getattr__(self, name):
-        if name == "request":  # not yet set (copying, unpickling): avoid recursing
-            raise AttributeError(name)
-        return getattr(self.request, name)
+        super().__init__(request)
+        self._tracer, self._call, self._args = tracer, call, args
 
     def Wait(self, status=None):
         start = _now_us()
@@ -194,129 +210,63 @@ class TracedRequest:
         return done
 
 
-class TracedComm:
+class TracedComm(CommWrapper):
     """A communicator that counts its traffic into ``tracer``; everything not counted is forwarded to ``comm``."""
 
     def __init__(self, comm, tracer: Tracer | None = None):
-        self.comm = comm
+        super().__init__(comm)
         self.tracer = tracer if tracer is not None else Tracer()
         if self.tracer.rank is None:
             self.tracer.rank = comm.Get_rank()
 
-    def __getattr__(self, name):
-        if name == "comm":  # not yet set (copying, unpickling): avoid recursing
-            raise AttributeError(name)
-        return getattr(self.comm, name)
+    def sibling(self, comm):
+        """A sub-communicator is traced by the same tracer."""
+        return TracedComm(comm, self.tracer)
 
-    def __repr__(self) -> str:
-        return f"TracedComm({self.comm!r})"
-
-    def _wrap(self, comm):
-        """A sub-communicator traced by the same tracer (``None``/``COMM_NULL`` are falsy and pass through)."""
-        return TracedComm(comm, self.tracer) if comm else comm
-
-    # --- point to point ------------------------------------------------------------------------------------
-    def Send(self, buf, dest: int, tag: int = 0) -> None:
+    def p2p(self, call: PointToPoint):
         start = _now_us()
-        self.comm.Send(buf, dest, tag)
-        self.tracer.record_call("Send", start, sent=_peer_counts(dest, message_bytes(buf)), peer=dest, tag=tag)
-
-    def Recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, status=None) -> None:
-        start = _now_us()
-        self.comm.Recv(buf, source, tag, status)
-        counts = _peer_counts(source, message_bytes(buf))
-        self.tracer.record_call("Recv", start, received=counts, peer=source, tag=tag)
-
-    def Sendrecv(
-        self,
-        sendbuf,
-        dest: int,
-        sendtag: int = 0,
-        recvbuf=None,
-        source: int = ANY_SOURCE,
-        recvtag: int = ANY_TAG,
-        status=None,
-    ) -> None:
-        start = _now_us()
-        self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
-        self.tracer.record_call(
-            "Sendrecv",
-            start,
-            sent=_peer_counts(dest, message_bytes(sendbuf)),
-            received=_peer_counts(source, message_bytes(recvbuf)),
-            dest=dest,
-            source=source,
-            sendtag=sendtag,
-            recvtag=recvtag,
-        )
-
-    def Isend(self, buf, dest: int, tag: int = 0) -> TracedRequest:
-        start = _now_us()
-        request = self.comm.Isend(buf, dest, tag)
-        self.tracer.record_call("Isend", start, sent=_peer_counts(dest, message_bytes(buf)), peer=dest, tag=tag)
-        return TracedRequest(request, self.tracer, "Isend", peer=dest, tag=tag)
-
-    def Irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> TracedRequest:
-        start = _now_us()
-        request = self.comm.Irecv(buf, source, tag)
-        counts = _peer_counts(source, message_bytes(buf))
-        self.tracer.record_call("Irecv", start, received=counts, peer=source, tag=tag)
-        return TracedRequest(request, self.tracer, "Irecv", peer=source, tag=tag)
-
-    # --- MPI's own collectives: logical volumes only (see the module docstring) ----------------------------
-    def Barrier(self) -> None:
-        start = _now_us()
-        self.comm.Barrier()
-        self.tracer.record_call("Barrier", start)
-
-    def Allreduce(self, sendbuf, recvbuf, op=SUM) -> None:
-        start = _now_us()
-        self.comm.Allreduce(sendbuf, recvbuf, op)
-        nbytes = message_bytes(recvbuf)
-        self.tracer.record_call("Allreduce", start, sent=(1, nbytes), received=(1, nbytes))
-
-    def Bcast(self, buf, root: int = 0) -> None:
-        start = _now_us()
-        self.comm.Bcast(buf, root)
-        counts = (1, message_bytes(buf))
-        if self.comm.Get_rank() == root:
-            self.tracer.record_call("Bcast", start, sent=counts, root=root)
+        result = forward(self.comm, call)
+        sent = _peer_counts(call.dest, message_bytes(call.sendbuf)) if call.sends else (0, 0)
+        received = _peer_counts(call.source, message_bytes(call.recvbuf)) if call.receives else (0, 0)
+        if call.sends and call.receives:
+            args = {"dest": call.dest, "source": call.source, "sendtag": call.sendtag, "recvtag": call.recvtag}
+        elif call.sends:
+            args = {"peer": call.dest, "tag": call.sendtag}
         else:
-            self.tracer.record_call("Bcast", start, received=counts, root=root)
+            args = {"peer": call.source, "tag": call.recvtag}
+        self.tracer.record_call(call.name, start, sent=sent, received=received, **args)
+        if call.name in ("Isend", "Irecv"):
+            return TracedRequest(result, self.tracer, call.name, **args)
+        return result
 
-    def Reduce(self, sendbuf, recvbuf, op=SUM, root: int = 0) -> None:
+    def collective(self, call: Collective):
+        """MPI's own collectives: the logical volumes handed in and out (see the module docstring)."""
         start = _now_us()
-        self.comm.Reduce(sendbuf, recvbuf, op, root)
-        is_root = self.comm.Get_rank() == root
-        nbytes = message_bytes(recvbuf if sendbuf is IN_PLACE else sendbuf)
-        self.tracer.record_call("Reduce", start, sent=(1, nbytes), received=(1, nbytes) if is_root else (0, 0))
-
-    # --- communicators -------------------------------------------------------------------------------------
-    def Split(self, color: int = 0, key: int = 0):
-        return self._wrap(self.comm.Split(color, key))
-
-    def Split_type(self, split_type: int, key: int = 0, *args, **kwargs):
-        return self._wrap(self.comm.Split_type(split_type, key, *args, **kwargs))
-
-    def Dup(self, *args, **kwargs):
-        return self._wrap(self.comm.Dup(*args, **kwargs))
-
-
-def untraced(comm):
-    """The communicator under any number of :class:`TracedComm` wrappers."""
-    while isinstance(comm, TracedComm):
-        comm = comm.comm
-    return comm
+        forward(self.comm, call)
+        sent = received = (0, 0)
+        args = {} if call.root is None else {"root": call.root}
+        if call.name == "Allreduce":
+            sent = received = (1, message_bytes(call.recvbuf))
+        elif call.name == "Bcast":
+            if self.comm.Get_rank() == call.root:
+                sent = (1, message_bytes(call.recvbuf))
+            else:
+                received = (1, message_bytes(call.recvbuf))
+        elif call.name == "Reduce":
+            nbytes = message_bytes(call.recvbuf if call.sendbuf is IN_PLACE else call.sendbuf)
+            sent = (1, nbytes)
+            received = (1, nbytes) if self.comm.Get_rank() == call.root else (0, 0)
+        self.tracer.record_call(call.name, start, sent=sent, received=received, **args)
 
 
 def gather_summaries(tracer: Tracer, comm) -> list | None:
-    """Every rank's ``summary()`` as a list on rank 0 (``None`` elsewhere), sent outside the tracer's counts."""
-    return untraced(comm).gather(tracer.summary(), root=0)
+    """Every rank's ``summary()`` as a list on rank 0 (``None`` elsewhere); object methods are not counted."""
+    return comm.gather(tracer.summary(), root=0)
 
 
 def gather_events(tracer: Tracer, comm) -> list | None:
     """Every rank's trace events as a list of lists on rank 0 (``None`` elsewhere), for :func:`write_chrome_trace`."""
-    return untraced(comm).gather(tracer.events, root=0)
+    return comm.gather(tracer.events, root=0)
 
 
 def write_chrome_trace(path, events_per_rank: list) -> None:

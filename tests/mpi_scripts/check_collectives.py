@@ -33,8 +33,8 @@ import sys
 import numpy as np
 
 from dtrain import collectives
-from dtrain.collectives import costmodel
-from dtrain.comm.sim import IN_PLACE, MAX, SUM
+from dtrain.collectives import costmodel, hierarchical
+from dtrain.comm.names import IN_PLACE, MAX, SUM
 from dtrain.comm.trace import TracedComm, Tracer
 
 BIG = 1 << 20  # 4 MiB of float32
@@ -46,7 +46,10 @@ def sizes_for(p, big):
 
 
 def allreduce_variants(p):
-    """(algorithm, ranks_per_node) pairs to run on p ranks: emulated nodes of 2 and 3, unequal ones included."""
+    """(algorithm, ranks_per_node) pairs to run on p ranks: emulated nodes of 2 and 3, unequal ones included.
+
+    A hierarchical variant runs on a topology the checker builds once per ranks_per_node (None: the real nodes).
+    """
     variants = [(a, None) for a in collectives.ALGORITHMS]
     variants += [("hierarchical", 2), ("hierarchical", 3)]
     variants += [("hierarchical_rs", k) for k in (2, 3) if p % k == 0]
@@ -88,6 +91,18 @@ class Checker:
         self.tracer = Tracer()
         self.tcomm = TracedComm(comm, self.tracer)
         self.failures, self.count = [], 0
+        self.topologies = {}  # ranks_per_node -> hierarchical.Topology of the traced communicator
+
+    def topology(self, k):
+        """The nodes for ranks_per_node ``k``, built on first use (every rank gets here in the same order)."""
+        if k not in self.topologies:
+            self.topologies[k] = hierarchical.topology(self.tcomm, k)
+        return self.topologies[k]
+
+    def free(self):
+        for topo in self.topologies.values():
+            topo.free()
+        self.topologies.clear()
 
     def fail(self, what, message):
         self.failures.append(f"rank {self.rank}: {what}: {message}")
@@ -131,7 +146,8 @@ class Checker:
             for algorithm, k in variants:
                 what = f"allreduce/{algorithm} k={k} n={n} {np.dtype(dtype).name} {kind} {op}"
                 buf = xs[self.rank].copy()
-                out = collectives.allreduce(self.tcomm, buf, op, algorithm, ranks_per_node=k)
+                topo = self.topology(k) if algorithm.startswith("hierarchical") else None
+                out = collectives.allreduce(self.tcomm, buf, op, algorithm, topology=topo)
                 self.check(what, out is buf, "did not return its buffer")
                 chosen = costmodel.choose(buf.nbytes, self.p) if algorithm == "auto" else algorithm
                 self.traffic(what, f"allreduce/{chosen}", chosen, n, buf.itemsize, k)
@@ -201,11 +217,20 @@ class Checker:
         def unequal():
             collectives.allreduce(self.comm, good, "sum", "hierarchical_rs", ranks_per_node=k)
 
+        def unequal_topology():
+            collectives.allreduce(self.tcomm, good, "sum", "hierarchical_rs", topology=self.topology(k))
+
+        def topology_and_k():
+            collectives.allreduce(self.tcomm, good, "sum", "hierarchical", topology=self.topology(k), ranks_per_node=k)
+
         def halving():
             collectives.reduce_scatter(self.comm, good, algorithm="rabenseifner")
 
+        self.topology(k)  # (built before the cases: building is a collective call, and cannot fail half-way)
+        cases.append(("topology and ranks_per_node", ValueError, topology_and_k))
         if self.p > 2:
             cases.append(("unequal nodes", ValueError, unequal))
+            cases.append(("unequal topology", ValueError, unequal_topology))
         if self.p & (self.p - 1):
             cases.append(("rabenseifner p", ValueError, halving))
         for name, error, call in cases:
@@ -215,6 +240,15 @@ class Checker:
             except error:
                 self.count += 1
         self.comm.Barrier()  # nobody sent anything, so nothing is left unmatched
+
+    def per_call_topology(self):
+        """A hierarchical all-reduce with no topology builds one for the call (and frees it): slow, but it works."""
+        for k in (None, 2):
+            buf = np.full(5, float(self.rank + 1))
+            collectives.allreduce(self.tcomm, buf, "sum", "hierarchical", ranks_per_node=k)
+            what = f"allreduce/hierarchical per call k={k}"
+            self.check(what, np.all(buf == self.p * (self.p + 1) / 2), "wrong result")
+            self.traffic(what, "allreduce/hierarchical", "hierarchical", 5, buf.itemsize, k)
 
     def shapes(self):
         buf = np.full((3, 5), float(self.rank + 1), dtype=np.float64)
@@ -241,7 +275,9 @@ def run_checks(comm, big=True, seed=1234, dtypes=DTYPES, variants=None, extras=T
                     c.scatter_gather(n, dtype, kind)
     if extras:
         c.bad_inputs()
+        c.per_call_topology()
         c.shapes()
+    c.free()
     return c.count, c.failures
 
 
