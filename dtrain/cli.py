@@ -12,11 +12,15 @@ left waiting for it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dtrain.errors import UserError
 
 EXIT_USER_ERROR = 2
+# The watchdog's timeout when neither --timeout nor DTRAIN_TIMEOUT says otherwise: generous, so a slow step on a
+# busy machine never trips it, yet a hung job ends within minutes with a report instead of never.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,25 +42,62 @@ def _hidden_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 turns the watchdog off), got {text!r}")
+    return value
+
+
+TIMEOUT_HELP = (
+    "watchdog: a rank stalled this many seconds in a collective or a paradigm's wait reports what it waits for and "
+    f"ends the job (default: $DTRAIN_TIMEOUT, else {DEFAULT_TIMEOUT_S:g}; 0: off)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from dtrain import parallel
     from dtrain.backend import DEVICES, DTYPES
+    from dtrain.collectives import ALGORITHMS
     from dtrain.data import DATASETS
     from dtrain.optim import OPTIMIZERS
-    from dtrain.train import PARADIGMS, TrainConfig
+    from dtrain.train import TrainConfig
 
     defaults = TrainConfig()
     parser = _Parser(prog="dtrain", description="Distributed training from scratch on NumPy and MPI.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train the MLP", description="Train the MLP and write DIR/metrics.json.")
-    t.add_argument("--paradigm", choices=PARADIGMS, default=defaults.paradigm)
+    t.add_argument(
+        "--paradigm",
+        choices=parallel.names(),
+        default=defaults.paradigm,
+        help="single: one process; ddp: data parallel, gradients all-reduced every step (default %(default)s)",
+    )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
     t.add_argument("--samples", type=int, default=defaults.samples, help="synthetic/spirals: number of samples")
     t.add_argument("--features", type=int, default=defaults.features, help="synthetic: number of features")
     t.add_argument("--classes", type=int, default=defaults.classes, help="synthetic/spirals: number of classes")
     t.add_argument("--epochs", type=int, default=defaults.epochs)
-    t.add_argument("--batch-size", type=int, default=defaults.batch_size, help="global batch (all ranks)")
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        help="the global batch, split into equal slices over the ranks; it must be divisible by the number of "
+        "ranks (no uneven split: a rank with a smaller slice would weigh its samples more; the error suggests a "
+        "size that divides) (default %(default)s)",
+    )
+    t.add_argument(
+        "--accumulate",
+        type=int,
+        default=defaults.accumulate,
+        metavar="K",
+        help="split each rank's slice into K micro-batches, accumulate their gradients, communicate once per step",
+    )
     t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate")
     t.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=defaults.optimizer)
     t.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
@@ -70,8 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--device", choices=DEVICES, default=defaults.device)
     t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
+    ddp = t.add_argument_group("data parallelism (--paradigm ddp)")
+    ddp.add_argument("--allreduce", choices=ALGORITHMS, default=defaults.allreduce, help="gradient all-reduce")
+    ddp.add_argument(
+        "--ranks-per-node", type=int, metavar="K", help="emulate nodes of K ranks for the hierarchical all-reduces"
+    )
+    ddp.add_argument(
+        "--overlap",
+        action="store_true",
+        help="all-reduce each gradient bucket during backward, as soon as it is complete, as PyTorch DDP does "
+        "(off by default: on a CPU it measured slower, see docs/benchmarks.md)",
+    )
+    ddp.add_argument(
+        "--bucket-mb",
+        type=float,
+        metavar="MB",
+        help="gradient bucket size in MiB; 0: one all-reduce of the whole gradient (default: 1 with --overlap, else 0)",
+    )
+    ckpt = t.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="write DIR/checkpoint.npz (atomically) at the end")
+    ckpt.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps (default: only at the end)"
+    )
+    ckpt.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from DIR/checkpoint.npz; the same world size continues bit-identically, another one works too",
+    )
     t.add_argument("--out", metavar="DIR", help="write DIR/metrics.json")
     t.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the communication (JSON)")
+    t.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     t.add_argument("--quiet", action="store_true", help="no per-epoch lines")
 
@@ -82,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rank, and fail-fast on errors. TARGET is a script path or -m module.",
     )
     launch.add_argument("-n", "--ranks", type=int, required=True)
+    launch.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT")
     # argparse's REMAINDER cannot begin with an option, so "-m MODULE" is an option of its own.
     launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments (or the module's)")
@@ -114,11 +184,13 @@ def main(argv=None) -> int:
 def _train(args) -> int:
     import numpy as np
 
-    from dtrain.comm import mpi
+    from dtrain.comm import mpi, watchdog
     from dtrain.train import TrainConfig, train
 
     fields = TrainConfig.__dataclass_fields__
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if config.timeout is None and not os.environ.get(watchdog.ENV_VAR, "").strip():
+        config.timeout = DEFAULT_TIMEOUT_S
     config.validate()  # before MPI starts: a bad flag never reaches communication
     comm = mpi.world()
     mpi.install_excepthook()
@@ -133,7 +205,7 @@ def _train(args) -> int:
 
 
 def _launch(args) -> int:
-    from dtrain.comm import mpi
+    from dtrain.comm import mpi, watchdog
 
     target = args.target[1:] if args.target[:1] == ["--"] else args.target  # "launch -n 2 -- -c CODE"
     if args.module:
@@ -142,7 +214,12 @@ def _launch(args) -> int:
         raise UserError(f"-n must be >= 1, got {args.ranks}")
     if not target:
         raise UserError("nothing to launch: give a script path or -m module after -n N")
-    return mpi.launch(args.ranks, target).returncode
+    env = dict(os.environ)
+    if args.timeout is not None:
+        env[watchdog.ENV_VAR] = f"{args.timeout:g}"
+    elif not env.get(watchdog.ENV_VAR, "").strip():
+        env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
+    return mpi.launch(args.ranks, target, env=env).returncode
 
 
 def _fail(message: str) -> int:

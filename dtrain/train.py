@@ -14,23 +14,25 @@ parameter server, ...); the rest of this loop stays as it is.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dtrain import backend, report
+from dtrain import backend, checkpoint, parallel, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
-from dtrain.comm.trace import TracedComm, Tracer, gather_events, gather_summaries, write_chrome_trace
+from dtrain.comm.prepare import layers, prepare
+from dtrain.comm.trace import gather_events, write_chrome_trace
 from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
 from dtrain.optim import OPTIMIZERS, make_optimizer
-
-PARADIGMS = ("single",)
 
 
 @dataclass
@@ -53,13 +55,24 @@ class TrainConfig:
     dtype: str = "float32"
     out: str | None = None
     trace: str | None = None  # write a Chrome/Perfetto trace of every rank's communication here
+    timeout: float | None = None  # watchdog: end the job after this many seconds stalled in a wait (0: off)
+    accumulate: int = 1  # micro-batches per step; gradients are communicated once, after the last
+    # data parallelism (ddp)
+    allreduce: str = "auto"  # the all-reduce algorithm for the gradients
+    ranks_per_node: int | None = None  # emulated node size for the hierarchical all-reduces (None: real nodes)
+    overlap: bool = False  # start each bucket's all-reduce during backward, as soon as its gradients are complete
+    bucket_mb: float | None = None  # gradient bucket size (MiB); 0: one bucket; None: 1 with overlap, else 0
+    # checkpoints
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    resume: bool = False  # go on from checkpoint_dir's checkpoint
     progress: bool = True  # rank 0's progress bar
     quiet: bool = False  # no per-epoch summary lines
 
     def validate(self) -> None:
         """Check every value before any data is read or any rank talks to another."""
+        parallel.get(self.paradigm)  # an unknown paradigm: the error lists the registered ones
         choices = {
-            "paradigm": PARADIGMS,
             "dataset": DATASETS,
             "optimizer": tuple(OPTIMIZERS),
             "device": backend.DEVICES,
@@ -74,6 +87,7 @@ class TrainConfig:
             "samples": self.samples,
             "features": self.features,
             "classes": self.classes,
+            "accumulate": self.accumulate,
         }
         for name, value in positive.items():
             if value < 1:
@@ -86,29 +100,41 @@ class TrainConfig:
             raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if self.timeout is not None and not 0 <= self.timeout < math.inf:
+            raise ConfigError(
+                f"--timeout must be a number of seconds >= 0 (0 turns the watchdog off), got {self.timeout}"
+            )
         if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
             raise ConfigError(f"--out {self.out} is a file; give a folder (metrics.json is written inside it)")
         if self.trace is not None and Path(self.trace).is_dir():
             raise ConfigError(f"--trace {self.trace} is a folder; give a file name such as trace.json")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR (where checkpoints live)")
+        if self.checkpoint_dir is not None and Path(self.checkpoint_dir).is_file():
+            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is a file; give a folder")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ConfigError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 
 
 def train(config: TrainConfig, comm=None) -> dict:
-    """Train as ``config`` says; return (and, with ``config.out``, write) the metrics dictionary."""
+    """Train as ``config`` says; return (and, with ``config.out``, write) the metrics dictionary.
+
+    ``comm``: the world to train on (default ``MPI.COMM_WORLD``; a simulated one works too). The run prepares it
+    once (:func:`dtrain.comm.prepare.prepare`: GPU staging, the tracer, the watchdog) and uses nothing else.
+    """
     started = time.perf_counter()
     config.validate()
-    world, rank = (comm.Get_size(), comm.Get_rank()) if comm is not None else (1, 0)
-    if config.paradigm == "single" and world != 1:
-        raise ConfigError(
-            f"--paradigm single trains on one rank, but {world} were launched; "
-            f"run without mpiexec or choose a distributed paradigm"
-        )
+    kind = parallel.get(config.paradigm)
+    xp = backend.get_xp(config.device)  # (a missing CuPy is reported before anything else happens)
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
-    tracer = Tracer(rank)
-    if comm is not None:
-        comm = TracedComm(comm, tracer)
-    xp = backend.get_xp(config.device)
+    comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
+    world, rank = comm.Get_size(), comm.Get_rank()
+    kind.check(config, world)  # the paradigm's own flags, before any rank talks to another
+    check_same_config(comm, config)
     dtype = backend.resolve_dtype(config.dtype)
 
     data = load_dataset(
@@ -121,71 +147,177 @@ def train(config: TrainConfig, comm=None) -> dict:
         dtype=dtype,
     )
     # The loader checks the batch size against the training set and the world before anything else is built.
-    loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, rank, world, config.seed, xp)
-    model = MLP([data.n_features, *config.hidden, data.n_classes], seed=config.seed, xp=xp, dtype=dtype)
-    optimizer = make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay)
+    index, count = kind.shard_of(rank, world)
+    loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
+    sizes = [data.n_features, *config.hidden, data.n_classes]
+    paradigm = kind(comm, config)
+    paradigm.build(
+        lambda: MLP(sizes, seed=config.seed, xp=xp, dtype=dtype),
+        lambda model: make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay),
+    )
+    position = resume(paradigm, comm, config, sizes) if config.resume else Position()
+    if paradigm.role == "server":  # no batches: serve the trainers until they are done
+        paradigm.serve()
+    else:
+        run_epochs(paradigm, loader, data, config, sizes, position, xp)
+    epochs = position.epochs
+    own_figures = paradigm.finish()
+    if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
+        save_checkpoint(paradigm, config, sizes, Position(config.epochs + 1, position.step, epochs))
 
-    show = config.progress and not config.quiet and rank == 0
-    epochs = []
-    for epoch in range(1, config.epochs + 1):
-        epoch_start = time.perf_counter()
-        losses = []
-        for x, y in _progress(loader.epoch(epoch), len(loader), f"epoch {epoch}/{config.epochs}", show):
-            model.zero_grad()
-            loss = softmax_cross_entropy(model(Tensor(x)), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.data))
+    wall = time.perf_counter() - started
+    train_time = sum(e["train_time_s"] for e in epochs)
+    metrics = {
+        "config": {**asdict(config), "hidden": list(config.hidden)},
+        "world_size": world,
+        "model": {"sizes": sizes, "parameters": int(paradigm.full_parameters().size)},
+        "dataset": data.describe(),
+        "epochs": epochs,
+        "final": {k: epochs[-1][k] for k in ("train_loss", "test_loss", "test_accuracy")} if epochs else {},
+        "samples_per_s": len(epochs) * len(loader) * config.batch_size / train_time if train_time else 0.0,
+        "wall_time_s": wall,
+        "weights_sha256": report.weights_digest(paradigm.full_parameters()),
+        "environment": report.environment(),
+        "costs": kind.costs(sizes, world, config),
+    }
+    mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time}
+    totals = mine["totals"]
+    mine["comm_time_s"] = totals["comm_time_s"]
+    mine["compute_time_s"] = max(0.0, train_time - totals["comm_time_s"])
+    metrics["communication"] = {
+        "layers": [type(layer).__name__ for layer in layers(comm)],
+        "per_rank": comm.gather(mine, root=0),
+    }
+    if hasattr(comm, "staged_bytes_to_host"):  # GPU buffers staged through host memory
+        metrics["communication"]["staged_bytes"] = {
+            "to_host": comm.staged_bytes_to_host,
+            "to_device": comm.staged_bytes_to_device,
+        }
+    if config.trace:
+        events = gather_events(comm.tracer, comm)
+        if rank == 0:
+            write_chrome_trace(config.trace, events)
+    if config.out and rank == 0:
+        report.write_metrics(config.out, metrics)
+    return metrics
+
+
+def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
+    """The epoch loop of a trainer: steps, the global loss, evaluation, checkpoints; ``position`` is kept current."""
+    show = config.progress and not config.quiet and paradigm.rank == 0
+    for epoch in range(position.epoch, config.epochs + 1):
+        position.epoch = epoch
+        epoch_start = time.perf_counter() - position.train_time_s
+        losses = position.losses
+        batches = itertools.islice(loader.epoch(epoch), len(losses), None)  # resuming: skip the steps already done
+        for x, y in _progress(batches, len(loader) - len(losses), f"epoch {epoch}/{config.epochs}", show):
+            losses.append(paradigm.step(x, y))
             if not math.isfinite(losses[-1]):
                 raise TrainingDiverged(
                     f"the loss became {losses[-1]} at epoch {epoch}, step {len(losses)}: training diverged; "
                     f"lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
                 )
+            position.step += 1
+            if config.checkpoint_every and position.step % config.checkpoint_every == 0:
+                position.train_time_s = time.perf_counter() - epoch_start
+                save_checkpoint(paradigm, config, sizes, position)
         train_time = time.perf_counter() - epoch_start
-        test_loss, test_accuracy = evaluate(model, data, xp)
-        epochs.append(
+        train_loss = paradigm.global_loss(float(np.mean(losses)))  # the global batch's loss, averaged over steps
+        test_loss, test_accuracy = evaluate(paradigm.evaluation_model(), data, xp)
+        position.epochs.append(
             {
                 "epoch": epoch,
-                "train_loss": float(np.mean(losses)),
+                "train_loss": train_loss,
                 "test_loss": test_loss,
                 "test_accuracy": test_accuracy,
                 "samples_per_s": len(losses) * config.batch_size / train_time,
                 "train_time_s": train_time,
             }
         )
-        if rank == 0 and not config.quiet:
-            e = epochs[-1]
+        position.epoch, position.losses, position.train_time_s = epoch + 1, [], 0.0
+        if paradigm.rank == 0 and not config.quiet:
+            e = position.epochs[-1]
             print(
                 f"epoch {epoch:3d}/{config.epochs}  loss {e['train_loss']:.4f}  test loss {test_loss:.4f}  "
                 f"test acc {100 * test_accuracy:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
                 flush=True,
             )
 
-    wall = time.perf_counter() - started
-    metrics = {
-        "config": {**asdict(config), "hidden": list(config.hidden)},
-        "world_size": world,
-        "model": {"sizes": model.sizes, "parameters": model.num_parameters()},
-        "dataset": data.describe(),
-        "epochs": epochs,
-        "final": {
-            "train_loss": epochs[-1]["train_loss"],
-            "test_loss": epochs[-1]["test_loss"],
-            "test_accuracy": epochs[-1]["test_accuracy"],
-        },
-        "samples_per_s": len(epochs) * len(loader) * config.batch_size / sum(e["train_time_s"] for e in epochs),
-        "wall_time_s": wall,
-        "weights_sha256": report.weights_digest(model.flat_params),
-        "environment": report.environment(),
+
+@dataclass
+class Position:
+    """Where training stands: the epoch to run next, global steps done, the epochs' metrics so far, and, inside a
+    half-done epoch, its losses and train time so far."""
+
+    epoch: int = 1
+    step: int = 0
+    epochs: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    train_time_s: float = 0.0
+
+
+def check_same_config(comm, config: TrainConfig) -> None:
+    """Every rank hashes its configuration; ranks started with different flags get one clear error, on every rank."""
+    mine = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode()).hexdigest()
+    digests = comm.allgather(mine)
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise ConfigError(
+            f"the ranks were started with different flags: rank(s) {odd} differ from rank 0; launch every rank with "
+            f"the same command line"
+        )
+
+
+def save_checkpoint(paradigm, config, sizes, position: Position) -> None:
+    """Rank 0 writes where training stands (a collective: a sharded paradigm gathers its parameters first)."""
+    params, optimizer_state = paradigm.full_parameters(), paradigm.optimizer_state()
+    if paradigm.rank != 0:
+        return
+    meta = {
+        "paradigm": config.paradigm,
+        "sizes": list(sizes),
+        "dtype": config.dtype,
+        "optimizer": config.optimizer,
+        "world_size": paradigm.world,
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "epoch": position.epoch,
+        "losses": [float(v) for v in position.losses],
+        "global_step": position.step,
+        "train_time_s": position.train_time_s,
+        "epochs": position.epochs,
     }
-    metrics["communication"] = {"per_rank": gather_summaries(tracer, comm) if comm is not None else [tracer.summary()]}
-    if config.trace:
-        events = gather_events(tracer, comm) if comm is not None else [tracer.events]
-        if rank == 0:
-            write_chrome_trace(config.trace, events)
-    if config.out and rank == 0:
-        report.write_metrics(config.out, metrics)
-    return metrics
+    checkpoint.save(config.checkpoint_dir, params, optimizer_state, meta)
+
+
+def resume(paradigm, comm, config, sizes) -> Position:
+    """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it."""
+    state, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            state = checkpoint.load(config.checkpoint_dir)
+            expected = {"paradigm": config.paradigm, "sizes": list(sizes), "dtype": config.dtype,
+                        "optimizer": config.optimizer}  # fmt: skip
+            checkpoint.check_compatible(state["meta"], expected, checkpoint.path_in(config.checkpoint_dir))
+        except checkpoint.CheckpointError as exc:
+            state, error = None, str(exc)
+    state, error = comm.bcast((state, error), root=0)
+    if error is not None:
+        raise checkpoint.CheckpointError(error)
+    meta = state["meta"]
+    paradigm.load_full_parameters(backend.to_device(state["params"], backend.array_module(paradigm.full_parameters())))
+    paradigm.load_optimizer_state(state["optimizer"])
+    if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
+        print(
+            f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "
+            f"is the same, but it is split differently across ranks, so results will not be bit-identical to an "
+            f"uninterrupted run on {meta['world_size']}",
+            flush=True,
+        )
+    if meta["seed"] != config.seed or meta["batch_size"] != config.batch_size:
+        if comm.Get_rank() == 0:
+            print("resuming with another --seed or --batch-size: the data order from here on changes", flush=True)
+    return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["losses"], meta["train_time_s"])
 
 
 def evaluate(model, data: Dataset, xp, batch: int = 1024) -> tuple[float, float]:

@@ -3,6 +3,7 @@
     python scripts/bench_allreduce.py                       # p = 2 and 4, 4 KiB .. 64 MiB, writes docs/bench/
     python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 9   # quicker (9 rounds is the least)
     python scripts/bench_allreduce.py --repeat 3       # 3 separate jobs per p: median and range of each ratio
+    python scripts/bench_allreduce.py --ranks 2 --max-size 64KiB --watchdog 300   # armed vs unarmed, interleaved
 
 The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
 yielding waits when oversubscribed), then prints one table per p, writes a JSON file and a PNG of bus bandwidth
@@ -58,17 +59,20 @@ def run_ranks(args) -> None:
     from mpi4py import MPI
 
     from dtrain.collectives import TABLE, allreduce, costmodel, hierarchical
+    from dtrain.comm import watchdog
 
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()
     algorithms = args.algorithms.split(",")
+    if args.watchdog:  # each algorithm again with the watchdog armed, interleaved with the unarmed runs
+        algorithms += [f"{a}+watchdog" for a in algorithms if a != "mpi"]
     machine = costmodel.Machine.load(p=p)  # constants measured with p ranks busy, when calibrated
     sizes = [s for s in SIZES if parse_size(args.min_size) <= s <= parse_size(args.max_size)]
     # The nodes of the hierarchical algorithms, split once (a collective call) and handed to their calls only: the
     # other rows measure exactly what allreduce(comm, buf, algorithm=...) costs a caller.
     nodes = hierarchical.topology(comm, args.ranks_per_node)
     on_nodes = {name for name, entry in TABLE["allreduce"].items() if entry.nodes}
-    options = {a: {"topology": nodes} if a in on_nodes else {} for a in algorithms}
+    options = {a: {"topology": nodes} if a.removesuffix("+watchdog") in on_nodes else {} for a in algorithms}
     rows = []
     for size in sizes:
         count = size // 4
@@ -82,7 +86,7 @@ def run_ranks(args) -> None:
             if alg == "mpi":  # the baseline: MPI's own collective, called directly (none of dtrain's Python)
                 comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             else:
-                allreduce(comm, buf, op="sum", algorithm=alg, **options[alg])
+                allreduce(comm, buf, op="sum", algorithm=alg.removesuffix("+watchdog"), **options[alg])
 
         for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, MPI buffers)
             buf[...] = src
@@ -91,6 +95,7 @@ def run_ranks(args) -> None:
             for alg in algorithms:
                 reps = max(1, min(50, (256 << 10) // size))  # repeat tiny messages to beat timer resolution
                 buf[...] = src
+                watchdog.configure(args.watchdog if alg.endswith("+watchdog") else 0)  # outside the timed part
                 comm.Barrier()
                 t0 = time.perf_counter()
                 for _ in range(reps):
@@ -102,7 +107,9 @@ def run_ranks(args) -> None:
             t = statistics.median(times[alg])
             algbw = size / t
             try:
-                model = costmodel.predict_time(alg, size, p, machine, ranks_per_node=args.ranks_per_node)
+                model = costmodel.predict_time(
+                    alg.removesuffix("+watchdog"), size, p, machine, ranks_per_node=args.ranks_per_node
+                )
             except (ValueError, KeyError):
                 model = None
             rows.append(
@@ -132,6 +139,13 @@ def main() -> None:
     parser.add_argument("--max-size", default="64MiB")
     parser.add_argument(
         "--rounds", type=int, default=15, help="timed rounds for messages <= 1 MiB (fewer above, never below 9)"
+    )
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=0,
+        metavar="S",
+        help="also time every algorithm with the watchdog armed (timeout S), interleaved with the unarmed runs",
     )
     parser.add_argument("--repeat", type=int, default=1, help="whole sweeps per p, as separate jobs (default 1)")
     parser.add_argument("--out", default="docs/bench", help="folder for allreduce.json and allreduce_busbw.png")

@@ -188,6 +188,8 @@ BAD_INPUTS = {
     "momentum 1": (["--momentum", "1"], None, "--momentum must be in [0, 1)"),
     "weight decay nan": (["--weight-decay", "nan"], None, "--weight-decay must be a finite number"),
     "negative seed": (["--seed", "-1"], None, "--seed must be >= 0"),
+    "negative timeout": (["--timeout", "-1"], None, "expected seconds >= 0"),
+    "timeout not a number": (["--timeout", "soon"], None, "expected a number of seconds"),
     "lr not a number": (["--lr", "fast"], None, "invalid float value: 'fast'"),
     "mnist without data dir": (["--dataset", "mnist"], None, "pass --data-dir DIR"),
     "missing IDX file": (["--dataset", "mnist"], _remove_a_file, "missing t10k-images-idx3-ubyte"),
@@ -360,6 +362,31 @@ def test_trace_and_communication_summary(tmp_path):
     assert per_rank[0]["totals"]["bytes_sent"] == 0  # one rank sends nothing
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert "traceEvents" in trace
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("flag", "environment", "expected"),
+    [([], None, "300"), (["--timeout", "7"], "5", "7"), ([], "5", "5"), (["--timeout", "0"], None, "0")],
+)
+def test_launch_hands_the_watchdog_timeout_to_the_ranks(tmp_path, monkeypatch, flag, environment, expected):
+    if environment is None:
+        monkeypatch.delenv("DTRAIN_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("DTRAIN_TIMEOUT", environment)
+    code = "import os, pathlib; pathlib.Path('seen').write_text(os.environ['DTRAIN_TIMEOUT'])"
+    ok(dtrain("launch", "-n", 1, *flag, "--", "-c", code, cwd=tmp_path))
+    assert (tmp_path / "seen").read_text() == expected
+
+
+def test_training_is_watched_by_default_and_the_flag_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.delenv("DTRAIN_TIMEOUT", raising=False)
+    for name, flag in (("watched", []), ("unwatched", ["--timeout", "0"])):
+        ok(dtrain("train", "--epochs", 1, "--hidden", 8, "--quiet", *flag, "--out", tmp_path / name, cwd=tmp_path))
+    watched, unwatched = metrics_of(tmp_path / "watched"), metrics_of(tmp_path / "unwatched")
+    assert watched["config"]["timeout"] == 300 and unwatched["config"]["timeout"] == 0
+    assert watched["communication"]["layers"] == ["WatchedComm", "TracedComm", "Intracomm"]
+    assert unwatched["communication"]["layers"] == ["TracedComm", "Intracomm"]
 
 
 def test_trace_that_is_a_folder_is_one_line(tmp_path):

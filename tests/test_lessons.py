@@ -7,11 +7,13 @@ when a check fails, so a failure shows up here with the lesson's whole output.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi_util import run_mpi
 
@@ -50,3 +52,44 @@ def test_lesson_02_exits_nonzero_on_bad_arguments():
     result = run_mpi(1, [str(LESSONS / "02_allreduce.py"), "--algorithms", "ring,bogus"], timeout=60, check=False)
     assert result.returncode != 0
     assert "bogus" in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_lesson_03_data_parallel_checks_its_claims(nranks, tmp_path):
+    """Lesson 3 checks the gradient average, the loss curves and every rank's bytes; here its OK lines and its
+    measurements file say so, and its trace holds each rank's backward and bucket spans."""
+    measurements, trace = tmp_path / "lesson.json", tmp_path / "trace.json"
+    args = [str(LESSONS / "03_data_parallel.py"), "--epochs", "2", "--steps", "8", "--big-batch", "192"]
+    out = run_mpi(nranks, [*args, "--json", str(measurements), "--trace", str(trace)], timeout=240).stdout
+    assert "OK: the average of the slice gradients is the whole batch's gradient: yes" in out, out
+    assert re.search(r"OK: the loss curves on \[[\d, ]+\] ranks agree: yes", out), out
+    assert "OK: bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank: yes" in out, out
+    assert "all checks passed: yes" in out, out
+
+    results = json.loads(measurements.read_text())
+    ranks = [k for k in (1, 2, 4) if k <= nranks]
+    assert results["world"] == nranks and results["ranks"] == ranks
+    assert results["gradient"]["max_difference"] < 1e-12 and results["gradient"]["loss_difference"] < 1e-12
+    curves = [results["training"][str(k)]["train_loss"] for k in ranks]
+    assert all(len(c) == 2 and np.allclose(c, curves[0], rtol=0, atol=1e-5) for c in curves)
+    for row in results["bytes"]:  # one bucket, then one per layer
+        assert row["measured"] == row["costs"] and len(row["measured"]) == nranks
+        assert row["messages"] == [2 * (nranks - 1) * len(row["buckets"])] * nranks
+    timed = {(t["model"], t["ranks"]) for t in results["timing"]}
+    assert timed == {(model, k) for model in ("64-32-10", "784-512-512-10") for k in ranks}
+    assert all(0 <= t["waiting_ms"] <= t["ms_per_step"] for t in results["timing"])
+
+    if nranks == 1:  # one rank: nothing to all-reduce, no timeline, no trace
+        assert "no timeline" in out and not trace.exists()
+        return
+    assert set(results["overlap"]) >= {"on", "off", "fraction", "saved"}
+    spans = {(e["pid"], e["name"]) for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "span"}
+    for rank in range(nranks):  # three buckets (one per layer, the default --bucket-mb), each beside backward
+        assert {(rank, "backward")} | {(rank, f"bucket {b} in flight") for b in range(3)} <= spans, spans
+
+
+def test_lesson_03_exits_nonzero_on_bad_arguments():
+    result = run_mpi(2, [str(LESSONS / "03_data_parallel.py"), "--batch-size", "47"], timeout=60, check=False)
+    assert result.returncode != 0
+    assert "--batch-size 47" in result.stderr and "divisible" in result.stderr

@@ -1,0 +1,98 @@
+"""Checkpoints: everything needed to go on training as if nothing had stopped, in one file any paradigm can read.
+
+A checkpoint is one ``.npz`` file holding the **full flat parameter buffer** (whatever the paradigm: a sharded one
+gathers it first), the optimizer's state (its flat buffers: momentum, Adam's m and v, and its step count), where
+training stood (epoch, steps done in it, global step) and how the data were being drawn (the seed: each epoch's
+shuffle is drawn from ``(seed, epoch)``, so the position is the whole data-order state), plus the metrics of the
+epochs already done. A small JSON header says which model, dtype and paradigm wrote it, so a mismatch is refused with
+a clear message instead of loading nonsense.
+
+**Written atomically.** Rank 0 writes ``checkpoint.npz.tmp``, flushes it to the disk (``fsync``), renames it over
+``checkpoint.npz`` (a rename within a folder is atomic on POSIX) and fsyncs the folder: a crash at any moment leaves
+either the previous checkpoint or the new one, never half of one.
+
+**Read once, by rank 0,** which checks it and broadcasts it (or the reason it cannot be used) to every rank, so all
+ranks fail with the same one-line error, and no rank needs the file on its own disk.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from dtrain.backend import to_host
+from dtrain.errors import ConfigError
+
+FORMAT = "dtrain.checkpoint/1"
+FILENAME = "checkpoint.npz"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, damaged, or written for another model or paradigm."""
+
+
+def path_in(folder) -> Path:
+    return Path(folder) / FILENAME
+
+
+def save(folder, params, optimizer_state: dict, meta: dict) -> Path:
+    """Write the checkpoint atomically (see the module docstring); return its path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {"params": to_host(params)}
+    scalars = {}
+    for name, value in optimizer_state.items():
+        if isinstance(value, np.ndarray):
+            arrays[f"optimizer.{name}"] = value
+        else:
+            scalars[name] = value
+    header = {"format": FORMAT, **meta, "optimizer_scalars": scalars}
+    buffer = io.BytesIO()
+    np.savez(buffer, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
+    final = path_in(folder)
+    tmp = final.with_name(FILENAME + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(buffer.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself reaches the disk
+    finally:
+        os.close(directory)
+    return final
+
+
+def load(folder) -> dict:
+    """``{"meta", "params", "optimizer"}`` from the checkpoint in ``folder``, or a :class:`CheckpointError`."""
+    path = path_in(folder)
+    if not path.exists():
+        raise CheckpointError(f"--resume: no checkpoint in {folder} (expected {path}); train without --resume first")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            header = json.loads(data["header"].tobytes().decode())
+            params = data["params"]
+            optimizer = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("optimizer.")}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"--resume: {path} is damaged or not a dtrain checkpoint ({exc})") from None
+    if header.get("format") != FORMAT:
+        raise CheckpointError(f"--resume: {path} is not a {FORMAT} file (format {header.get('format')!r})")
+    optimizer.update(header.pop("optimizer_scalars"))
+    return {"meta": header, "params": params, "optimizer": optimizer}
+
+
+def check_compatible(meta: dict, expected: dict, path) -> None:
+    """Refuse a checkpoint whose model, dtype, optimizer or paradigm differ from this run's, naming the difference."""
+    for key, flag in (("sizes", "model sizes"), ("dtype", "--dtype"), ("optimizer", "--optimizer"),
+                      ("paradigm", "--paradigm")):  # fmt: skip
+        if meta.get(key) != expected[key]:
+            raise CheckpointError(
+                f"--resume: {path} was written with {flag} {meta.get(key)}, this run has {expected[key]}; "
+                f"resume with the same settings, or start afresh without --resume"
+            )

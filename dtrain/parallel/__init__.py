@@ -1,0 +1,184 @@
+"""Paradigms: the ways of spreading one training run over ranks, one file each, behind one seam.
+
+The driver (:mod:`dtrain.train`) owns what every paradigm shares: the config, the data, the epoch loop, evaluation,
+metrics.json, checkpoints, the trace. A paradigm owns only what makes it different. It is a subclass of
+:class:`Paradigm`, registered under its ``--paradigm`` name with :func:`register`, and the driver talks to it
+through these methods alone (no ``if paradigm == ...`` anywhere else)::
+
+    cls.check(config, world)         before any communication: are the paradigm's flags usable on this many ranks?
+    p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); build groups
+    p.data_shard()                   (index, count): which slice of every global batch this rank trains on
+    p.build(make_model, make_opt)    a full replica, sharded layers, or this rank's pipeline stage
+    p.role                           "trainer" runs the epoch loop; "server" has no batches and calls p.serve()
+    p.step(x, y)                     one global step on this rank's slice; returns this rank's loss on it
+    p.global_loss(local_mean)        the *global batch's* loss from every rank's mean (train_loss in metrics.json)
+    p.full_parameters()              the whole model's flat buffer: weights digest, checkpoints
+    p.load_full_parameters(flat)     the inverse, for resuming from a checkpoint
+    p.optimizer_state() / p.load_optimizer_state(state)       the optimizer's whole state, for checkpoints
+    p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
+    p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
+    cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
+
+:class:`Paradigm` itself is a correct single-replica trainer, and its :meth:`Paradigm.step` is the loop every
+replicated paradigm shares, with three places to act::
+
+    zero grads
+    for each of the k micro-batches (--accumulate k):
+        forward
+        before_backward(last)                             DDP arms its hooks on the last micro-batch
+        backward of loss / k                              gradient-ready hooks fire inside backward
+    after_backward()                                      DDP: finish averaging the gradients
+    optimizer step
+    after_step()                                          local SGD: average the weights every H steps
+
+Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
+tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from dtrain.autograd import Tensor, softmax_cross_entropy
+from dtrain.errors import ConfigError
+
+_REGISTRY: dict[str, type[Paradigm]] = {}
+
+
+def register(cls: type[Paradigm]) -> type[Paradigm]:
+    """Class decorator: make ``cls`` available as ``--paradigm cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> tuple[str, ...]:
+    _load_all()
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> type[Paradigm]:
+    """The paradigm class registered as ``name``, or a :class:`ConfigError` listing the choices."""
+    _load_all()
+    if name not in _REGISTRY:
+        raise ConfigError(f"--paradigm {name!r} is not one of: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def _load_all() -> None:
+    """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
+    from dtrain.parallel import data_parallel, single  # noqa: F401
+
+
+def parameter_count(sizes) -> int:
+    """Parameters of an MLP with layer widths ``sizes`` (weights and biases)."""
+    return sum(a * b + b for a, b in itertools.pairwise(sizes))
+
+
+class Paradigm:
+    """One rank's share of a training run (see the package docstring for the protocol)."""
+
+    name = "base"
+    role = "trainer"
+
+    def __init__(self, comm, config):
+        self.comm, self.config = comm, config
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        self.model = self.optimizer = None
+
+    # --- before anything happens --------------------------------------------------------------------------
+    @classmethod
+    def check(cls, config, world: int) -> None:
+        """Raise a :class:`ConfigError` for flags this paradigm cannot use on ``world`` ranks (no communication)."""
+        _index, count = cls.shard_of(0, world)
+        local = config.batch_size // count if config.batch_size % count == 0 else None
+        if config.batch_size < count:
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is smaller than the {count} ranks that split it: every rank "
+                f"needs at least one sample per step; use --batch-size {count} or more, or fewer ranks"
+            )
+        if local is not None and local % config.accumulate:
+            raise ConfigError(
+                f"--accumulate {config.accumulate} must divide each rank's share of the batch ({local} = "
+                f"{config.batch_size} / {count} ranks)"
+            )
+
+    @classmethod
+    def shard_of(cls, rank: int, world: int) -> tuple[int, int]:
+        """(index, count) of the slice of each global batch that ``rank`` trains on: by default, one per rank."""
+        return rank, world
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.shard_of(self.rank, self.world)
+
+    # --- the model ----------------------------------------------------------------------------------------
+    def build(self, make_model, make_optimizer) -> None:
+        self.model = make_model()
+        self.optimizer = make_optimizer(self.model)
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def step(self, x, y) -> float:
+        """Forward and backward over ``--accumulate`` micro-batches, then one optimizer step; this rank's loss."""
+        model, k = self.model, self.config.accumulate
+        model.zero_grad()
+        total = 0.0
+        size = len(y) // k
+        for i in range(k):
+            loss = softmax_cross_entropy(model(Tensor(x[i * size : (i + 1) * size])), y[i * size : (i + 1) * size])
+            self.before_backward(last=i == k - 1)
+            # each micro-batch's mean loss counts 1/k, so the gradient is that of the whole slice's mean loss
+            loss.backward(np.full_like(loss.data, 1.0 / k) if k > 1 else None)
+            total += float(loss.data)
+        self.after_backward()
+        self.optimizer.step()
+        self.after_step()
+        return total / k
+
+    def before_backward(self, last: bool) -> None:
+        """Called before each micro-batch's backward; ``last`` for the one after which gradients are final."""
+
+    def after_backward(self) -> None:
+        """Called once the step's gradients are complete, before the optimizer step."""
+
+    def after_step(self) -> None:
+        """Called after the optimizer step."""
+
+    def global_loss(self, local_mean: float) -> float:
+        """The global batch's loss from this rank's mean loss over its slices (a collective in most paradigms)."""
+        return local_mean
+
+    # --- the whole model ----------------------------------------------------------------------------------
+    def full_parameters(self):
+        return self.model.flat_params
+
+    def load_full_parameters(self, flat) -> None:
+        self.model.flat_params[...] = flat
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's whole state (host arrays and numbers), as a checkpoint stores it."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def evaluation_model(self):
+        """A model whose forward is the whole model's, for evaluating on the test set."""
+        return self.model
+
+    def finish(self) -> dict:
+        """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json."""
+        return {}
+
+    def serve(self) -> None:
+        raise TypeError(f"paradigm {self.name!r} has no server role")
+
+    # --- the cost as code ---------------------------------------------------------------------------------
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Bytes per rank: ``sent_per_step`` (a list, one entry per rank) and the peak ``parameters``,
+        ``gradients`` and ``optimizer`` state one rank holds."""
+        itemsize = np.dtype(config.dtype).itemsize
+        n = parameter_count(sizes) * itemsize
+        state = {"sgd": n if config.momentum else 0, "adam": 2 * n}[config.optimizer]
+        return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}

@@ -1,0 +1,324 @@
+"""Synchronous data parallelism (PyTorch's DistributedDataParallel, TensorFlow's MirroredStrategy).
+
+Every rank holds the whole model. Each step, every rank takes its own slice of the global batch, computes the
+gradient of its slice's mean loss, and the ranks *average* those gradients with an all-reduce; every rank then takes
+the same optimizer step from the same weights, so the replicas never drift apart::
+
+      global batch of B samples, N ranks: rank r gets samples [r B/N, (r+1) B/N)
+
+      rank 0: forward/backward on slice 0 --> g0 --+                       +--> step --> w'   (identical on
+      rank 1: forward/backward on slice 1 --> g1 --+-- all-reduce (avg) ---+--> step --> w'    every rank)
+      rank 2: forward/backward on slice 2 --> g2 --+   g = (g0+g1+g2)/N    +--> step --> w'
+
+**Why the average is the big batch's gradient.** The loss of the global batch is the mean of its B per-sample
+losses; with equal slices that is the mean over ranks of each slice's mean, and the gradient of a mean is the mean of
+the gradients. So N ranks with global batch B follow, up to floating-point rounding, the trajectory of one process
+with batch B (tests/test_data_parallel.py holds them to ~1e-12 in float64).
+
+**Buckets, and overlapping them with backward.** Backward produces gradients last layer first. Instead of one
+all-reduce of the whole flat gradient after backward, the flat buffer is cut into *buckets* (``--bucket-mb``; slices
+of ``model.flat_grads`` in reverse layer order, never splitting a parameter). A bucket's all-reduce starts the moment
+the gradient-ready hooks (:mod:`dtrain.autograd`) say its last parameter is complete, while backward goes on with the
+earlier layers::
+
+    backward:  [ layer 3 ][ layer 2 ][ layer 1 ][ layer 0 ] | wait
+    bucket 0:             [===== ring =====]                |           (layers 3-2)
+    bucket 1:                                  [==== ring ===]==]       (layers 1-0)
+
+*How an all-reduce runs "in the background" here.* Python cannot run the hand-written ring on another core while
+backward runs on this one without a second thread per rank, and a second thread per rank would fight backward for
+the two cores of a small machine and break the simulator's one-thread-per-rank model. So a bucket's ring is a
+*non-blocking* collective: a small state machine (:func:`dtrain.collectives.ring.allreduce_steps`) that posts one
+step's ``Isend``/``Irecv`` and returns; every hook call (between layers) advances every bucket in flight as far as its
+messages have arrived, and ``after_backward`` finishes them. This is exactly how MPI's own ``MPI_Iallreduce``
+progresses on a library without a progress thread. Buckets start in bucket order on every rank and each uses its own
+tag on a communicator of its own, so messages of different buckets never match each other. Other ``--allreduce``
+algorithms run blocking: with overlap, each bucket as soon as it is ready; without, all after backward.
+
+*Why ``--overlap`` is off by default.* On a CPU cluster node it measured slower (docs/benchmarks.md, section 4): MPI
+moves a large message only while the ranks are inside MPI calls, so a bucket in flight mostly waits for the next hook;
+the ring it needs costs 2(p-1) latencies per bucket; and the bytes are copied by the same cores that compute backward.
+Overlap pays where something else moves the bytes (a GPU's copy engines and NCCL, a NIC with RDMA). Without it,
+the default is one bucket: one all-reduce of the whole gradient after backward, the fewest latencies.
+
+**Parameters the loss does not use** never fire their hook, so their bucket would never start (PyTorch's
+``find_unused_parameters`` problem). Here ``after_backward`` starts every bucket not yet started, in order: their
+gradients are zero on the ranks that did not use them, and the average is what it should be.
+
+**Gradient accumulation** (``--accumulate k``, DDP's ``no_sync``): the first k-1 micro-batches only accumulate
+gradients; the hooks start buckets on the last one alone, so communication is paid once per step.
+
+**Replicas stay identical** because they start identical (rank 0's weights are broadcast before the first step) and
+take identical steps. This is checked, not assumed: at the end of training every rank's weights digest is compared
+(with ``DTRAIN_DEBUG=1`` also every ``CHECK_EVERY`` steps); a difference is an error naming the ranks.
+
+**Cost per step** (n bytes of gradients in buckets n_1 + ... + n_m, p ranks, ring): each rank sends
+``sum_i 2 (p-1)/p n_i ~= 2 (p-1)/p n`` bytes in ``2 (p-1) m`` messages, whatever the bucket size: buckets buy overlap
+with m times the latency. Exact bytes per rank: :meth:`DataParallel.costs` (from ``costmodel.bytes_sent``). Memory
+per rank: the whole model, its gradients and the optimizer state, like ``single``; nothing is saved by adding ranks
+(that is what ZeRO changes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import time
+from collections.abc import Generator
+
+import numpy as np
+
+from dtrain import collectives, report
+from dtrain.collectives import costmodel, hierarchical, ring
+from dtrain.comm import waitall, watchdog
+from dtrain.errors import ConfigError
+from dtrain.parallel import Paradigm, register
+
+ALGORITHMS = collectives.ALGORITHMS
+CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
+NONBLOCKING = {"ring": ring.allreduce_steps}  # algorithms with a step-by-step (non-blocking) form
+
+
+class ReplicasDiverged(RuntimeError):
+    """Ranks that should hold identical weights do not."""
+
+
+def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int]]]:
+    """Cut a flat buffer into buckets in reverse parameter order: ``[(start, stop, parameter indices), ...]``.
+
+    ``parameters`` are (offset, size, itemsize) of each parameter in flat-buffer order. Walking from the last
+    parameter back, a bucket closes once it holds at least ``bucket_bytes`` (0: one bucket for everything). Each
+    bucket is one contiguous slice, so it is all-reduced in place with no packing.
+    """
+    buckets, members, stop, nbytes = [], [], None, 0
+    for index in reversed(range(len(parameters))):
+        offset, size, itemsize = parameters[index]
+        stop = offset + size if stop is None else stop
+        members.append(index)
+        nbytes += size * itemsize
+        if bucket_bytes and nbytes >= bucket_bytes:
+            buckets.append((offset, stop, members))
+            members, stop, nbytes = [], None, 0
+    if members:
+        buckets.append((parameters[members[-1]][0], stop, members))
+    return buckets
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A bucket whose non-blocking all-reduce has started: its state machine and the requests it waits on."""
+
+    bucket: int
+    steps: Generator  # yields each step's requests; ends when the all-reduce is done
+    requests: list
+    started: float
+    finished: float | None = None
+
+
+@register
+class DataParallel(Paradigm):
+    name = "ddp"
+
+    @classmethod
+    def check(cls, config, world: int) -> None:
+        super().check(config, world)
+        if config.allreduce not in ALGORITHMS:
+            raise ConfigError(f"--allreduce {config.allreduce!r} is not one of: {', '.join(ALGORITHMS)}")
+        if config.bucket_mb is not None and not 0 <= config.bucket_mb < float("inf"):
+            raise ConfigError(f"--bucket-mb must be >= 0 (0: one bucket), got {config.bucket_mb}")
+        k = config.ranks_per_node
+        if config.allreduce == "hierarchical_rs" and k is not None and world % k:
+            sizes = list(hierarchical.node_sizes(world, k))
+            raise ConfigError(
+                f"--allreduce hierarchical_rs needs nodes of equal size; {world} ranks with --ranks-per-node {k} "
+                f"make nodes of {sizes}: use --allreduce hierarchical, or a rank count divisible by {k}"
+            )
+
+    def __init__(self, comm, config):
+        super().__init__(comm, config)
+        # Gradient traffic gets a communicator of its own: bucket tags can never meet any other message.
+        self.grad_comm = comm.Dup()
+        self.topology = None
+        if config.allreduce.startswith("hierarchical"):
+            self.topology = hierarchical.topology(self.grad_comm, config.ranks_per_node)
+        self.steps = 0
+        self.timing = {"backward_s": 0.0, "exposed_comm_s": 0.0, "in_flight_s": 0.0, "hidden_s": 0.0}
+
+    # --- the model: identical on every rank, and a hook on every parameter --------------------------------
+    def build(self, make_model, make_optimizer) -> None:
+        super().build(make_model, make_optimizer)
+        model = self.model
+        collectives.broadcast(self.comm, model.flat_params, root=0)  # replicas start from rank 0's weights
+        self.check_replicas("after the initial broadcast")
+        flat, params = model.flat_grads, model.parameters()
+        offsets = itertools.accumulate((p.grad.size for p in params), initial=0)  # the flat buffer's order
+        layout = [(offset, p.grad.size, flat.itemsize) for offset, p in zip(offsets, params)]
+        plan = plan_buckets(layout, self.bucket_bytes(self.config))
+        self.buckets = [flat[start:stop] for start, stop, _ in plan]
+        self.bucket_of = {index: b for b, (_, _, members) in enumerate(plan) for index in members}
+        self.sizes = [len(members) for _, _, members in plan]
+        self.scratch = [np.empty_like(bucket) for bucket in self.buckets]  # each bucket in flight needs its own
+        self.overlap = self.config.overlap and self.world > 1
+        self.algorithm = self.choose_algorithm(self.config, self.world, max(b.nbytes for b in self.buckets))
+        if self.overlap:
+            for index, p in enumerate(params):
+                p.register_hook(lambda _p, index=index: self._ready(index))
+        self._armed = False
+        self._reset()
+
+    @staticmethod
+    def bucket_bytes(config) -> int:
+        """``--bucket-mb`` in bytes; by default 1 MiB buckets when overlapping (they exist to start early), else one
+        bucket: after backward, one all-reduce of everything costs the fewest latencies."""
+        mb = config.bucket_mb if config.bucket_mb is not None else (1.0 if config.overlap else 0.0)
+        return int(mb * (1 << 20))
+
+    @staticmethod
+    def choose_algorithm(config, world: int, biggest_bucket: int) -> str:
+        """``--allreduce``, with "auto" resolved: the ring when overlapping (the one non-blocking algorithm here),
+        else the cost model's choice for the largest bucket."""
+        if config.allreduce != "auto":
+            return config.allreduce
+        return "ring" if config.overlap and world > 1 else costmodel.choose(biggest_bucket, world)
+
+    def _reset(self) -> None:
+        self._missing = list(self.sizes)  # parameters each bucket still waits for
+        self._started = 0  # buckets start in order: 0, 1, ... on every rank
+        self._in_flight: list[_InFlight] = []
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def before_backward(self, last: bool) -> None:
+        self._armed = last  # accumulation: only the last micro-batch's backward starts communication
+        if last:
+            self._reset()
+            self._backward_start = time.perf_counter()
+
+    def _ready(self, index: int) -> None:
+        """Gradient-ready hook of parameter ``index``: start every complete bucket, in order; advance the rest."""
+        if not self._armed:
+            return
+        self._missing[self.bucket_of[index]] -= 1
+        while self._started < len(self.buckets) and self._missing[self._started] == 0:
+            self._start(self._started)
+        self._progress()
+
+    def _start(self, b: int) -> None:
+        self._started = b + 1
+        steps = NONBLOCKING.get(self.algorithm)
+        if steps is None:  # a blocking algorithm: the whole all-reduce, now (in flight, none of it hidden)
+            started = time.perf_counter()
+            collectives.allreduce(self.grad_comm, self.buckets[b], "avg", self.algorithm, topology=self.topology)
+            self.timing["in_flight_s"] += time.perf_counter() - started
+            return
+        generator = steps(self.grad_comm, self.buckets[b], "avg", tag=b, work=self.scratch[b])
+        started = time.perf_counter()
+        with self._label(self.buckets[b].nbytes):
+            self._in_flight.append(_InFlight(b, generator, next(generator, None) or [], started))
+
+    def _label(self, nbytes=None):
+        """The tracer's label for a bucket's traffic (its first step counts the call; the later steps resume it)."""
+        tracer = getattr(self.grad_comm, "tracer", None)
+        if tracer is None:
+            return contextlib.nullcontext()
+        return tracer.operation(f"allreduce/{self.algorithm}", nbytes=nbytes, resumed=nbytes is None)
+
+    def _progress(self, block: bool = False) -> None:
+        """Advance every bucket in flight as far as its messages have arrived (``block``: to the end)."""
+        if self._in_flight:
+            with self._label():  # the tests and waits count as the all-reduce's time, not as "other"
+                self._advance(block)
+
+    def _advance(self, block: bool) -> None:
+        for flight in self._in_flight:
+            while flight.finished is None:
+                if block:
+                    token = watchdog.begin(self.grad_comm, f"ddp: bucket {flight.bucket} all-reduce/{self.algorithm}")
+                    try:
+                        waitall(flight.requests)
+                    finally:
+                        watchdog.end(token)
+                    flight.requests = []
+                else:
+                    flight.requests = [r for r in flight.requests if not r.Test()]
+                    if flight.requests:
+                        break
+                requests = next(flight.steps, None)
+                if requests is None:
+                    flight.finished = time.perf_counter()
+                else:
+                    flight.requests = requests
+
+    def after_backward(self) -> None:
+        if self.world == 1:
+            return
+        backward_end = time.perf_counter()
+        while self._started < len(self.buckets):  # no overlap, or unused parameters: start the rest, in order
+            self._start(self._started)
+        self._progress(block=True)
+        t = self.timing
+        t["backward_s"] += backward_end - self._backward_start
+        t["exposed_comm_s"] += time.perf_counter() - backward_end
+        tracer = getattr(self.comm, "tracer", None)
+        if tracer is not None:  # the timeline shows each bucket in flight beside backward
+            tracer.span("backward", self._backward_start, backward_end)
+        for flight in self._in_flight:
+            t["in_flight_s"] += flight.finished - flight.started
+            t["hidden_s"] += max(0.0, min(flight.finished, backward_end) - flight.started)
+            if tracer is not None:
+                tracer.span(f"bucket {flight.bucket} in flight", flight.started, flight.finished)
+        self._armed = False
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if collectives.debug_enabled() and self.steps % CHECK_EVERY == 0:
+            self.check_replicas(f"after step {self.steps}")
+
+    def global_loss(self, local_mean: float) -> float:
+        value = np.array([local_mean], dtype=np.float64)
+        collectives.allreduce(self.comm, value, "avg", "tree")
+        return float(value[0])
+
+    # --- end of training ----------------------------------------------------------------------------------
+    def check_replicas(self, when: str) -> None:
+        digests = self.comm.allgather(report.weights_digest(self.model.flat_params))
+        if len(set(digests)) > 1:
+            groups = {}
+            for rank, digest in enumerate(digests):
+                groups.setdefault(digest, []).append(rank)
+            listing = "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
+            raise ReplicasDiverged(f"data-parallel replicas differ {when}: {listing}")
+
+    def finish(self) -> dict:
+        self.check_replicas("at the end of training")
+        t = self.timing
+        return {
+            "allreduce": self.algorithm,
+            "bucket_bytes": [int(b.nbytes) for b in self.buckets],
+            "overlap": self.overlap,
+            **t,
+            # of the time buckets were in flight, the part spent while backward was still computing
+            "overlap_fraction": t["hidden_s"] / t["in_flight_s"] if t["in_flight_s"] else 0.0,
+        }
+
+    # --- the cost as code ---------------------------------------------------------------------------------
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Bytes each rank sends per step: one all-reduce per bucket (exact, from the cost model's counts)."""
+        base = super().costs(sizes, world, config)
+        itemsize = np.dtype(config.dtype).itemsize
+        layout, offset = [], 0
+        for a, b in itertools.pairwise(sizes):
+            layout += [(offset, a * b, itemsize), (offset + a * b, b, itemsize)]
+            offset += a * b + b
+        buckets = plan_buckets(layout, cls.bucket_bytes(config))
+        biggest = max(stop - start for start, stop, _ in buckets) * itemsize
+        algorithm = cls.choose_algorithm(config, world, biggest)
+        sent = [
+            sum(
+                costmodel.bytes_sent(algorithm, stop - start, itemsize, world, rank, config.ranks_per_node)
+                for start, stop, _ in buckets
+            )
+            for rank in range(world)
+        ]
+        return {**base, "sent_per_step": sent}

@@ -1,0 +1,438 @@
+"""Lesson 3: data parallelism on real MPI ranks. Every rank holds the whole model and trains on a slice of the batch.
+
+Each step, every rank computes the gradient of its own slice of the global batch, the ranks average those gradients
+with an all-reduce (lesson 2), and every rank takes the same optimizer step (dtrain/parallel/data_parallel.py):
+
+    dtrain launch -n 4 lessons/03_data_parallel.py
+    dtrain launch -n 2 lessons/03_data_parallel.py
+    dtrain launch -n 4 lessons/03_data_parallel.py --trace ddp.json     # one step on every rank, for Perfetto
+
+What you will see:
+  1. why it works: the average of the ranks' slice gradients IS the global batch's gradient (in float64, to ~1e-16);
+  2. one training run on 1, 2 and 4 ranks: the loss curves side by side, equal up to float32 rounding, and the
+     samples per second of each;
+  3. bytes per step: what the tracer counted on every rank, against DataParallel.costs() and the formula
+     2(p-1)/p n, with one bucket and with a bucket per layer;
+  4. buckets and overlap: when each bucket's all-reduce was in flight against backward, on every rank, for one step;
+     and what overlapping bought on this machine, measured with overlap on against off;
+  5. when NOT to distribute: a small model timed on 1, 2 and 4 ranks against a 784-512-512 one, and why:
+     communication per step against computation per step.
+
+Runs on fewer ranks than were launched (1 and 2 of 4) use sub-communicators (``comm.Split``); the ranks left out
+wait in a barrier that sleeps, so that they leave the cores to the ranks at work. Every timing is measured in this
+run, with the variants compared interleaved (step by step or round by round), so that a machine whose speed drifts
+slows them alike. What is printed as a conclusion follows from the numbers above it. With more ranks than cores
+(4 ranks on 2 cores) a rank often waits for a core rather than for a message: see docs/benchmarks.md.
+
+Things to try:
+  * --batch-size 480: ten times the samples per step for the same bytes per step; does 4 ranks still lose?
+  * --bucket-mb 0: one bucket, which can only start when the whole backward is done: nothing to overlap;
+  * dtrain launch -n 2: one core per rank, no waiting for a core;
+  * --trace ddp.json, then https://ui.perfetto.dev: each rank's backward, its buckets, every message.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import textwrap
+import time
+
+import numpy as np
+
+from dtrain import collectives
+from dtrain.autograd import Tensor, softmax_cross_entropy
+from dtrain.collectives import costmodel
+from dtrain.comm import mpi, usable_cores
+from dtrain.comm.prepare import prepare
+from dtrain.comm.trace import write_chrome_trace
+from dtrain.data import ShardedLoader, load_dataset
+from dtrain.nn import MLP
+from dtrain.optim import make_optimizer
+from dtrain.parallel import parameter_count
+from dtrain.parallel.data_parallel import DataParallel, plan_buckets
+from dtrain.train import TrainConfig, train
+
+parser = argparse.ArgumentParser(description="Lesson 3: data parallelism on MPI ranks")
+parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's training runs (default %(default)s)")
+parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
+parser.add_argument("--big-batch", type=int, default=768, help="global batch of the big model (default %(default)s)")
+parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement (default %(default)s)")
+parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size, MiB (default: one bucket per layer)")
+parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of section 4's step")
+parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
+args = parser.parse_args()
+
+mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+from mpi4py import MPI  # after argparse, so --help works without starting MPI
+
+world = MPI.COMM_WORLD
+p, rank = world.Get_size(), world.Get_rank()
+if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 4 or args.bucket_mb < 0:
+    if rank == 0:
+        print(
+            f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
+            f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
+            file=sys.stderr,
+        )
+    raise SystemExit(2)
+
+RANKS = sorted({k for k in (1, 2, 4) if k < p} | {p})  # the world sizes compared: 1, 2, 4 (and p)
+OVERSUBSCRIBED = p > usable_cores()  # more ranks than cores: a rank often waits for a core, not for a message
+B, BIG_B = args.batch_size, args.big_batch
+digits = load_dataset("digits")
+wide = load_dataset("synthetic", samples=4 * BIG_B, features=784)  # MNIST-sized inputs, for a big model
+SMALL = [digits.n_features, 32, digits.n_classes]  # 64-32-10: 2,410 parameters
+BIG = [wide.n_features, 512, 512, wide.n_classes]  # 784-512-512-10: 669,706 parameters
+results = {"world": p, "ranks": RANKS}  # every measurement, for --json
+
+
+def name(sizes) -> str:
+    return "-".join(map(str, sizes))
+
+
+def everywhere(flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on every rank."""
+    return world.allreduce(int(flag), op=MPI.MIN) == 1
+
+
+def sleeping_barrier(comm) -> None:
+    """A barrier whose waiters sleep: a rank left out of a run must not spin on a core that the run needs."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
+
+FIRST = {k: world.Split(0 if rank < k else MPI.UNDEFINED, rank) for k in RANKS}  # ranks 0..k-1; others: COMM_NULL
+
+
+def on_first(k: int, work):
+    """Run ``work(sub)`` on ranks 0..k-1 (``sub``: their communicator) while the others sleep; its result, or None."""
+    result = work(FIRST[k]) if rank < k else None
+    sleeping_barrier(world)
+    return result
+
+
+mpi.print0(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(str, RANKS))} rank(s) compared\n")
+
+# ------------------------------------------------------------------------ 1. the average IS the big-batch gradient
+# The global batch's loss is the mean of its B per-sample losses. Cut into p equal slices, that is the mean over
+# ranks of each slice's mean loss; and the gradient of a mean is the mean of the gradients. So the all-reduced
+# average of the slice gradients must be the gradient one process computes on the whole batch. In float64 we see
+# that it is, to the last bits (the additions merely happen in another order). Equal slices matter: a mean of means
+# of unequal slices is not the mean (that is why the global batch must divide by p, see dtrain/data.py).
+mpi.print0(f"1. One global batch of {B} digits, {B // p} per rank: the average of the slice gradients")
+x64 = digits.x_train.astype(np.float64)
+x_mine, y_mine = next(ShardedLoader(x64, digits.y_train, B, rank, p, seed=0).epoch(1))  # my slice of batch 0
+x_all, y_all = next(ShardedLoader(x64, digits.y_train, B, seed=0).epoch(1))  # the whole of batch 0
+
+
+def gradient(x, y):
+    """Loss and flat gradient of the mean loss over (x, y); seed 0, so every rank starts from the same weights."""
+    model = MLP(SMALL, seed=0, dtype=np.float64)
+    loss = softmax_cross_entropy(model(Tensor(x)), y)
+    loss.backward()
+    return float(loss.data), model.flat_grads.copy()
+
+
+full_loss, full_grad = gradient(x_all, y_all)  # one process, the whole batch (every rank can compute it)
+my_loss, my_grad = gradient(x_mine, y_mine)
+averaged = collectives.allreduce(world, my_grad.copy(), "avg", "ring")  # what data parallelism computes
+mean_loss = float(collectives.allreduce(world, np.array([my_loss]), "avg", "ring")[0])
+own_error, error = np.abs(my_grad - full_grad).max(), np.abs(averaged - full_grad).max()
+rows = world.gather((own_error, error), root=0)
+if rank == 0:
+    for r, (own, avg) in enumerate(rows):
+        print(f"   rank {r}: its own slice's gradient is off by up to {own:.3f}; the average, by {avg:.1e}")
+    print(f"   loss: mean of the {p} slice losses {mean_loss:.15f}, whole batch {full_loss:.15f}")
+    results["gradient"] = {
+        "max_difference": max(avg for _, avg in rows),
+        "own_slice_difference": [own for own, _ in rows],
+        "loss_difference": abs(mean_loss - full_loss),
+    }
+gradient_ok = everywhere(error < 1e-12 and abs(mean_loss - full_loss) < 1e-12)
+mpi.print0(f"   OK: the average of the slice gradients is the whole batch's gradient: {'yes' if gradient_ok else 'NO'}")
+
+# ----------------------------------------------------------------------------- 2. one training run, 1, 2, 4 ranks
+# The same run (seed, global batch, learning rate) on 1, 2 and 4 ranks, through dtrain's driver: the loss curves
+# must coincide. In float32 the all-reduce adds the slices' gradients in another order than one process's matrix
+# product adds the samples', so they agree to ~1e-8, not to the bit (the weights' digests differ).
+mpi.print0(f"\n2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
+config = TrainConfig(paradigm="ddp", epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=B,
+                     allreduce="ring", timeout=0, progress=False, quiet=True)  # fmt: skip
+runs = {k: on_first(k, lambda sub: train(config, sub)) for k in RANKS}
+training_ok = True
+if rank == 0:
+    curves = {k: [e["train_loss"] for e in runs[k]["epochs"]] for k in RANKS}
+    print(f"   {'epoch':>5s}" + "".join(f"{f'loss on {k}':>17s}" for k in RANKS) + "   test accuracy")
+    for e in range(args.epochs):
+        accuracy = " ".join(f"{100 * runs[k]['epochs'][e]['test_accuracy']:.2f}%" for k in RANKS)
+        print(f"   {e + 1:5d}" + "".join(f"{curves[k][e]:17.9f}" for k in RANKS) + f"   {accuracy}")
+    spread = max(abs(a - b) for k in RANKS for a, b in zip(curves[k], curves[1]))
+    speeds = ", ".join(f"{k} rank(s) {runs[k]['samples_per_s']:,.0f}" for k in RANKS)
+    print(f"   largest difference from the 1-rank curve: {spread:.1e}; samples/s: {speeds}")
+    results["training"] = {
+        str(k): {
+            "train_loss": curves[k],
+            "test_accuracy": [e["test_accuracy"] for e in runs[k]["epochs"]],
+            "samples_per_s": runs[k]["samples_per_s"],
+            "weights_sha256": runs[k]["weights_sha256"],
+        }
+        for k in RANKS
+    }
+    training_ok = spread < 1e-5
+    print(f"   OK: the loss curves on {RANKS} ranks agree: {'yes' if training_ok else 'NO'}")
+training_ok = everywhere(training_ok)
+
+
+# ------------------------------------------------------ the tool of sections 3-5: DataParallel driven by hand
+class Run:
+    """One data-parallel training run on the ranks of ``comm``, stepped by hand, each step timed."""
+
+    def __init__(self, comm, sizes, data, batch, overlap=True, bucket_mb=1.0, warmup=3):
+        self.comm = prepare(comm, timeout=0)  # the tracer around the communicator (no watchdog)
+        self.config = TrainConfig(paradigm="ddp", hidden=tuple(sizes[1:-1]), batch_size=batch, allreduce="ring",
+                                  bucket_mb=bucket_mb, overlap=overlap)  # fmt: skip
+        self.ddp = DataParallel(self.comm, self.config)
+        self.ddp.build(lambda: MLP(sizes, seed=0), lambda model: make_optimizer("sgd", model, 0.05, 0.9))
+        index, count = self.ddp.data_shard()
+        self.batches = itertools.cycle(list(ShardedLoader(data.x_train, data.y_train, batch, index, count).epoch(1)))
+        for _ in range(warmup):  # Numba's first calls, MPI's first connections: not what we measure
+            self.ddp.step(*next(self.batches))
+        self.comm.tracer.reset()
+        self.timing_before, self.times, self.busy, self.events = dict(self.ddp.timing), [], [], []
+
+    def steps(self, count: int) -> None:
+        for _ in range(count):
+            x, y = next(self.batches)
+            self.comm.Barrier()  # the ranks start each step together; a step ends when the slowest rank's does
+            mark, waited, start = len(self.comm.tracer.events), self.ddp.timing["exposed_comm_s"], time.perf_counter()
+            self.ddp.step(x, y)
+            elapsed, waited = time.perf_counter() - start, self.ddp.timing["exposed_comm_s"] - waited
+            self.times.append(self.comm.allreduce(elapsed, op=MPI.MAX))  # the step's time: its slowest rank's
+            self.busy.append(self.comm.allreduce(elapsed - waited, op=MPI.MAX))  # the busiest rank's own work
+            self.events = self.comm.tracer.events[mark:]  # the last step's messages and spans
+
+    def figures(self) -> dict:
+        """This rank's figures per step: ms (median, slowest rank), bytes and messages sent, DataParallel's timing."""
+        steps, totals = len(self.times), self.comm.tracer.summary()["totals"]
+        t = self.ddp.timing
+        return {
+            "ms_per_step": 1e3 * statistics.median(self.times),
+            "rest_ms": 1e3 * statistics.median(self.busy),  # <= ms_per_step, as each step's busy <= its time
+            "bytes_per_step": totals["bytes_sent"] // steps,
+            "messages_per_step": totals["messages_sent"] // steps,
+            "buckets": [int(b.nbytes) for b in self.ddp.buckets],
+            **{k: 1e3 * (t[k] - self.timing_before[k]) / steps for k in t},  # backward_s, exposed_comm_s, ... (ms)
+        }
+
+    def timeline(self) -> dict:
+        """The last step's spans, as DataParallel put them on the tracer's timeline: "backward", and "bucket b in
+        flight" from the start of its all-reduce to its end; {name: (start, end)} in microseconds."""
+        return {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] == "span"}
+
+
+def say(text: str) -> None:
+    """Print a paragraph of explanation, wrapped and indented like the tables."""
+    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
+
+
+def mean_over_ranks(rows: list, key: str) -> float:
+    return statistics.mean(row[key] for row in rows)
+
+
+# ------------------------------------------------------------------------------------------- 3. bytes per step
+# With the ring each rank sends 2(p-1)/p of an n-byte buffer, whatever p (lesson 2); data parallelism does that once
+# per bucket per step, so buckets change the number of messages (2(p-1) per bucket), not the bytes. The tracer
+# counts; DataParallel.costs() predicts, exactly, chunk by chunk; the formula is exact up to one element per chunk.
+n = parameter_count(BIG) * 4
+mpi.print0(f"\n3. Bytes sent per step by each rank: {name(BIG)}, n = {n:,} bytes of gradients, {p} rank(s)")
+bytes_ok, results["bytes"] = True, []
+for bucket_mb in (0.0, args.bucket_mb):
+    run = Run(world, BIG, wide, BIG_B, bucket_mb=bucket_mb, warmup=1)
+    run.steps(2)
+    mine = run.figures()
+    everyone = world.gather(mine, root=0)
+    if rank == 0:
+        measured = [f["bytes_per_step"] for f in everyone]
+        messages = [f["messages_per_step"] for f in everyone]
+        predicted = DataParallel.costs(BIG, p, run.config)["sent_per_step"]
+        m = len(mine["buckets"])
+        formula = sum(2 * (p - 1) / p * b for b in mine["buckets"])
+        print(f"   {m} bucket(s) of {', '.join(f'{b:,}' for b in mine['buckets'])} bytes:")
+        print(f"   {'rank':>6s} {'tracer':>12s} {'costs()':>12s} {'2(p-1)/p n':>12s} {'messages':>9s}")
+        for r in range(p):
+            print(f"   {r:6d} {measured[r]:12,d} {predicted[r]:12,d} {formula:12,.0f} {messages[r]:9d}")
+        exact = measured == predicted and messages == [2 * (p - 1) * m] * p
+        close = all(abs(b - formula) <= 2 * 4 * m for b in measured)  # < one float32 per phase and bucket
+        bytes_ok = bytes_ok and exact and close
+        results["bytes"].append(
+            {"buckets": mine["buckets"], "measured": measured, "costs": predicted, "formula": formula,
+             "messages": messages}
+        )  # fmt: skip
+mpi.print0(
+    f"   OK: bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank: {'yes' if bytes_ok else 'NO'}"
+)
+bytes_ok = everywhere(bytes_ok)
+
+# --------------------------------------------------------------------------------- 4. buckets, overlap, timeline
+# Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its
+# all-reduce while backward is still computing the earlier layers' gradients. Where each bucket lies:
+mpi.print0(f"\n4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s), --bucket-mb {args.bucket_mb:g}")
+model = MLP(BIG, seed=0)
+layout = [(where.start, where.stop - where.start, 4) for where in model.param_slices.values()]
+names = list(model.param_slices)
+for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20)))):
+    parameters = ", ".join(names[i] for i in sorted(members))
+    mpi.print0(f"   bucket {b}: flat_grads[{start:,}:{stop:,}], {4 * (stop - start):,} bytes: {parameters}")
+
+if p == 1:
+    mpi.print0("   one rank: nothing to all-reduce, so no timeline (run with dtrain launch -n 2 or more)")
+else:
+    # The same steps with overlap on and off, interleaved step by step so both see the same machine.
+    on, off = (Run(world, BIG, wide, BIG_B, overlap=o, bucket_mb=args.bucket_mb) for o in (True, False))
+    for _ in range(args.steps):
+        on.steps(1)
+        off.steps(1)
+    figures = {"on": world.gather(on.figures(), root=0), "off": world.gather(off.figures(), root=0)}
+    timelines, events = world.gather(on.timeline(), root=0), world.gather(on.events, root=0)
+    if rank == 0:
+        # A picture of the last step with overlap, in text: a line per rank and span, "#" backward, "0" bucket 0 ...
+        origin = min(lo for t in timelines for lo, _ in t.values())
+        end = max(hi for t in timelines for _, hi in t.values())
+        scale = 64 / (end - origin)
+        print(
+            f"   the last step with overlap on ({(end - origin) / 1e3:.1f} ms), as DataParallel put it on the timeline:"
+        )
+        for r, t in enumerate(timelines):
+            for i, (span, (lo, hi)) in enumerate(sorted(t.items(), key=lambda item: item[1])):
+                a = int((lo - origin) * scale)
+                mark = "#" if span == "backward" else span.split()[1][-1] if span.startswith("bucket") else "*"
+                cells = (" " * a + mark * max(1, int((hi - origin) * scale) - a)).ljust(64)
+                print(f"   {f'rank {r}' if i == 0 else '':6s} {span:18s} |{cells}|")
+        results["timeline"] = [
+            {span: [(v - origin) / 1e3 for v in times] for span, times in t.items()} for t in timelines
+        ]
+
+        # What the ranks measured (DataParallel's own timing, mean over ranks, ms per step)
+        print(f"\n   {'':11s} {'ms/step':>8s} {'backward':>9s} {'waiting after it':>17s} {'buckets in flight':>18s}"
+              f" {'of which during backward':>25s}")  # fmt: skip
+        for variant, rows in figures.items():
+            mean = {k: mean_over_ranks(rows, k) for k in ("backward_s", "exposed_comm_s", "in_flight_s", "hidden_s")}
+            print(f"   overlap {variant:3s} {rows[0]['ms_per_step']:8.2f} {mean['backward_s']:9.2f}"
+                  f" {mean['exposed_comm_s']:17.2f} {mean['in_flight_s']:18.2f} {mean['hidden_s']:25.2f}")  # fmt: skip
+            results.setdefault("overlap", {})[variant] = {"ms_per_step": rows[0]["ms_per_step"], **mean}
+        with_, without = figures["on"][0]["ms_per_step"], figures["off"][0]["ms_per_step"]
+        fraction = mean_over_ranks(figures["on"], "hidden_s") / mean_over_ranks(figures["on"], "in_flight_s")
+        change = (without - with_) / without
+        verdict = (
+            f"saved {100 * change:.0f}% of the step" if change > 0.05
+            else f"cost {100 * -change:.0f}% more per step" if change < -0.05
+            else f"made no clear difference ({100 * change:+.0f}%)"
+        )  # fmt: skip
+        results["overlap"]["fraction"], results["overlap"]["saved"] = fraction, change
+        print(
+            f"   overlap_fraction {fraction:.2f}: the share of the buckets' time in flight during which backward was "
+            f"still running.\n   Against all-reduces after backward, overlap {verdict} here\n   (median step of "
+            f"{args.steps}, overlap on and off interleaved step by step)."
+        )
+        # Why time in flight says little about bytes moved, on a CPU (see data_parallel.py and docs/benchmarks.md)
+        say(
+            "In flight is not moving: a bucket's ring advances only when its rank calls into MPI (in the gradient-"
+            "ready hooks, between layers), and MPICH copies an intra-node message in the receiving process, inside "
+            "those calls: while a rank computes, its messages wait."
+            + (" With more ranks than cores, no core is idle to move them either." if OVERSUBSCRIBED else "")
+            + " Overlap pays where something else moves the bytes while the processor computes: a GPU with NCCL."
+        )
+        if args.trace:  # every rank's row: its backward, its buckets in flight, every message
+            write_chrome_trace(args.trace, events)
+            print(f"   that step's trace written to {args.trace}: open https://ui.perfetto.dev and drag the file in")
+
+# ----------------------------------------------------------------------------------- 5. when not to distribute
+# Per step each rank computes forward and backward on its B/p samples, about 6 N B/p floating-point operations for N
+# parameters, then waits for one all-reduce of the whole gradient: 2(p-1)/p 4N bytes and 2(p-1) latencies per bucket.
+# More ranks divide the arithmetic, not the all-reduce. For an MLP both grow with N, so what decides is the number of
+# samples each rank computes on per step, against the costs that do not shrink: latencies, and Python's overhead per
+# step. Timed for a small model on a small batch and a big one on a big batch; the world sizes interleaved round by
+# round (the ranks not in a round sleep).
+rounds = 4
+mpi.print0(f"\n5. When not to distribute: ms per step on {RANKS} ranks (median of {rounds * (args.steps // rounds)}"
+           " steps, slowest rank)")  # fmt: skip
+timing = []
+for sizes, data, batch in ((SMALL, digits, B), (BIG, wide, BIG_B)):
+    runs = {k: on_first(k, lambda sub, s=sizes, d=data, b=batch: Run(sub, s, d, b)) for k in RANKS}
+    for _ in range(rounds):
+        for k in RANKS:
+            on_first(k, lambda sub, run=runs[k]: run.steps(args.steps // rounds))
+    for k in RANKS:
+        rows = on_first(k, lambda sub, run=runs[k]: sub.gather(run.figures(), root=0))
+        if rank == 0:
+            grad_bytes = parameter_count(sizes) * 4
+            timing.append({
+                "model": name(sizes), "gradient_bytes": grad_bytes, "batch": batch, "ranks": k,
+                "mflop_per_rank": 6 * parameter_count(sizes) * batch / k / 1e6,
+                "ms_per_step": rows[0]["ms_per_step"], "rest_ms": rows[0]["rest_ms"],
+                "waiting_ms": rows[0]["ms_per_step"] - rows[0]["rest_ms"],
+                "model_ms": 1e3 * costmodel.predict_time("ring", grad_bytes, k) if k > 1 else 0.0,
+            })  # fmt: skip
+if rank == 0:
+    print(f"   {'model':>15s} {'gradient':>10s} {'batch':>5s} {'ranks':>5s} {'MFLOP/rank':>10s} {'ms/step':>8s}"
+          f" {'rest':>9s} {'waiting':>9s} {'cost model':>10s} {'speed-up':>8s}")  # fmt: skip
+    for t in timing:
+        one = next(u for u in timing if u["model"] == t["model"] and u["ranks"] == 1)
+        t["speedup"] = one["ms_per_step"] / t["ms_per_step"]
+        print(
+            f"   {t['model']:>15s} {t['gradient_bytes']:>10,d} {t['batch']:5d} {t['ranks']:5d}"
+            f" {t['mflop_per_rank']:10.2f} {t['ms_per_step']:8.2f} {t['rest_ms']:9.2f}"
+            f" {t['waiting_ms']:9.2f} {t['model_ms']:10.2f} {t['speedup']:7.2f}x"
+        )
+    say(
+        "(gradient in bytes; MFLOP/rank ~ 6 N B/p; times in ms; rest: the busiest rank's forward, backward and update,"
+        " i.e. its step but for its wait after backward; waiting = ms/step - rest; cost model: the ring all-reduce of"
+        " the gradient as costmodel.predict_time prices it)"
+    )
+    results["timing"] = timing
+    for model_name in dict.fromkeys(t["model"] for t in timing if p > 1):
+        mine = [t for t in timing if t["model"] == model_name]
+        best = max(mine, key=lambda t: t["speedup"])
+        worst = min(mine, key=lambda t: t["speedup"])
+        if best["ranks"] == 1:
+            print(f"   {model_name}: fastest on ONE rank; on {worst['ranks']} ranks {1 / worst['speedup']:.1f}x slower")
+        else:
+            print(f"   {model_name}: fastest on {best['ranks']} ranks, {best['speedup']:.2f}x one rank's speed")
+        # Did the ranks' arithmetic run in parallel? k ranks compute 1/k of the batch each: on k free cores the rest
+        # of the step (all but the waiting) gets up to k times faster. Less: the cores were not free (more ranks than
+        # cores, or other programs), or the step is mostly fixed overhead that does not divide.
+        rest = ", ".join(f"{mine[0]['ms_per_step'] / t['rest_ms']:.1f}x ({t['ranks']} ranks)" for t in mine[1:])
+        print(f"      without the waiting, its step ran at {rest} one rank's speed; {usable_cores()} cores allow"
+              f" {min(usable_cores(), p)}x at most")  # fmt: skip
+    why = (
+        "Each rank's arithmetic shrinks with p, the all-reduce does not: 2(p-1) latencies and 2(p-1)/p n bytes per"
+        " rank per step, however little there is to compute"
+    )
+    if OVERSUBSCRIBED:
+        why += (
+            f" (and with {p} ranks on {usable_cores()} cores, each latency can be a wait for a descheduled neighbour)"
+        )
+    small = [t for t in timing if t["model"] == name(SMALL)]  # 1 rank first, p ranks last
+    if p > 1:
+        step, wait = small[0]["ms_per_step"], small[-1]["waiting_ms"]
+        why += (
+            f". The small model's whole step takes {step:.2f} ms on one rank; on {p} ranks each step waits"
+            f" {wait:.2f} ms for the all-reduce alone" + (": distributing it only adds waiting" if wait > step else "")
+        )
+    say(
+        why + ". Distribute when a step's arithmetic dwarfs its all-reduce: many samples per rank per step (for an"
+        " MLP the arithmetic and the bytes both grow with the parameters, so the batch decides), and a core or a GPU"
+        " per rank."
+    )
+
+if args.json and rank == 0:
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nmeasurements written to {args.json}")
+passed = gradient_ok and training_ok and bytes_ok
+mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
+if not passed:
+    raise SystemExit(1)  # on every rank (the flags are the same everywhere), so mpiexec's exit status says so

@@ -1,0 +1,214 @@
+"""The driver with a paradigm behind the seam: train_loss is the global batch's, checkpoints resume bit-identically,
+bad input is one clear error on every rank, and the simulator and mpiexec agree to the last bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi_util import run_mpi_code
+
+from dtrain import checkpoint
+from dtrain.comm import sim
+from dtrain.errors import ConfigError
+from dtrain.train import TrainConfig, train
+
+FAST = dict(hidden=(32,), epochs=2, batch_size=48, progress=False, quiet=True, timeout=0, dtype="float64")
+
+
+def on_sim(p, cfg, **kwargs):
+    """Every rank's metrics of a run of ``cfg`` on ``p`` simulated ranks."""
+    return sim.SimWorld(p, timeout=120, **kwargs).run(lambda comm: train(cfg, comm))
+
+
+def ddp(**overrides) -> TrainConfig:
+    return TrainConfig(**{**FAST, "paradigm": "ddp", **overrides})
+
+
+def test_train_loss_is_the_global_batchs_and_follows_single():
+    single = train(TrainConfig(**FAST))
+    for p in (2, 4):
+        metrics = on_sim(p, ddp())[0]
+        for ours, theirs in zip(metrics["epochs"], single["epochs"]):
+            assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12)
+            assert ours["test_accuracy"] == theirs["test_accuracy"]
+
+
+def test_metrics_carry_each_ranks_communication_and_timing():
+    metrics = on_sim(2, ddp(allreduce="ring", bucket_mb=0.01))[0]
+    costs = metrics["costs"]
+    assert costs["parameters"] == costs["gradients"] == (64 * 32 + 32 + 32 * 10 + 10) * 8
+    for rank, mine in enumerate(metrics["communication"]["per_rank"]):
+        steps = sum(1 for _ in range(metrics["config"]["epochs"])) * (1438 // 48)
+        assert mine["operations"]["allreduce/ring"]["bytes_sent"] == steps * costs["sent_per_step"][rank]
+        assert mine["paradigm"]["allreduce"] == "ring" and 0 <= mine["paradigm"]["overlap_fraction"] <= 1
+        assert mine["comm_time_s"] > 0 and mine["compute_time_s"] > 0
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+
+def test_resuming_at_an_epoch_boundary_is_bit_identical(tmp_path):
+    whole = on_sim(2, ddp(epochs=3))[0]
+    on_sim(2, ddp(epochs=1, checkpoint_dir=str(tmp_path)))
+    resumed = on_sim(2, ddp(epochs=3, checkpoint_dir=str(tmp_path), resume=True))[0]
+    assert resumed["weights_sha256"] == whole["weights_sha256"]
+    assert [e["train_loss"] for e in resumed["epochs"]] == [e["train_loss"] for e in whole["epochs"]]
+
+
+def test_resuming_mid_epoch_after_a_crash_is_bit_identical(tmp_path, monkeypatch):
+    whole = on_sim(3, ddp(epochs=2))[0]
+    from dtrain.parallel.data_parallel import DataParallel
+
+    step = DataParallel.step
+
+    def crashing_step(self, x, y):
+        if self.steps == 40:  # after the checkpoint of step 35, in the middle of epoch 2
+            raise RuntimeError("the machine went away")
+        return step(self, x, y)
+
+    monkeypatch.setattr(DataParallel, "step", crashing_step)
+    with pytest.raises(sim.SimRankError):
+        on_sim(3, ddp(epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=35))
+    assert checkpoint.load(tmp_path)["meta"]["global_step"] == 35
+    monkeypatch.setattr(DataParallel, "step", step)
+    resumed = on_sim(3, ddp(epochs=2, checkpoint_dir=str(tmp_path), resume=True))[0]
+    assert resumed["weights_sha256"] == whole["weights_sha256"]
+
+
+def test_resuming_on_another_world_size_works_and_says_so(tmp_path, capsys):
+    on_sim(4, ddp(epochs=1, checkpoint_dir=str(tmp_path)))
+    whole = on_sim(2, ddp(epochs=2))[0]
+    resumed = on_sim(2, ddp(epochs=2, checkpoint_dir=str(tmp_path), resume=True))[0]
+    assert "written by 4 rank(s) on 2" in capsys.readouterr().out
+    # the same global batches, summed in another order: equal to rounding, not to the bit
+    assert resumed["epochs"][-1]["train_loss"] == pytest.approx(whole["epochs"][-1]["train_loss"], rel=1e-9)
+
+
+def test_a_checkpoint_is_written_atomically_and_the_old_one_survives_a_failed_write(tmp_path, monkeypatch):
+    on_sim(1, TrainConfig(**FAST, checkpoint_dir=str(tmp_path)))
+    before = (tmp_path / checkpoint.FILENAME).read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, np.zeros(3), {}, {"paradigm": "single"})
+    assert (tmp_path / checkpoint.FILENAME).read_bytes() == before
+    assert checkpoint.load(tmp_path)["meta"]["paradigm"] == "single"
+
+
+BAD_CHECKPOINTS = {
+    "none there": (lambda folder: None, "no checkpoint in"),
+    "truncated": (lambda folder: _truncate(folder), "damaged or not a dtrain checkpoint"),
+    "not a checkpoint": (lambda folder: (folder / checkpoint.FILENAME).write_bytes(b"hello"), "damaged"),
+    "another model": (lambda folder: _write(folder, hidden=(16,)), "model sizes [64, 16, 10], this run has [64, 32"),
+    "another paradigm": (lambda folder: _write(folder, paradigm="single", p=1), "--paradigm single, this run has ddp"),
+}
+
+
+def _write(folder, p=2, **overrides):
+    on_sim(p, TrainConfig(**{**FAST, "paradigm": "ddp", "epochs": 1, "checkpoint_dir": str(folder), **overrides}))
+
+
+def _truncate(folder):
+    _write(folder)
+    path = folder / checkpoint.FILENAME
+    path.write_bytes(path.read_bytes()[:300])
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_a_bad_checkpoint_is_one_clear_error_on_every_rank_and_nothing_is_overwritten(case, tmp_path):
+    damage, phrase = BAD_CHECKPOINTS[case]
+    damage(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    errors = []
+
+    def fn(comm):
+        try:
+            train(ddp(checkpoint_dir=str(tmp_path), resume=True, out=str(tmp_path / "run")), comm)
+        except ConfigError as exc:
+            errors.append((comm.Get_rank(), str(exc)))
+
+    sim.SimWorld(2, timeout=60).run(fn)
+    assert sorted(rank for rank, _ in errors) == [0, 1]
+    assert all(phrase in message and "\n" not in message for _, message in errors), errors
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no metrics, no new checkpoint
+
+
+# --- bad input before any step ---------------------------------------------------------------------------------------
+
+
+def test_more_ranks_than_samples_per_step_is_one_clear_error_on_every_rank():
+    errors = []
+
+    def fn(comm):
+        try:
+            train(ddp(batch_size=2), comm)
+        except ConfigError as exc:
+            errors.append(str(exc))
+
+    sim.run(3, fn)
+    assert len(errors) == 3 and all("--batch-size 2 is smaller than the 3 ranks" in e for e in errors)
+
+
+def test_ranks_started_with_different_flags_get_one_clear_error():
+    errors = []
+
+    def fn(comm):
+        try:
+            train(ddp(lr=0.05 if comm.Get_rank() != 1 else 0.1), comm)
+        except ConfigError as exc:
+            errors.append(str(exc))
+
+    sim.run(3, fn)
+    assert len(errors) == 3 and all("different flags: rank(s) [1] differ from rank 0" in e for e in errors)
+
+
+def test_the_driver_has_no_paradigm_branches():
+    source = open(sys.modules[train.__module__].__file__).read()
+    assert "paradigm ==" not in source and 'paradigm == "' not in source
+
+
+# --- real ranks ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.mpi
+def test_mpiexec_and_the_simulator_give_the_same_weights(tmp_path):
+    cfg = dict(FAST, paradigm="ddp", allreduce="ring", bucket_mb=0.005)
+    expected = on_sim(3, TrainConfig(**cfg))[0]["weights_sha256"]
+    code = f"""
+        from mpi4py import MPI
+        from dtrain.train import TrainConfig, train
+        metrics = train(TrainConfig(**{cfg!r}), MPI.COMM_WORLD)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print("digest", metrics["weights_sha256"], flush=True)
+    """
+    result = run_mpi_code(3, code, tmp_path, timeout=240)
+    assert f"digest {expected}" in result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_four_ranks_learn_the_digits(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "4", "-m", "dtrain", "train", "--paradigm", "ddp",
+               "--no-progress", "--quiet", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["final"]["test_accuracy"] >= 0.96
+
+
+@pytest.mark.mpi
+def test_bad_flags_under_mpiexec_are_one_line_per_rank_and_no_hang(tmp_path):
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "3", "-m", "dtrain", "train", "--paradigm", "ddp",
+               "--batch-size", "2", "--no-progress"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--batch-size 2 is smaller than the 3 ranks" in result.stderr
