@@ -10,6 +10,7 @@ and device, and holds the dtype policy:
 
 from __future__ import annotations
 
+import hashlib
 import types
 
 import numpy as np
@@ -83,3 +84,8 @@ def resolve_dtype(name) -> np.dtype:
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise BackendError(f"dtype {dtype} is not supported: use float32 (training) or float64 (checks)")
     return dtype
+
+
+def weights_digest(flat_params) -> str:
+    """SHA-256 of the flat parameter buffer's bytes: equal digests mean bit-identical weights."""
+    return hashlib.sha256(np.ascontiguousarray(to_host(flat_params)).tobytes()).hexdigest()

@@ -4,7 +4,8 @@ A checkpoint is one ``.npz`` file holding the **full flat parameter buffer** (wh
 gathers it first), the optimizer's state (its flat buffers: momentum, Adam's m and v, and its step count), where
 training stood (epoch, steps done in it, global step) and how the data were being drawn (the seed: each epoch's
 shuffle is drawn from ``(seed, epoch)``, so the position is the whole data-order state), plus the metrics of the
-epochs already done. A small JSON header says which model, dtype and paradigm wrote it, so a mismatch is refused with
+epochs already done. The optimizer's learning rate is stored but not restored: the resumed run's ``--lr`` applies.
+A small JSON header says which model, dtype and paradigm wrote it, so a mismatch is refused with
 a clear message instead of loading nonsense.
 
 **Written atomically.** Rank 0 writes ``checkpoint.npz.tmp``, flushes it to the disk (``fsync``), renames it over
@@ -79,20 +80,35 @@ def load(folder) -> dict:
             header = json.loads(data["header"].tobytes().decode())
             params = data["params"]
             optimizer = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("optimizer.")}
+            optimizer.update(header.pop("optimizer_scalars"))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"--resume: {path} is damaged or not a dtrain checkpoint ({exc})") from None
     if header.get("format") != FORMAT:
         raise CheckpointError(f"--resume: {path} is not a {FORMAT} file (format {header.get('format')!r})")
-    optimizer.update(header.pop("optimizer_scalars"))
     return {"meta": header, "params": params, "optimizer": optimizer}
 
 
 def check_compatible(meta: dict, expected: dict, path) -> None:
     """Refuse a checkpoint whose model, dtype, optimizer or paradigm differ from this run's, naming the difference."""
     for key, flag in (("sizes", "model sizes"), ("dtype", "--dtype"), ("optimizer", "--optimizer"),
+                      ("optimizer_buffers", "optimizer state (--momentum 0 keeps none)"),
                       ("paradigm", "--paradigm")):  # fmt: skip
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"--resume: {path} was written with {flag} {meta.get(key)}, this run has {expected[key]}; "
                 f"resume with the same settings, or start afresh without --resume"
             )
+
+
+def check_position(meta: dict, config, path) -> None:
+    """Refuse to resume where the run could not go on from the checkpoint's position without repeating steps."""
+    if meta["epoch"] > config.epochs + 1:
+        raise CheckpointError(
+            f"--resume: {path} has trained {meta['epoch'] - 1} epoch(s), more than --epochs {config.epochs}; "
+            f"give --epochs {meta['epoch'] - 1} or more"
+        )
+    if meta["done"] and meta["batch_size"] != config.batch_size:
+        raise CheckpointError(
+            f"--resume: {path} stopped in the middle of epoch {meta['epoch']} with --batch-size {meta['batch_size']}; "
+            f"go on with --batch-size {meta['batch_size']} (another size may start at the next epoch's checkpoint)"
+        )

@@ -163,7 +163,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     epochs = position.epochs
     own_figures = paradigm.finish()
     if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
-        save_checkpoint(paradigm, config, sizes, Position(config.epochs + 1, position.step, epochs))
+        save_checkpoint(paradigm, config, sizes, position)
 
     wall = time.perf_counter() - started
     train_time = sum(e["train_time_s"] for e in epochs)
@@ -208,51 +208,61 @@ def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
     for epoch in range(position.epoch, config.epochs + 1):
         position.epoch = epoch
         epoch_start = time.perf_counter() - position.train_time_s
-        losses = position.losses
-        batches = itertools.islice(loader.epoch(epoch), len(losses), None)  # resuming: skip the steps already done
-        for x, y in _progress(batches, len(loader) - len(losses), f"epoch {epoch}/{config.epochs}", show):
+        losses = []  # this rank's loss of each step it runs of this epoch
+        batches = itertools.islice(loader.epoch(epoch), position.done, None)  # resuming: skip the steps already done
+        for x, y in _progress(batches, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
             losses.append(paradigm.step(x, y))
             if not math.isfinite(losses[-1]):
                 raise TrainingDiverged(
-                    f"the loss became {losses[-1]} at epoch {epoch}, step {len(losses)}: training diverged; "
-                    f"lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
+                    f"the loss became {losses[-1]} at epoch {epoch}, step {position.done + len(losses)}: training "
+                    f"diverged; lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
                 )
             position.step += 1
             if config.checkpoint_every and position.step % config.checkpoint_every == 0:
                 position.train_time_s = time.perf_counter() - epoch_start
-                save_checkpoint(paradigm, config, sizes, position)
+                save_checkpoint(paradigm, config, sizes, position, losses)
         train_time = time.perf_counter() - epoch_start
-        train_loss = paradigm.global_loss(float(np.mean(losses)))  # the global batch's loss, averaged over steps
-        test_loss, test_accuracy = evaluate(paradigm.evaluation_model(), data, xp)
+        steps = position.done + len(losses)
         position.epochs.append(
             {
                 "epoch": epoch,
-                "train_loss": train_loss,
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "samples_per_s": len(losses) * config.batch_size / train_time,
+                "train_loss": epoch_loss(paradigm, position, losses),  # the global batch's, averaged over steps
+                **dict(zip(("test_loss", "test_accuracy"), evaluate(paradigm.evaluation_model(), data, xp))),
+                "samples_per_s": steps * config.batch_size / train_time,
                 "train_time_s": train_time,
             }
         )
-        position.epoch, position.losses, position.train_time_s = epoch + 1, [], 0.0
+        position.epoch, position.done, position.done_loss, position.train_time_s = epoch + 1, 0, 0.0, 0.0
         if paradigm.rank == 0 and not config.quiet:
             e = position.epochs[-1]
             print(
-                f"epoch {epoch:3d}/{config.epochs}  loss {e['train_loss']:.4f}  test loss {test_loss:.4f}  "
-                f"test acc {100 * test_accuracy:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
+                f"epoch {epoch:3d}/{config.epochs}  loss {e['train_loss']:.4f}  test loss {e['test_loss']:.4f}  "
+                f"test acc {100 * e['test_accuracy']:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
                 flush=True,
             )
+
+
+def epoch_loss(paradigm, position, losses) -> float:
+    """The global batch's loss averaged over the epoch's steps: those before a resume (``position.done``, already
+    global) and this rank's ``losses`` since, made global by the paradigm (a collective)."""
+    if not losses:
+        return position.done_loss
+    new = paradigm.global_loss(float(np.mean(losses)))
+    if not position.done:
+        return new
+    return (position.done_loss * position.done + new * len(losses)) / (position.done + len(losses))
 
 
 @dataclass
 class Position:
     """Where training stands: the epoch to run next, global steps done, the epochs' metrics so far, and, inside a
-    half-done epoch, its losses and train time so far."""
+    half-done epoch, its steps done, their global mean loss and its train time so far."""
 
     epoch: int = 1
     step: int = 0
     epochs: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
+    done: int = 0
+    done_loss: float = 0.0
     train_time_s: float = 0.0
 
 
@@ -268,8 +278,10 @@ def check_same_config(comm, config: TrainConfig) -> None:
         )
 
 
-def save_checkpoint(paradigm, config, sizes, position: Position) -> None:
-    """Rank 0 writes where training stands (a collective: a sharded paradigm gathers its parameters first)."""
+def save_checkpoint(paradigm, config, sizes, position: Position, losses=()) -> None:
+    """Rank 0 writes where training stands (a collective: the loss so far is made global, and a sharded paradigm
+    gathers its parameters first)."""
+    done_loss = epoch_loss(paradigm, position, list(losses))
     params, optimizer_state = paradigm.full_parameters(), paradigm.optimizer_state()
     if paradigm.rank != 0:
         return
@@ -278,11 +290,13 @@ def save_checkpoint(paradigm, config, sizes, position: Position) -> None:
         "sizes": list(sizes),
         "dtype": config.dtype,
         "optimizer": config.optimizer,
+        "optimizer_buffers": sorted(k for k, v in optimizer_state.items() if isinstance(v, np.ndarray)),
         "world_size": paradigm.world,
         "seed": config.seed,
         "batch_size": config.batch_size,
         "epoch": position.epoch,
-        "losses": [float(v) for v in position.losses],
+        "done": position.done + len(losses),
+        "done_loss": done_loss,
         "global_step": position.step,
         "train_time_s": position.train_time_s,
         "epochs": position.epochs,
@@ -291,14 +305,21 @@ def save_checkpoint(paradigm, config, sizes, position: Position) -> None:
 
 
 def resume(paradigm, comm, config, sizes) -> Position:
-    """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it."""
+    """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it.
+
+    The optimizer's state comes back, but not its learning rate: ``--lr`` of this run applies from here on (so a run
+    that diverged can go on from its last checkpoint with a smaller one).
+    """
     state, error = None, None
     if comm.Get_rank() == 0:
         try:
             state = checkpoint.load(config.checkpoint_dir)
+            buffers = sorted(k for k, v in paradigm.optimizer_state().items() if isinstance(v, np.ndarray))
             expected = {"paradigm": config.paradigm, "sizes": list(sizes), "dtype": config.dtype,
-                        "optimizer": config.optimizer}  # fmt: skip
-            checkpoint.check_compatible(state["meta"], expected, checkpoint.path_in(config.checkpoint_dir))
+                        "optimizer": config.optimizer, "optimizer_buffers": buffers}  # fmt: skip
+            path = checkpoint.path_in(config.checkpoint_dir)
+            checkpoint.check_compatible(state["meta"], expected, path)
+            checkpoint.check_position(state["meta"], config, path)
         except checkpoint.CheckpointError as exc:
             state, error = None, str(exc)
     state, error = comm.bcast((state, error), root=0)
@@ -306,7 +327,7 @@ def resume(paradigm, comm, config, sizes) -> Position:
         raise checkpoint.CheckpointError(error)
     meta = state["meta"]
     paradigm.load_full_parameters(backend.to_device(state["params"], backend.array_module(paradigm.full_parameters())))
-    paradigm.load_optimizer_state(state["optimizer"])
+    paradigm.load_optimizer_state({**state["optimizer"], "lr": config.lr})
     if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
         print(
             f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "
@@ -314,10 +335,10 @@ def resume(paradigm, comm, config, sizes) -> Position:
             f"uninterrupted run on {meta['world_size']}",
             flush=True,
         )
-    if meta["seed"] != config.seed or meta["batch_size"] != config.batch_size:
-        if comm.Get_rank() == 0:
-            print("resuming with another --seed or --batch-size: the data order from here on changes", flush=True)
-    return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["losses"], meta["train_time_s"])
+    if meta["seed"] != config.seed and comm.Get_rank() == 0:
+        print("resuming with another --seed: the data order from here on changes", flush=True)
+    return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["done"], meta["done_loss"],
+                    meta["train_time_s"])  # fmt: skip
 
 
 def evaluate(model, data: Dataset, xp, batch: int = 1024) -> tuple[float, float]:

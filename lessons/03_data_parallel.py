@@ -160,7 +160,7 @@ mpi.print0(f"   OK: the average of the slice gradients is the whole batch's grad
 # product adds the samples', so they agree to ~1e-8, not to the bit (the weights' digests differ).
 mpi.print0(f"\n2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
 config = TrainConfig(paradigm="ddp", epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=B,
-                     allreduce="ring", timeout=0, progress=False, quiet=True)  # fmt: skip
+                     allreduce="ring", progress=False, quiet=True)  # fmt: skip
 runs = {k: on_first(k, lambda sub: train(config, sub)) for k in RANKS}
 training_ok = True
 if rank == 0:
@@ -191,7 +191,7 @@ class Run:
     """One data-parallel training run on the ranks of ``comm``, stepped by hand, each step timed."""
 
     def __init__(self, comm, sizes, data, batch, overlap=True, bucket_mb=1.0, warmup=3):
-        self.comm = prepare(comm, timeout=0)  # the tracer around the communicator (no watchdog)
+        self.comm = prepare(comm)  # the tracer around the communicator (and the watchdog, if one is armed)
         self.config = TrainConfig(paradigm="ddp", hidden=tuple(sizes[1:-1]), batch_size=batch, allreduce="ring",
                                   bucket_mb=bucket_mb, overlap=overlap)  # fmt: skip
         self.ddp = DataParallel(self.comm, self.config)

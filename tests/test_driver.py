@@ -78,6 +78,8 @@ def test_resuming_mid_epoch_after_a_crash_is_bit_identical(tmp_path, monkeypatch
     monkeypatch.setattr(DataParallel, "step", step)
     resumed = on_sim(3, ddp(epochs=2, checkpoint_dir=str(tmp_path), resume=True))[0]
     assert resumed["weights_sha256"] == whole["weights_sha256"]
+    for ours, theirs in zip(resumed["epochs"], whole["epochs"]):  # the half-done epoch's loss is every rank's too
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12)
 
 
 def test_resuming_on_another_world_size_works_and_says_so(tmp_path, capsys):
@@ -87,6 +89,13 @@ def test_resuming_on_another_world_size_works_and_says_so(tmp_path, capsys):
     assert "written by 4 rank(s) on 2" in capsys.readouterr().out
     # the same global batches, summed in another order: equal to rounding, not to the bit
     assert resumed["epochs"][-1]["train_loss"] == pytest.approx(whole["epochs"][-1]["train_loss"], rel=1e-9)
+
+
+def test_resuming_takes_the_learning_rate_of_the_new_run(tmp_path):
+    on_sim(1, TrainConfig(**{**FAST, "epochs": 1, "checkpoint_dir": str(tmp_path)}))
+    config = TrainConfig(**{**FAST, "lr": 0.01, "checkpoint_dir": str(tmp_path), "resume": True})
+    lrs = sim.run(1, lambda comm: (train(config, comm), checkpoint.load(tmp_path)["optimizer"]["lr"]))
+    assert lrs[0][1] == 0.01
 
 
 def test_a_checkpoint_is_written_atomically_and_the_old_one_survives_a_failed_write(tmp_path, monkeypatch):
@@ -109,6 +118,8 @@ BAD_CHECKPOINTS = {
     "not a checkpoint": (lambda folder: (folder / checkpoint.FILENAME).write_bytes(b"hello"), "damaged"),
     "another model": (lambda folder: _write(folder, hidden=(16,)), "model sizes [64, 16, 10], this run has [64, 32"),
     "another paradigm": (lambda folder: _write(folder, paradigm="single", p=1), "--paradigm single, this run has ddp"),
+    "no momentum state": (lambda folder: _write(folder, momentum=0.0), "optimizer state (--momentum 0 keeps none)"),
+    "more epochs than asked": (lambda folder: _write(folder, epochs=3), "has trained 3 epoch(s), more than --epochs 2"),
 }
 
 

@@ -186,20 +186,18 @@ def _run(collective, comm, buf, algorithm, args, op=_NONE, root=_NONE, topology=
     if not flat.size:
         return flat
     token = watchdog.begin(comm, entry.label)
+    target = comm
     try:
-        target = comm
         if entry.nodes:  # the algorithm runs on the nodes; without a topology, on one built for this call only
             target = topology if topology is not None else hierarchical.topology(comm, ranks_per_node)
         tracer = getattr(comm, "tracer", None)  # a TracedComm, or any wrapper around one (they forward attributes)
         if tracer is None:
-            result = entry.run(target, flat, *args)
-        else:
-            with tracer.operation(entry.label, nbytes=flat.nbytes):
-                result = entry.run(target, flat, *args)
+            return entry.run(target, flat, *args)
+        with tracer.operation(entry.label, nbytes=flat.nbytes):
+            return entry.run(target, flat, *args)
+    finally:
         if target is not comm and target is not topology:
             target.free()
-        return result
-    finally:
         watchdog.end(token)
 
 

@@ -196,9 +196,9 @@ class SimWorld:
     def _rank_main(self, rank: int, fn, args, kwargs) -> None:
         _thread.run = (self, self._run_id)
         comm = SimComm(self, 0, tuple(range(self.nranks)), rank, "world")
-        state = self._ranks[rank]
+        state, results = self._ranks[rank], self._results  # this run's (a later run gets new ones)
         try:
-            self._results[rank] = fn(comm, *args, **kwargs)
+            results[rank] = fn(comm, *args, **kwargs)
         except _Stopped:
             self._done(state, "stopped")
             return
@@ -211,6 +211,8 @@ class SimWorld:
     def _done(self, state: _RankState, how: str) -> None:
         with self._lock:
             state.state = how
+            if _thread.run[1] != self._run_id:  # a rank left behind by an earlier run: nothing of this run's to do
+                return
             if how == "finished":  # a rank finishing can leave the others waiting forever: the last chance to see it
                 self._check_deadlock()
             if all(s.state in ("finished", "failed", "stopped") for s in self._ranks):

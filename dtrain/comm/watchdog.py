@@ -53,7 +53,7 @@ bare ``comm.Recv`` is watched too, named with its peer and tag).
 is one line)::
 
     dtrain watchdog: rank 0 of 3 (host node7, pid 4242) has waited 300.4 s in allreduce/ring (call #7)
-        > Sendrecv from rank 2, to rank 1; no progress within DTRAIN_TIMEOUT=300 s: aborting the job (exit status 14)
+        > Sendrecv from rank 2, to rank 1; one wait may last at most DTRAIN_TIMEOUT=300 s: aborting the job (exit ...)
     dtrain watchdog: rank 0 is at dtrain/collectives/ring.py:72 in reduce_scatter < ... < train.py:88 in step
     dtrain watchdog: rank 0 waits for rank 2: look at what rank 2 is doing (...). To wait longer set ...
 
@@ -100,6 +100,7 @@ import time
 
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG, PROC_NULL
 from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, forward, innermost
+from dtrain.errors import ConfigError
 
 __all__ = [
     "ABORT_GRACE_S", "ENV_VAR", "EXIT_CODE", "WatchedComm", "begin", "configure", "end", "note",
@@ -136,7 +137,7 @@ def parse_timeout(text) -> float | None:
     except ValueError:
         value = math.nan
     if not 0 <= value < math.inf:
-        raise ValueError(
+        raise ConfigError(
             f"{ENV_VAR}={text!r} is not a timeout: give the seconds a rank may wait in one collective before the job "
             "is ended (a number > 0), or 0 to turn the watchdog off"
         )
@@ -351,7 +352,7 @@ def _report(record: _Record, stack: list, call: int, waited: float, limit: float
         parts.append(text)
         waits_for = who or waits_for
     lines = [
-        f"dtrain watchdog: {me} has waited {waited:.1f} s in {' > '.join(parts)}; no progress within "
+        f"dtrain watchdog: {me} has waited {waited:.1f} s in {' > '.join(parts)}; one wait may last at most "
         f"{ENV_VAR}={limit:g} s: aborting the job (exit status {EXIT_CODE})"
     ]
     where = _where(frames)
@@ -480,6 +481,10 @@ def _exchange(frames: list):
     return None
 
 
+# the folder holding the dtrain package, so dtrain's own files show as dtrain/... wherever it is installed
+_PACKAGE_HOME = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).replace(os.sep, "/")
+
+
 def _where(frames: list, count: int = 3) -> str:
     """``dtrain/collectives/ring.py:68 in reduce_scatter < script.py:9 in <module>``: the innermost frames that
     are not the communication layer's own plumbing (dtrain/comm, threading, runpy)."""
@@ -488,8 +493,9 @@ def _where(frames: list, count: int = 3) -> str:
         path = frame.f_code.co_filename.replace(os.sep, "/")
         if "/dtrain/comm/" in path or path.startswith("<frozen") or path.endswith(("/threading.py", "/contextlib.py")):
             continue
-        parts = path.split("/")
-        short = "/".join(parts[parts.index("dtrain") :]) if "dtrain" in parts[:-1] else parts[-1]
+        short = (
+            path[len(_PACKAGE_HOME) + 1 :] if path.startswith(_PACKAGE_HOME + "/dtrain/") else path.rsplit("/", 1)[-1]
+        )
         shown.append(f"{short}:{frame.f_lineno} in {frame.f_code.co_name}")
         if len(shown) == count:
             break

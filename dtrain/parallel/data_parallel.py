@@ -31,9 +31,10 @@ the two cores of a small machine and break the simulator's one-thread-per-rank m
 *non-blocking* collective: a small state machine (:func:`dtrain.collectives.ring.allreduce_steps`) that posts one
 step's ``Isend``/``Irecv`` and returns; every hook call (between layers) advances every bucket in flight as far as its
 messages have arrived, and ``after_backward`` finishes them. This is exactly how MPI's own ``MPI_Iallreduce``
-progresses on a library without a progress thread. Buckets start in bucket order on every rank and each uses its own
-tag on a communicator of its own, so messages of different buckets never match each other. Other ``--allreduce``
-algorithms run blocking: with overlap, each bucket as soon as it is ready; without, all after backward.
+progresses on a library without a progress thread. Buckets start in bucket order on every rank, on a communicator
+duplicated for gradients alone, each with its own tag, so messages of different buckets never match each other.
+Other ``--allreduce`` algorithms run blocking: with overlap, each bucket as soon as it is ready; without, all after
+backward.
 
 *Why ``--overlap`` is off by default.* On a CPU cluster node it measured slower (docs/benchmarks.md, section 4): MPI
 moves a large message only while the ranks are inside MPI calls, so a bucket in flight mostly waits for the next hook;
@@ -69,7 +70,8 @@ from collections.abc import Generator
 
 import numpy as np
 
-from dtrain import collectives, report
+from dtrain import collectives
+from dtrain.backend import array_module, weights_digest
 from dtrain.collectives import costmodel, hierarchical, ring
 from dtrain.comm import waitall, watchdog
 from dtrain.errors import ConfigError
@@ -142,6 +144,11 @@ class DataParallel(Paradigm):
         self.topology = None
         if config.allreduce.startswith("hierarchical"):
             self.topology = hierarchical.topology(self.grad_comm, config.ranks_per_node)
+            if config.allreduce == "hierarchical_rs" and not self.topology.equal:  # real nodes: known only now
+                raise ConfigError(
+                    f"--allreduce hierarchical_rs needs nodes of equal size, these are {list(self.topology.node_sizes)}"
+                    ": use --allreduce hierarchical"
+                )
         self.steps = 0
         self.timing = {"backward_s": 0.0, "exposed_comm_s": 0.0, "in_flight_s": 0.0, "hidden_s": 0.0}
 
@@ -158,9 +165,11 @@ class DataParallel(Paradigm):
         self.buckets = [flat[start:stop] for start, stop, _ in plan]
         self.bucket_of = {index: b for b, (_, _, members) in enumerate(plan) for index in members}
         self.sizes = [len(members) for _, _, members in plan]
-        self.scratch = [np.empty_like(bucket) for bucket in self.buckets]  # each bucket in flight needs its own
         self.overlap = self.config.overlap and self.world > 1
         self.algorithm = self.choose_algorithm(self.config, self.world, max(b.nbytes for b in self.buckets))
+        # each bucket in flight receives into a scratch chunk of its own (a blocking algorithm shares one)
+        chunk = [-(-b.size // self.world) for b in self.buckets] if self.algorithm in NONBLOCKING else []
+        self.scratch = [array_module(flat).empty(n, dtype=flat.dtype) for n in chunk]
         if self.overlap:
             for index, p in enumerate(params):
                 p.register_hook(lambda _p, index=index: self._ready(index))
@@ -275,13 +284,12 @@ class DataParallel(Paradigm):
             self.check_replicas(f"after step {self.steps}")
 
     def global_loss(self, local_mean: float) -> float:
-        value = np.array([local_mean], dtype=np.float64)
-        collectives.allreduce(self.comm, value, "avg", "tree")
-        return float(value[0])
+        # a metric, not training traffic: the object all-reduce, which the tracer does not count
+        return self.comm.allreduce(local_mean) / self.world
 
     # --- end of training ----------------------------------------------------------------------------------
     def check_replicas(self, when: str) -> None:
-        digests = self.comm.allgather(report.weights_digest(self.model.flat_params))
+        digests = self.comm.allgather(weights_digest(self.model.flat_params))
         if len(set(digests)) > 1:
             groups = {}
             for rank, digest in enumerate(digests):
@@ -291,6 +299,9 @@ class DataParallel(Paradigm):
 
     def finish(self) -> dict:
         self.check_replicas("at the end of training")
+        if self.topology is not None:
+            self.topology.free()
+        self.grad_comm.Free()
         t = self.timing
         return {
             "allreduce": self.algorithm,
