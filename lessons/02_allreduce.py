@@ -36,7 +36,6 @@ Things to try:
 import argparse
 import contextlib
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -69,13 +68,10 @@ K = args.ranks_per_node
 algorithms = args.algorithms.split(",")
 unknown = [a for a in algorithms if a not in ALGORITHMS]
 if unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1):
-    if rank == 0:
-        print(
-            f"bad arguments: unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or "
-            "--size-mib <= 0, --repeats < 1 or --ranks-per-node < 1",
-            file=sys.stderr,
-        )
-    raise SystemExit(2)
+    mpi.refuse_arguments(
+        f"bad arguments: unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or "
+        "--size-mib <= 0, --repeats < 1 or --ranks-per-node < 1",
+    )
 
 count = max(1, int(args.size_mib * 2**20) // 4)
 nbytes = 4 * count

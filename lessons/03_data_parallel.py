@@ -35,7 +35,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import textwrap
 import time
 
@@ -70,13 +69,10 @@ from mpi4py import MPI  # after argparse, so --help works without starting MPI
 world = MPI.COMM_WORLD
 p, rank = world.Get_size(), world.Get_rank()
 if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 4 or args.bucket_mb < 0:
-    if rank == 0:
-        print(
-            f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
-            f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
-            file=sys.stderr,
-        )
-    raise SystemExit(2)
+    mpi.refuse_arguments(
+        f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
+        f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
+    )
 
 RANKS = sorted({k for k in (1, 2, 4) if k < p} | {p})  # the world sizes compared: 1, 2, 4 (and p)
 OVERSUBSCRIBED = p > usable_cores()  # more ranks than cores: a rank often waits for a core, not for a message
@@ -435,4 +431,5 @@ if args.json and rank == 0:
 passed = gradient_ok and training_ok and bytes_ok
 mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
 if not passed:
-    raise SystemExit(1)  # on every rank (the flags are the same everywhere), so mpiexec's exit status says so
+    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
+    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so

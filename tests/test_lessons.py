@@ -48,8 +48,9 @@ def test_lesson_02_allreduce_every_algorithm_agrees_with_mpi(nranks):
         assert row and row.group(0).split()[1 if algorithm != "auto" else 3] == "yes", (algorithm, out)
 
 
-def test_lesson_02_exits_nonzero_on_bad_arguments():
-    result = run_mpi(1, [str(LESSONS / "02_allreduce.py"), "--algorithms", "ring,bogus"], timeout=60, check=False)
+@pytest.mark.parametrize("nranks", [1, 3])  # with 3, the first rank to leave aborts the rest: it must have said why
+def test_lesson_02_exits_nonzero_on_bad_arguments(nranks):
+    result = run_mpi(nranks, [str(LESSONS / "02_allreduce.py"), "--algorithms", "ring,bogus"], timeout=60, check=False)
     assert result.returncode != 0
     assert "bogus" in result.stderr
 

@@ -164,6 +164,19 @@ def stalled_ring(comm, release: threading.Event, released: dict, sleeper: int = 
     return buf
 
 
+def run_until_aborted(fn, release, after: float) -> None:
+    """Run ``fn`` on 3 simulated ranks, expecting the watchdog to abort the run; ``release`` frees the sleeping rank
+    ``after`` seconds in (so that a failing run still ends) or as soon as the run is over."""
+    timer = threading.Timer(after, release.set)
+    timer.start()
+    try:
+        with pytest.raises(sim.SimAbort):
+            sim.SimWorld(3, timeout=60).run(fn)
+    finally:
+        release.set()
+        timer.cancel()
+
+
 def test_the_simulator_reports_a_stalled_rank_and_aborts_the_run(capfd):
     limit = 2
     watchdog.configure(limit)
@@ -237,14 +250,7 @@ def test_a_paradigm_wait_around_a_watched_receive_reports_the_whole_stack(capfd)
         elif comm.Get_rank() == 1:
             release.wait(30)  # the worker is still computing
 
-    timer = threading.Timer(3, release.set)
-    timer.start()
-    try:
-        with pytest.raises(sim.SimAbort):
-            sim.SimWorld(3, timeout=60).run(parameter_server)
-    finally:
-        release.set()
-        timer.cancel()
+    run_until_aborted(parameter_server, release, after=3)
     err = capfd.readouterr().err
     stack = "parameter server: waiting for a gradient from worker 1 (call #1, peer rank 1, tag 7) > Recv from rank 1"
     assert reports(err) == [(0, stack + " (tag 7)")], err
@@ -262,14 +268,7 @@ def test_a_bare_receive_on_a_watched_comm_is_a_wait_of_its_own(capfd):
         elif comm.Get_rank() == 1:
             release.wait(30)
 
-    timer = threading.Timer(2, release.set)
-    timer.start()
-    try:
-        with pytest.raises(sim.SimAbort):
-            sim.SimWorld(3, timeout=60).run(stage)
-    finally:
-        release.set()
-        timer.cancel()
+    run_until_aborted(stage, release, after=2)
     assert reports(capfd.readouterr().err) == [(0, "Recv from rank 1 (call #1, tag 7)")]
 
 
@@ -283,14 +282,7 @@ def test_a_note_details_the_innermost_wait(capfd):
                 watchdog.note("polling", peer=2, tag=3)
                 release.wait(30)  # a wait of our own that no Python-level exchange shows
 
-    timer = threading.Timer(2, release.set)
-    timer.start()
-    try:
-        with pytest.raises(sim.SimAbort):
-            sim.SimWorld(3, timeout=60).run(pipeline)
-    finally:
-        release.set()
-        timer.cancel()
+    run_until_aborted(pipeline, release, after=2)
     assert reports(capfd.readouterr().err) == [
         (0, "pipeline: waiting for activations (call #1) > polling (peer rank 2, tag 3)")
     ]

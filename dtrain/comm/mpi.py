@@ -54,6 +54,19 @@ def print0(*args, comm=None, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def refuse_arguments(message: str, comm=None) -> None:
+    """Exit every rank with status 2 after writing ``message`` (bad arguments, found the same way on every rank).
+
+    Every rank writes it, not only rank 0: under ``python -m mpi4py`` a non-zero exit aborts the whole job, so the
+    first rank to leave can kill rank 0 before rank 0 has printed anything. Whichever rank leaves first has said why.
+    """
+    text = message if (comm or world()).Get_size() == 1 else f"[rank {rank(comm)}] {message}"
+    sys.stdout.flush()
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
 def install_excepthook() -> None:
     """Make an uncaught exception on any rank print its traceback and abort the whole job.
 
