@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--paradigm",
         choices=parallel.names(),
         default=defaults.paradigm,
-        help="single: one process; ddp: data parallel, gradients all-reduced every step (default %(default)s)",
+        help="single: one process; ddp: data parallel, gradients all-reduced every step; ps-sync, ps-async: "
+        "parameter servers; central-storage: rank 0 holds the variables (default %(default)s)",
     )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
@@ -127,6 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="MB",
         help="gradient bucket size in MiB; 0: one all-reduce of the whole gradient (default: 1 with --overlap, else 0)",
+    )
+    ps = t.add_argument_group("parameter servers (--paradigm ps-sync, ps-async)")
+    ps.add_argument(
+        "--servers", type=int, default=defaults.servers, help="the last S ranks serve (default %(default)s)"
+    )
+    ps.add_argument(
+        "--staleness",
+        type=int,
+        metavar="K",
+        help="ps-async: a worker more than K steps ahead of the slowest waits (stale-synchronous; default: unbounded)",
+    )
+    slow = t.add_argument_group("a straggler (any paradigm)")
+    slow.add_argument("--slow-rank", type=int, metavar="R", help="make rank R slower than the others")
+    slow.add_argument(
+        "--slow-factor",
+        type=float,
+        default=defaults.slow_factor,
+        metavar="F",
+        help="rank R takes F times its compute time per step (it sleeps the difference; default %(default)s)",
     )
     ckpt = t.add_argument_group("checkpoints")
     ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="write DIR/checkpoint.npz (atomically) at the end")

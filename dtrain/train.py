@@ -62,6 +62,12 @@ class TrainConfig:
     ranks_per_node: int | None = None  # emulated node size for the hierarchical all-reduces (None: real nodes)
     overlap: bool = False  # start each bucket's all-reduce during backward, as soon as its gradients are complete
     bucket_mb: float | None = None  # gradient bucket size (MiB); 0: one bucket; None: 1 with overlap, else 0
+    # parameter servers (ps-sync, ps-async)
+    servers: int = 1  # the last S ranks are servers, each owning a slice of the parameters
+    staleness: int | None = None  # ps-async: how many steps a worker may run ahead of the slowest (None: unbounded)
+    # a straggler, for any paradigm
+    slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
+    slow_factor: float = 1.0
     # checkpoints
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
@@ -116,6 +122,14 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is a file; give a folder")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ConfigError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
+        if self.servers < 1:
+            raise ConfigError(f"--servers must be >= 1, got {self.servers}")
+        if self.staleness is not None and self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0 (steps a worker may run ahead), got {self.staleness}")
+        if not 1 <= self.slow_factor < math.inf:
+            raise ConfigError(f"--slow-factor must be a number >= 1 (times slower), got {self.slow_factor}")
+        if self.slow_rank is not None and self.slow_rank < 0:
+            raise ConfigError(f"--slow-rank must be a rank (>= 0), got {self.slow_rank}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 
@@ -147,7 +161,7 @@ def train(config: TrainConfig, comm=None) -> dict:
         dtype=dtype,
     )
     # The loader checks the batch size against the training set and the world before anything else is built.
-    index, count = kind.shard_of(rank, world)
+    index, count = kind.shard_of(rank, world, config)
     loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
     sizes = [data.n_features, *config.hidden, data.n_classes]
     paradigm = kind(comm, config)

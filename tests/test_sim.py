@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 from mpi_util import run_mpi_code
 
-from dtrain.comm import names, sim, waitall
+from dtrain.comm import names, new_status, sim, waitall
 
 
 def _rank_threads_alive() -> list[str]:
@@ -656,3 +656,31 @@ def test_same_program_on_the_simulator_and_under_mpiexec(tmp_path):
     assert json.loads(line[len("RESULTS ") :]) == simulated
     assert simulated[1]["shifted"] == [0.0, 1.0, 2.0, 3.0]  # and it is right, not just the same
     assert simulated[0]["sub"] == [1, 2] and simulated[2]["sub_total"] == 2
+
+
+def test_probe_describes_the_next_message_and_leaves_it_for_the_receive():
+    """A server's loop: Probe from any source, then receive that message into a buffer of the size it needs."""
+
+    def program(comm):
+        if comm.rank > 0:
+            comm.Send(np.full(comm.rank, float(comm.rank)), dest=0, tag=10 + comm.rank)
+            return None
+        seen, status = [], new_status(comm)
+        for _ in range(2):
+            comm.Probe(names.ANY_SOURCE, names.ANY_TAG, status)
+            source, tag, count = status.Get_source(), status.Get_tag(), status.Get_count() // 8
+            buf = np.empty(count)
+            comm.Recv(buf, source, tag)
+            seen.append((source, tag, buf.tolist()))
+        return sorted(seen)
+
+    assert sim.run(3, program)[0] == [(1, 11, [1.0]), (2, 12, [2.0, 2.0])]
+
+
+def test_probing_for_a_message_nobody_sends_is_a_deadlock():
+    def program(comm):
+        if comm.rank == 0:
+            comm.Probe(1, 5)
+
+    with pytest.raises(sim.SimDeadlock, match=r"rank 0: Probe\(source=1, tag=5\)"):
+        sim.run(2, program)

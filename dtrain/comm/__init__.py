@@ -30,6 +30,7 @@ import os
 import sys
 import time
 
+from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.wrapper import innermost
 
 WAIT_MODES = ("auto", "block", "poll")
@@ -68,6 +69,30 @@ def waitall(requests) -> None:
     else:
         for request in requests:
             request.Wait()
+
+
+def probe(comm, status, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> None:
+    """Wait until a message from ``source`` with ``tag`` can be received; ``status`` says its source, tag and size.
+
+    ``Probe``, except on real MPI with more ranks than cores, where it is ``Iprobe`` and a short sleep, for the
+    reason :func:`waitall` gives (a server that spins in ``Probe`` takes the core its workers compute on).
+    """
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and isinstance(innermost(comm), MPI.Comm) and wait_mode() == "poll":
+        while not comm.Iprobe(source, tag, status):
+            time.sleep(POLL_SLEEP_S)
+    else:
+        comm.Probe(source, tag, status)
+
+
+def new_status(comm):
+    """An empty status for a receive or a probe on ``comm`` to fill in: the simulator's, or mpi4py's."""
+    make = getattr(innermost(comm), "new_status", None)
+    if make is not None:
+        return make()
+    from mpi4py import MPI
+
+    return MPI.Status()
 
 
 def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:

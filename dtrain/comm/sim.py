@@ -327,6 +327,7 @@ class SimWorld:
                 self._match(request, message)
                 return
         self._unexpected[dest].append(message)
+        self._wake(dest)  # a rank blocked in Probe waits for a queued message, not for a receive to match
 
     def _post_receive(self, dest: int, request: SimRequest) -> None:
         """A receive is posted at world rank ``dest``: take the oldest queued message that fits, or wait for one."""

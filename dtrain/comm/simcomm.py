@@ -339,6 +339,31 @@ class SimComm(CallRecords):
             world._post_receive(self._world_rank, request)
         return request
 
+    @staticmethod
+    def new_status() -> SimStatus:
+        return SimStatus()
+
+    def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status=None) -> bool:
+        """Wait until a message that a receive from ``source`` with ``tag`` would match has arrived; leave it queued
+        and describe it in ``status`` (source, tag, bytes), so the receive can pick the right buffer."""
+        self._check_peer(source, "Probe", "source", wildcard=ANY_SOURCE)
+        if source == PROC_NULL:
+            _fill_status(status, PROC_NULL, ANY_TAG, 0)
+            return True
+        probe = SimRequest(self, "recv", "Probe", None, source, tag)  # matched like a receive, never posted
+        world, found = self._world, []
+
+        def arrived() -> bool:
+            found[:] = [m for m in world._unexpected[self._world_rank] if world._matches(probe, m)][:1]
+            return bool(found)
+
+        with world._lock:
+            world._wait_until(
+                self._world_rank, arrived, f"Probe(source={show_source(source)}, tag={show_tag(tag)}){self._where()}"
+            )
+        _fill_status(status, found[0].source, found[0].tag, found[0].data.nbytes)
+        return True
+
     def p2p(self, call: PointToPoint):
         """Send, Recv, Sendrecv, Isend, Irecv: post the halves the call has, then wait unless it is non-blocking.
 

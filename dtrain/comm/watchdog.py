@@ -549,6 +549,16 @@ class WatchedComm(CommWrapper):
         finally:
             end(token)
 
+    def Probe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status=None) -> bool:
+        """Waiting for any message (a server's loop) is a wait like a receive."""
+        if _timeout is None:
+            return self.comm.Probe(source, tag, status)
+        token = begin(self.comm, "Probe", source, tag)
+        try:
+            return self.comm.Probe(source, tag, status)
+        finally:
+            end(token)
+
     # --- collectives: always a wait -------------------------------------------------------------------------------
     def collective(self, call):
         token = begin(self.comm, call.name)

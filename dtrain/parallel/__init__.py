@@ -38,6 +38,7 @@ tests hold them against the tracer's counts, and a planner can rank paradigms wi
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def get(name: str) -> type[Paradigm]:
 
 def _load_all() -> None:
     """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
-    from dtrain.parallel import data_parallel, single  # noqa: F401
+    from dtrain.parallel import central_storage, data_parallel, parameter_server, single  # noqa: F401
 
 
 def parameter_count(sizes) -> int:
@@ -91,13 +92,15 @@ class Paradigm:
     @classmethod
     def check(cls, config, world: int) -> None:
         """Raise a :class:`ConfigError` for flags this paradigm cannot use on ``world`` ranks (no communication)."""
-        _index, count = cls.shard_of(0, world)
+        _index, count = cls.shard_of(0, world, config)
         local = config.batch_size // count if config.batch_size % count == 0 else None
         if config.batch_size < count:
             raise ConfigError(
                 f"--batch-size {config.batch_size} is smaller than the {count} ranks that split it: every rank "
                 f"needs at least one sample per step; use --batch-size {count} or more, or fewer ranks"
             )
+        if config.slow_rank is not None and not 0 <= config.slow_rank < world:
+            raise ConfigError(f"--slow-rank {config.slow_rank} is not a rank: there are {world} (0 to {world - 1})")
         if local is not None and local % config.accumulate:
             raise ConfigError(
                 f"--accumulate {config.accumulate} must divide each rank's share of the batch ({local} = "
@@ -105,12 +108,13 @@ class Paradigm:
             )
 
     @classmethod
-    def shard_of(cls, rank: int, world: int) -> tuple[int, int]:
-        """(index, count) of the slice of each global batch that ``rank`` trains on: by default, one per rank."""
+    def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:
+        """(index, count) of the slice of each global batch that ``rank`` trains on: by default, one per rank.
+        (A rank with no batches, such as a parameter server, still gets a valid slice; it never reads it.)"""
         return rank, world
 
     def data_shard(self) -> tuple[int, int]:
-        return self.shard_of(self.rank, self.world)
+        return self.shard_of(self.rank, self.world, self.config)
 
     # --- the model ----------------------------------------------------------------------------------------
     def build(self, make_model, make_optimizer) -> None:
@@ -121,6 +125,7 @@ class Paradigm:
     def step(self, x, y) -> float:
         """Forward and backward over ``--accumulate`` micro-batches, then one optimizer step; this rank's loss."""
         model, k = self.model, self.config.accumulate
+        started = time.perf_counter()
         model.zero_grad()
         total = 0.0
         size = len(y) // k
@@ -130,6 +135,8 @@ class Paradigm:
             # each micro-batch's mean loss counts 1/k, so the gradient is that of the whole slice's mean loss
             loss.backward(np.full_like(loss.data, 1.0 / k) if k > 1 else None)
             total += float(loss.data)
+        if self.rank == self.config.slow_rank:  # a straggler: F times this step's compute (communication excluded)
+            time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
         self.after_backward()
         self.optimizer.step()
         self.after_step()
@@ -177,7 +184,7 @@ class Paradigm:
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Bytes per rank: ``sent_per_step`` (a list, one entry per rank) and the peak ``parameters``,
-        ``gradients`` and ``optimizer`` state one rank holds."""
+        ``gradients`` and ``optimizer`` state a rank holds (a number: the same on every rank; a list: per rank)."""
         itemsize = np.dtype(config.dtype).itemsize
         n = parameter_count(sizes) * itemsize
         state = {"sgd": n if config.momentum else 0, "adam": 2 * n}[config.optimizer]

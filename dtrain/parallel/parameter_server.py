@@ -1,0 +1,402 @@
+"""Parameter servers: the parameters live on server ranks; workers pull weights, compute gradients, push them back.
+
+The picture of DistBelief's Downpour SGD, ps-lite and TensorFlow's ParameterServerStrategy. With ``--servers S`` the
+last S ranks are servers and the first W = p - S are workers (rank 0 is always a worker, so it prints and writes
+metrics.json like in every other paradigm). Server s owns shard s of the flat parameter buffer and the optimizer
+state of that shard; workers hold the whole model for forward and backward, and no optimizer state at all.
+
+The messages (tags on a communicator of their own), for one worker and one server::
+
+      worker w                                    server s (shard s: n_s of the model's n bytes)
+         |  PULL (0 bytes)                            |   at the start: the weights come from the servers
+         |------------------------------------------->|
+         |  WEIGHTS (n_s)                             |
+         |<-------------------------------------------|
+         |  forward, backward on its slice            |
+         |  PUSH: gradient of shard s (n_s)           |
+         |------------------------------------------->|   ps-sync:  waits for all W pushes of the step, averages
+         |                                            |             them (in worker order), one optimizer step
+         |                                            |   ps-async: an optimizer step with this gradient / W now
+         |  WEIGHTS (n_s)                             |   --staleness K: the reply waits while w is more than K
+         |<-------------------------------------------|             steps ahead of the slowest worker
+         |  ... every step ...                        |
+         |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
+         |------------------------------------------->|
+
+A worker pushes to and pulls from all S servers at once (non-blocking: every shard in flight together), so its wait
+is for the slowest shard. The server's loop takes messages from any worker in the order they come
+(``Probe(ANY_SOURCE)``, then the receive into the buffer the tag calls for).
+
+**Bytes per step** (n bytes of parameters, W workers, S servers, shard n_s ~ n/S)::
+
+    worker:    sends n (its gradient, in S pieces),  receives n (the new weights)
+    server s:  sends W n_s,                          receives W n_s           (S = 1: W n each way)
+
+A ring all-reduce sends 2 (p-1)/p n per rank, whatever p. One server's link carries W times what a worker's does:
+the bottleneck that sharding (S > 1) divides by S. Exact per rank: :meth:`ParameterServer.costs`.
+
+**Sharding.** The shards are contiguous, balanced slices of the flat buffer (``chunk_bounds``: sizes differ by at most
+one element), not whole layers: by layer, the 64x128 weight matrix and the 10 biases of the last layer would sit on
+servers whose loads differ 800-fold. Cutting a layer in two is harmless because every optimizer here is elementwise
+(SGD, momentum, weight decay, Adam), so a server's update of its slice is exactly that slice of the whole update.
+
+**Synchronous** (``ps-sync``): the average of the W slice gradients is the global batch's gradient (as for ``ddp``), so
+ps-sync follows single-process training with the same global batch to rounding. **Asynchronous** (``ps-async``): each
+push is applied on arrival, scaled by 1/W (a worker's slice is 1/W of the global batch, so W pushes move the weights as
+far as one synchronous step); the worker then computes its next gradient on weights that others may have changed
+since. Its *staleness*, the number of updates the server applied between the weights a worker was sent and the
+arrival of the gradient computed from them, is recorded for every update. With momentum, every push is an optimizer
+step: the momentum decays per push, not per round (asynchrony itself acts like extra momentum: Mitliagkas et al.,
+2016). **Stale-synchronous** (``--staleness K``, Ho et al., 2013): as async, but a worker more than K steps ahead of
+the slowest is not answered until the slowest catches up. K = 0 makes every worker wait for every other at each step;
+with plain SGD (no momentum) that is ps-sync up to the order of the additions.
+
+**Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
+workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
+:meth:`finish`: the servers' shards and optimizer states are gathered, so every rank ends with the final model.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+import numpy as np
+
+from dtrain.backend import array_module, to_host, weights_digest
+from dtrain.collectives import chunk_bounds
+from dtrain.comm import new_status, probe, waitall, watchdog
+from dtrain.comm.names import ANY_SOURCE, ANY_TAG
+from dtrain.errors import ConfigError
+from dtrain.parallel import Paradigm, parameter_count, register
+
+PUSH, PULL, DONE, WEIGHTS = 1, 2, 3, 4  # tags of the protocol
+TAG_NAMES = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", WEIGHTS: "WEIGHTS"}
+
+
+class ProtocolError(RuntimeError):
+    """A message the protocol has no place for (a bug, reported instead of a hang)."""
+
+
+class Shard:
+    """The slice of the model a server owns: parameters and gradient, as an optimizer expects a model's."""
+
+    def __init__(self, params, grads):
+        self.flat_params, self.flat_grads = params, grads
+
+
+class RemoteOptimizer:
+    """A worker's optimizer: its ``step`` is a push of the gradient and a pull of the new weights.
+
+    It holds no state; its ``state_dict`` is the servers' (known once training has finished), or before that an empty
+    one of the right kind (which buffers exist), for checking a checkpoint against this run.
+    """
+
+    def __init__(self, paradigm, template):
+        self.paradigm, self.template = paradigm, template
+
+    def step(self) -> None:
+        self.paradigm.push_and_pull()
+
+    def state_dict(self) -> dict:
+        gathered = self.paradigm.gathered_optimizer
+        return gathered if gathered is not None else self.template.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to load: the servers load their shards of it."""
+
+
+def worker_count(world: int, config) -> int:
+    return world - config.servers
+
+
+def shards(n: int, servers: int) -> list[tuple[int, int]]:
+    """(start, stop) of each server's slice of an n-element flat buffer: contiguous and balanced."""
+    return chunk_bounds(n, servers)
+
+
+@register
+class ParameterServer(Paradigm):
+    name = "ps-sync"
+    synchronous = True
+
+    @classmethod
+    def check(cls, config, world: int) -> None:
+        servers = config.servers
+        if world < 2:
+            raise ConfigError(
+                f"--paradigm {cls.name} needs at least 2 ranks (a server and a worker), got {world}; "
+                "launch with dtrain launch -n 2 or more"
+            )
+        if not 1 <= servers < world:
+            raise ConfigError(
+                f"--servers {servers} must be at least 1 and leave a worker: 1 to {world - 1} on {world} ranks"
+            )
+        workers = world - servers
+        if config.slow_rank is not None and not 0 <= config.slow_rank < workers:
+            raise ConfigError(
+                f"--slow-rank {config.slow_rank} is not a worker: with --servers {servers} on {world} ranks the "
+                f"workers are ranks 0 to {workers - 1}"
+            )
+        if config.staleness is not None:
+            if config.staleness < 0:
+                raise ConfigError(f"--staleness must be >= 0 (steps a worker may run ahead), got {config.staleness}")
+            if cls.synchronous:
+                raise ConfigError(
+                    f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is synchronous"
+                )
+        if config.checkpoint_every:
+            raise ConfigError(
+                f"--paradigm {cls.name} writes its checkpoint at the end of training only (the state lives on "
+                "the servers while they serve); drop --checkpoint-every"
+            )
+        super().check(config, world)
+
+    @classmethod
+    def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:
+        workers = worker_count(world, config)
+        return (rank if rank < workers else 0), workers  # a server's slice is never read
+
+    def __init__(self, comm, config):
+        super().__init__(comm, config)
+        self.workers = worker_count(self.world, config)
+        self.servers = config.servers
+        self.role = "trainer" if self.rank < self.workers else "server"
+        self.server_ranks = list(range(self.workers, self.world))
+        # The protocol gets a communicator of its own: a server's "any source, any tag" sees nothing else.
+        self.ps_comm = comm.Dup()
+        self.workers_comm = comm.Split(0 if self.role == "trainer" else 1, self.rank)  # the global loss
+        self.gathered_params = self.gathered_optimizer = None
+        self.pulled = False
+        self.wait_s = 0.0  # a worker's time waiting for weights
+        if self.rank == 0 and not config.quiet:
+            print(self.describe_roles(), flush=True)
+
+    def describe_roles(self) -> str:
+        mode = self.name if self.config.staleness is None else f"{self.name}, staleness bound {self.config.staleness}"
+        servers = ", ".join(map(str, self.server_ranks))
+        return f"{mode}: workers = ranks 0-{self.workers - 1}, servers = rank(s) {servers}"
+
+    # --- the model: a full replica on a worker, one shard and its optimizer on a server ---------------------------
+    def build(self, make_model, make_optimizer) -> None:
+        model = make_model()  # the same initial weights everywhere (same seed); a server keeps its slice only
+        flat = model.flat_params
+        self.bounds = shards(flat.size, self.servers)
+        xp = array_module(flat)
+        if self.role == "trainer":
+            self.model = model
+            template = make_optimizer(Shard(flat[:0].copy(), flat[:0].copy()))  # which buffers; no state
+            self.optimizer = RemoteOptimizer(self, template)
+            return
+        start, stop = self.bounds[self.rank - self.workers]
+        self.shard = Shard(flat[start:stop].copy(), xp.zeros(stop - start, dtype=flat.dtype))
+        self.optimizer = make_optimizer(self.shard)
+        # ps-sync keeps each worker's push in a slot of its own and sums them in worker order: reproducible
+        self.slots = xp.empty((self.workers, stop - start), dtype=flat.dtype) if self.synchronous else None
+        del model
+
+    # --- a worker's step: the base loop, whose optimizer step is this -------------------------------------------
+    def push_and_pull(self) -> None:
+        """Send each server its slice of the gradient and receive its slice of the new weights, all at once."""
+        params, grads = self.model.flat_params, self.model.flat_grads
+        if not self.pulled:
+            self.pull()
+        started = time.perf_counter()
+        with self._label("ps/push", grads.nbytes), watchdog.watching(self.ps_comm, "ps: waiting for the servers"):
+            requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
+            requests += [self.ps_comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self._served()]
+            waitall(requests)
+        self.wait_s += time.perf_counter() - started
+
+    def pull(self) -> None:
+        """The first weights, from the servers (after a resume, the checkpoint's)."""
+        params = self.model.flat_params
+        with self._label("ps/pull", 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
+            requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
+            requests += [self.ps_comm.Isend(params[:0], server, PULL) for server, _ in self._served()]
+            waitall(requests)
+        self.pulled = True
+
+    def _served(self):
+        return zip(self.server_ranks, self.bounds)
+
+    def _label(self, name: str, nbytes: int):
+        tracer = getattr(self.ps_comm, "tracer", None)
+        return contextlib.nullcontext() if tracer is None else tracer.operation(name, nbytes=nbytes)
+
+    def global_loss(self, local_mean: float) -> float:
+        return self.workers_comm.allreduce(local_mean) / self.workers
+
+    # --- a server's loop ---------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Answer the workers until every one has said DONE."""
+        comm, status, shard = self.ps_comm, new_status(self.ps_comm), self.shard
+        params, grads, xp = shard.flat_params, shard.flat_grads, array_module(shard.flat_params)
+        bound = self.config.staleness
+        self.version = 0  # updates applied to this shard
+        sent_version = [0] * self.workers  # the version each worker's weights are at
+        clock = [0] * self.workers  # pushes received from each worker
+        waiting = []  # workers whose reply is held back (stale-synchronous)
+        arrived = []  # ps-sync: workers whose push for this step is in
+        done = set()
+        self.staleness = collections.Counter()
+        self.idle_s, started = 0.0, time.perf_counter()
+        empty = params[:0]
+
+        def reply(workers) -> None:
+            with self._label("ps/weights", params.nbytes):
+                waitall([comm.Isend(params, w, WEIGHTS) for w in workers])  # (before the next update changes it)
+            for w in workers:
+                sent_version[w] = self.version
+
+        def release() -> None:  # stale-synchronous: answer those no more than `bound` steps ahead of the slowest
+            running = [clock[w] for w in range(self.workers) if w not in done]
+            slowest = min(running) if running else 0
+            ready = [w for w in waiting if bound is None or clock[w] - slowest <= bound]
+            if ready:
+                waiting[:] = [w for w in waiting if w not in ready]
+                reply(ready)
+
+        while len(done) < self.workers:
+            t0 = time.perf_counter()
+            with watchdog.watching(comm, "ps server: waiting for any worker"):
+                probe(comm, status, ANY_SOURCE, ANY_TAG)
+            self.idle_s += time.perf_counter() - t0
+            w, tag = status.Get_source(), status.Get_tag()
+            if tag == PUSH and self.synchronous:
+                comm.Recv(self.slots[w], w, PUSH)
+                arrived.append(w)
+                if len(arrived) == self.workers:  # the step is complete: average in worker order, update, answer
+                    xp.sum(self.slots, axis=0, out=grads)
+                    grads *= 1.0 / self.workers
+                    self.optimizer.step()
+                    self.version += 1
+                    self.staleness[0] += self.workers
+                    reply(range(self.workers))
+                    arrived.clear()
+            elif tag == PUSH:
+                comm.Recv(grads, w, PUSH)
+                self.staleness[self.version - sent_version[w]] += 1
+                grads *= 1.0 / self.workers  # one worker's slice is 1/W of the global batch
+                self.optimizer.step()
+                self.version += 1
+                clock[w] += 1
+                waiting.append(w)
+                release()
+            elif tag == PULL:
+                comm.Recv(empty, w, PULL)
+                with self._label("ps/pull", 0):
+                    comm.Send(params, w, WEIGHTS)
+                sent_version[w] = self.version
+            elif tag == DONE:
+                comm.Recv(empty, w, DONE)
+                done.add(w)
+                if not self.synchronous:
+                    release()  # the slowest may just have left
+            else:
+                raise ProtocolError(f"server rank {self.rank}: unexpected tag {tag} from rank {w}")
+        self.serve_s = time.perf_counter() - started
+
+    # --- the end: every rank gets the final model --------------------------------------------------------------
+    def finish(self) -> dict:
+        if self.role == "trainer":
+            for server in self.server_ranks:
+                self.ps_comm.Send(self.model.flat_params[:0], server, DONE)
+            mine = {"held": self.held_bytes(), "wait_s": self.wait_s}
+        else:
+            mine = {
+                "held": self.held_bytes(),
+                "params": to_host(self.shard.flat_params),
+                "optimizer": self.optimizer.state_dict(),
+                "staleness": dict(self.staleness),
+                "updates": self.version,
+                "busy_fraction": 1.0 - self.idle_s / self.serve_s if self.serve_s else 0.0,
+            }
+        everyone = self.comm.allgather(mine)
+        servers = everyone[self.workers :]
+        self.gathered_params = np.concatenate([s["params"] for s in servers])
+        states = [s["optimizer"] for s in servers]
+        self.gathered_optimizer = {
+            k: np.concatenate([st[k] for st in states]) if isinstance(v, np.ndarray) else v
+            for k, v in states[0].items()
+        }
+        if self.synchronous and self.role == "trainer":  # every worker's last reply is the final model
+            if weights_digest(self.model.flat_params) != weights_digest(self.gathered_params):
+                raise RuntimeError(f"ps-sync: worker {self.rank}'s weights differ from the servers' at the end")
+        self.ps_comm.Free()
+        self.workers_comm.Free()
+        staleness = collections.Counter()
+        for s in servers:
+            staleness.update({int(k): v for k, v in s["staleness"].items()})
+        updates = sum(staleness.values())
+        return {
+            "roles": ["worker"] * self.workers + ["server"] * self.servers,
+            "shards": [list(b) for b in self.bounds],
+            "staleness": {
+                "histogram": {str(k): staleness[k] for k in sorted(staleness)},
+                "mean": sum(k * v for k, v in staleness.items()) / updates if updates else 0.0,
+                "max": max(staleness, default=0),
+            },
+            "server_updates": [s["updates"] for s in servers],
+            "server_busy_fraction": [s["busy_fraction"] for s in servers],
+            "worker_wait_s": [e["wait_s"] for e in everyone[: self.workers]],
+            "held_bytes": [e["held"] for e in everyone],
+        }
+
+    def held_bytes(self) -> dict:
+        """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
+        if self.role == "trainer":
+            m = self.model
+            return {"parameters": m.flat_params.nbytes, "gradients": m.flat_grads.nbytes, "optimizer": 0}
+        state = self.optimizer.state_dict()
+        slots = self.slots.nbytes if self.slots is not None else 0
+        return {
+            "parameters": self.shard.flat_params.nbytes,
+            "gradients": self.shard.flat_grads.nbytes + slots,
+            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+        }
+
+    # --- the whole model ---------------------------------------------------------------------------------------
+    def full_parameters(self):
+        """The final model once training is over; before, a worker's copy (or a server's own shard)."""
+        if self.gathered_params is not None:
+            return self.gathered_params
+        return self.model.flat_params if self.role == "trainer" else self.shard.flat_params
+
+    def load_full_parameters(self, flat) -> None:
+        if self.role == "trainer":
+            self.model.flat_params[...] = flat
+        else:
+            start, stop = self.bounds[self.rank - self.workers]
+            self.shard.flat_params[...] = flat[start:stop]
+
+    def load_optimizer_state(self, state: dict) -> None:
+        if self.role == "server":
+            start, stop = self.bounds[self.rank - self.workers]
+            self.optimizer.load_state_dict(
+                {k: v[start:stop] if isinstance(v, np.ndarray) else v for k, v in state.items()}
+            )
+
+    # --- the cost as code --------------------------------------------------------------------------------------
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Per rank (lists, workers first): bytes sent per step, and parameters, gradients and optimizer state held."""
+        itemsize = np.dtype(config.dtype).itemsize
+        n = parameter_count(sizes)
+        workers = worker_count(world, config)
+        shard = [b - a for a, b in shards(n, config.servers)]
+        per_element = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        gradient_copies = workers + 1 if cls.synchronous else 1  # ps-sync: a slot per worker and their average
+        return {
+            "sent_per_step": [n * itemsize] * workers + [workers * m * itemsize for m in shard],
+            "parameters": [n * itemsize] * workers + [m * itemsize for m in shard],
+            "gradients": [n * itemsize] * workers + [gradient_copies * m * itemsize for m in shard],
+            "optimizer": [0] * workers + [per_element * m * itemsize for m in shard],
+        }
+
+
+@register
+class AsyncParameterServer(ParameterServer):
+    name = "ps-async"
+    synchronous = False
