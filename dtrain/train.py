@@ -171,7 +171,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     )
     position = resume(paradigm, comm, config, sizes) if config.resume else Position()
     if paradigm.role == "server":  # no batches: serve the trainers until they are done
-        paradigm.serve()
+        paradigm.serve(len(loader))
     else:
         run_epochs(paradigm, loader, data, config, sizes, position, xp)
     epochs = position.epochs
@@ -223,7 +223,8 @@ def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
         position.epoch = epoch
         epoch_start = time.perf_counter() - position.train_time_s
         losses = []  # this rank's loss of each step it runs of this epoch
-        batches = itertools.islice(loader.epoch(epoch), position.done, None)  # resuming: skip the steps already done
+        # the paradigm's batches for this epoch (usually the loader's); resuming: skip the steps already done
+        batches = itertools.islice(paradigm.batches(loader, epoch), position.done, None)
         for x, y in _progress(batches, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
             losses.append(paradigm.step(x, y))
             if not math.isfinite(losses[-1]):
@@ -235,14 +236,15 @@ def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
             if config.checkpoint_every and position.step % config.checkpoint_every == 0:
                 position.train_time_s = time.perf_counter() - epoch_start
                 save_checkpoint(paradigm, config, sizes, position, losses)
+            if paradigm.epoch_over:  # the paradigm ends the epoch (asynchronous workers share its steps)
+                break
         train_time = time.perf_counter() - epoch_start
-        steps = position.done + len(losses)
         position.epochs.append(
             {
                 "epoch": epoch,
                 "train_loss": epoch_loss(paradigm, position, losses),  # the global batch's, averaged over steps
                 **dict(zip(("test_loss", "test_accuracy"), evaluate(paradigm.evaluation_model(), data, xp))),
-                "samples_per_s": steps * config.batch_size / train_time,
+                "samples_per_s": len(loader) * config.batch_size / train_time,  # an epoch: every sample once
                 "train_time_s": train_time,
             }
         )

@@ -42,16 +42,22 @@ def make_model(cfg, sizes=SIZES):
 
 
 def run(comm, cfg, data, model=None):
-    """Train ``cfg`` on ``data`` on this rank's slices, as the driver does; return params, traffic, figures."""
+    """Train ``cfg`` on ``data`` (one epoch) as the driver does, on this rank's slices or serving; return params,
+    traffic, figures."""
     prepared = prepare(comm, timeout=0)
     kind = parallel.get(cfg.paradigm)
     kind.check(cfg, comm.Get_size())
     paradigm = kind(prepared, cfg)
-    paradigm.build(model or make_model(cfg), lambda m: make_optimizer("sgd", m, cfg.lr, cfg.momentum))
-    index, count = paradigm.data_shard()
-    local = BATCH // count
-    for x, y in data:
-        paradigm.step(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local])
+    paradigm.build(model or make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum))
+    if paradigm.role == "server":
+        paradigm.serve(len(data))
+    else:
+        index, count = paradigm.data_shard()
+        local = BATCH // count
+        for x, y in data:
+            paradigm.step(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local])
+            if paradigm.epoch_over:
+                break
     figures = paradigm.finish()
     return paradigm.full_parameters().copy(), prepared.tracer.summary(), figures
 

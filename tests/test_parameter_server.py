@@ -16,13 +16,11 @@ import sys
 import numpy as np
 import pytest
 from mpi_util import run_mpi_code
-from test_data_parallel import BATCH, SIZES, STEPS, batches, make_model, relative
+from test_data_parallel import BATCH, SIZES, STEPS, batches, relative, run
 
 from dtrain import parallel
 from dtrain.comm import sim
-from dtrain.comm.prepare import prepare
 from dtrain.errors import ConfigError
-from dtrain.optim import make_optimizer
 from dtrain.parallel import parameter_count
 from dtrain.parallel.parameter_server import ParameterServer
 from dtrain.train import TrainConfig, train
@@ -33,24 +31,6 @@ LAYOUTS = [(1, 1), (1, 3), (2, 2), (3, 1)]  # (servers, workers)
 def config(**overrides) -> TrainConfig:
     base = dict(paradigm="ps-sync", dtype="float64", lr=0.1, momentum=0.9, batch_size=BATCH, timeout=0, quiet=True)
     return TrainConfig(**{**base, **overrides})
-
-
-def run(comm, cfg, data):
-    """Train ``cfg`` on ``data`` as the driver does (a server serves, a worker steps); params, traffic, figures."""
-    prepared = prepare(comm, timeout=0)
-    kind = parallel.get(cfg.paradigm)
-    kind.check(cfg, comm.Get_size())
-    paradigm = kind(prepared, cfg)
-    paradigm.build(make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum))
-    if paradigm.role == "server":
-        paradigm.serve()
-    else:
-        index, count = paradigm.data_shard()
-        local = BATCH // count
-        for x, y in data:
-            paradigm.step(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local])
-    figures = paradigm.finish()
-    return paradigm.full_parameters().copy(), prepared.tracer.summary(), figures
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +197,8 @@ def test_ps_async_learns_the_digits_with_three_workers(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["final"]["test_accuracy"] >= 0.94
     staleness = metrics["communication"]["per_rank"][0]["paradigm"]["staleness"]
-    assert sum(staleness["histogram"].values()) == 3 * 20 * (1438 // 60)
+    budget = 3 * (1438 // 60)  # pushes in an epoch: W x steps, and at most W - 1 more already on their way
+    assert 20 * budget <= sum(staleness["histogram"].values()) <= 20 * (budget + 2)
 
 
 @pytest.mark.mpi
@@ -240,7 +221,7 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
 
             ps.ParameterServer.push_and_pull = push_and_pull
         else:
-            def serve(self):
+            def serve(self, steps_per_epoch):
                 raise RuntimeError("server broke before serving")
 
             ps.ParameterServer.serve = serve

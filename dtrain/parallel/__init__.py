@@ -9,8 +9,10 @@ through these methods alone (no ``if paradigm == ...`` anywhere else)::
     p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); build groups
     p.data_shard()                   (index, count): which slice of every global batch this rank trains on
     p.build(make_model, make_opt)    a full replica, sharded layers, or this rank's pipeline stage
-    p.role                           "trainer" runs the epoch loop; "server" has no batches and calls p.serve()
+    p.role                           "trainer" runs the epoch loop; "server" has no batches and calls p.serve(steps)
+    p.batches(loader, epoch)         a trainer's batches of an epoch (by default the loader's, this rank's slices)
     p.step(x, y)                     one global step on this rank's slice; returns this rank's loss on it
+    p.epoch_over                     True when the paradigm ends the epoch before its batches do (asynchronous)
     p.global_loss(local_mean)        the *global batch's* loss from every rank's mean (train_loss in metrics.json)
     p.full_parameters()              the whole model's flat buffer: weights digest, checkpoints
     p.load_full_parameters(flat)     the inverse, for resuming from a checkpoint
@@ -82,6 +84,7 @@ class Paradigm:
 
     name = "base"
     role = "trainer"
+    epoch_over = False  # asynchronous workers share an epoch's steps: the paradigm says when it is over
 
     def __init__(self, comm, config):
         self.comm, self.config = comm, config
@@ -177,7 +180,13 @@ class Paradigm:
         """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json."""
         return {}
 
-    def serve(self) -> None:
+    def batches(self, loader, epoch: int):
+        """The batches a trainer steps through in ``epoch``: this rank's slice of each global batch, once."""
+        return loader.epoch(epoch)
+
+    def serve(self, steps_per_epoch: int) -> None:
+        """A server's loop (``role == "server"``): until the trainers are done; an epoch is ``steps_per_epoch``
+        global steps."""
         raise TypeError(f"paradigm {self.name!r} has no server role")
 
     # --- the cost as code ---------------------------------------------------------------------------------

@@ -71,8 +71,8 @@ from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, parameter_count, register
 
-PUSH, PULL, DONE, WEIGHTS = 1, 2, 3, 4  # tags of the protocol
-TAG_NAMES = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", WEIGHTS: "WEIGHTS"}
+PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
+COORDINATOR = 0  # the server (by index) that counts an epoch's steps and holds back the replies of fast workers
 
 
 class ProtocolError(RuntimeError):
@@ -170,6 +170,8 @@ class ParameterServer(Paradigm):
         self.gathered_params = self.gathered_optimizer = None
         self.pulled = False
         self.wait_s = 0.0  # a worker's time waiting for weights
+        self.epoch_steps = 0  # a worker's steps in this epoch
+        self.status = new_status(self.ps_comm)
         if self.rank == 0 and not config.quiet:
             print(self.describe_roles(), flush=True)
 
@@ -202,12 +204,19 @@ class ParameterServer(Paradigm):
         params, grads = self.model.flat_params, self.model.flat_grads
         if not self.pulled:
             self.pull()
+        comm, (coordinator, (a0, b0)), others = self.ps_comm, *self._served()[:1], self._served()[1:]
         started = time.perf_counter()
-        with self._label("ps/push", grads.nbytes), watchdog.watching(self.ps_comm, "ps: waiting for the servers"):
-            requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
-            requests += [self.ps_comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self._served()]
+        with self._label("ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
+            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
+            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self._served()]
+            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
+            self.epoch_over = self.status.Get_tag() == END
+            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
+            if self.epoch_over:  # the other servers stop waiting for this worker in this epoch
+                requests += [comm.Isend(params[:0], server, END) for server, _ in others]
             waitall(requests)
         self.wait_s += time.perf_counter() - started
+        self.epoch_steps += 1
 
     def pull(self) -> None:
         """The first weights, from the servers (after a resume, the checkpoint's)."""
@@ -218,22 +227,44 @@ class ParameterServer(Paradigm):
             waitall(requests)
         self.pulled = True
 
-    def _served(self):
-        return zip(self.server_ranks, self.bounds)
+    def _served(self) -> list:
+        return list(zip(self.server_ranks, self.bounds))
+
+    def batches(self, loader, epoch: int):
+        """ps-sync: this worker's slice of each global batch. ps-async: the same, cycled until the coordinator says
+        the epoch's W x steps pushes are in, so a fast worker takes more steps and a slow one fewer."""
+        self.epoch_over, self.epoch_steps = False, 0
+        if self.synchronous:
+            yield from loader.epoch(epoch)
+            return
+        while True:
+            yield from loader.epoch(epoch)
 
     def _label(self, name: str, nbytes: int):
         tracer = getattr(self.ps_comm, "tracer", None)
         return contextlib.nullcontext() if tracer is None else tracer.operation(name, nbytes=nbytes)
 
     def global_loss(self, local_mean: float) -> float:
-        return self.workers_comm.allreduce(local_mean) / self.workers
+        """The mean over every step the workers took this epoch (async: weighted by each worker's step count)."""
+        total, steps = self.workers_comm.allreduce(np.array([local_mean * self.epoch_steps, self.epoch_steps]))
+        return float(total / steps)
 
     # --- a server's loop ---------------------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Answer the workers until every one has said DONE."""
-        comm, status, shard = self.ps_comm, new_status(self.ps_comm), self.shard
+    def serve(self, steps_per_epoch: int) -> None:
+        """Answer the workers until every one has said DONE.
+
+        The coordinator (server 0) also keeps the epochs: after W x ``steps_per_epoch`` pushes it answers END instead
+        of WEIGHTS, to each worker once, and the worker passes END on to the other servers. Every server holds back
+        the reply to a worker more than K steps ahead of the slowest worker still in the epoch (each shard's
+        weights must be sent after the updates the bound waits for); a worker that has ended the epoch, or said
+        DONE, is no longer the slowest.
+        """
+        comm, status, shard = self.ps_comm, self.status, self.shard
         params, grads, xp = shard.flat_params, shard.flat_grads, array_module(shard.flat_params)
+        coordinator = self.rank - self.workers == COORDINATOR
         bound = self.config.staleness
+        budget, pushes = self.workers * steps_per_epoch, 0  # the coordinator's count of the epoch's pushes
+        ended = set()  # workers that have ended this epoch
         self.version = 0  # updates applied to this shard
         sent_version = [0] * self.workers  # the version each worker's weights are at
         clock = [0] * self.workers  # pushes received from each worker
@@ -244,19 +275,31 @@ class ParameterServer(Paradigm):
         self.idle_s, started = 0.0, time.perf_counter()
         empty = params[:0]
 
+        def end_epoch(workers) -> None:
+            nonlocal pushes
+            ended.update(workers)
+            if len(ended) == self.workers:  # every worker has ended the epoch: the next one starts at 0
+                pushes = 0
+                ended.clear()
+
         def reply(workers) -> None:
+            tag = END if coordinator and pushes >= budget else WEIGHTS
             with self._label("ps/weights", params.nbytes):
-                waitall([comm.Isend(params, w, WEIGHTS) for w in workers])  # (before the next update changes it)
+                waitall([comm.Isend(params, w, tag) for w in workers])  # (before the next update changes it)
             for w in workers:
                 sent_version[w] = self.version
+            if tag == END:
+                end_epoch(workers)
 
-        def release() -> None:  # stale-synchronous: answer those no more than `bound` steps ahead of the slowest
-            running = [clock[w] for w in range(self.workers) if w not in done]
-            slowest = min(running) if running else 0
-            ready = [w for w in waiting if bound is None or clock[w] - slowest <= bound]
-            if ready:
+        def release() -> None:  # answer those no more than `bound` steps ahead of the slowest still running
+            while True:
+                running = [clock[w] for w in range(self.workers) if w not in done and w not in ended]
+                slowest = min(running, default=0)
+                ready = [w for w in waiting if bound is None or clock[w] - slowest <= bound or pushes >= budget]
+                if not ready:
+                    return
                 waiting[:] = [w for w in waiting if w not in ready]
-                reply(ready)
+                reply(ready)  # (may end the epoch for them, which may free others)
 
         while len(done) < self.workers:
             t0 = time.perf_counter()
@@ -266,6 +309,7 @@ class ParameterServer(Paradigm):
             w, tag = status.Get_source(), status.Get_tag()
             if tag == PUSH and self.synchronous:
                 comm.Recv(self.slots[w], w, PUSH)
+                pushes += 1
                 arrived.append(w)
                 if len(arrived) == self.workers:  # the step is complete: average in worker order, update, answer
                     xp.sum(self.slots, axis=0, out=grads)
@@ -277,6 +321,7 @@ class ParameterServer(Paradigm):
                     arrived.clear()
             elif tag == PUSH:
                 comm.Recv(grads, w, PUSH)
+                pushes += 1
                 self.staleness[self.version - sent_version[w]] += 1
                 grads *= 1.0 / self.workers  # one worker's slice is 1/W of the global batch
                 self.optimizer.step()
@@ -289,11 +334,14 @@ class ParameterServer(Paradigm):
                 with self._label("ps/pull", 0):
                     comm.Send(params, w, WEIGHTS)
                 sent_version[w] = self.version
+            elif tag == END:  # (not on the coordinator) the coordinator has ended the epoch for w
+                comm.Recv(empty, w, END)
+                end_epoch([w])
+                release()  # w may have been the slowest
             elif tag == DONE:
                 comm.Recv(empty, w, DONE)
                 done.add(w)
-                if not self.synchronous:
-                    release()  # the slowest may just have left
+                release()  # the slowest may just have left
             else:
                 raise ProtocolError(f"server rank {self.rank}: unexpected tag {tag} from rank {w}")
         self.serve_s = time.perf_counter() - started
