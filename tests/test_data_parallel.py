@@ -34,6 +34,8 @@ def batches(dtype=np.float64):
 
 def config(**overrides) -> TrainConfig:
     base = dict(paradigm="ddp", dtype="float64", lr=0.1, momentum=0.9, batch_size=BATCH, timeout=0, bucket_mb=0.002)
+    if overrides.get("paradigm", "ddp") != "ddp":
+        del base["bucket_mb"]  # a ddp flag: other paradigms refuse it
     return TrainConfig(**{**base, **overrides})
 
 

@@ -148,6 +148,8 @@ def test_resuming_ps_sync_equals_an_uninterrupted_run(tmp_path):
         (3, {"staleness": 2}, "--staleness applies to ps-async"),
         (3, {"slow_rank": 2}, "--slow-rank 2 is not a worker"),
         (3, {"checkpoint_every": 5, "checkpoint_dir": "x"}, "at the end of training only"),
+        (3, {"paradigm": "ddp", "servers": 2}, "--servers is a flag of --paradigm ps-sync, ps-async, not of ddp"),
+        (3, {"overlap": True}, "--overlap is a flag of --paradigm ddp, not of ps-sync"),
     ],
 )
 def test_bad_flags_are_one_clear_error_before_any_communication(world, flags, message):

@@ -6,6 +6,7 @@ metrics.json, checkpoints, the trace. A paradigm owns only what makes it differe
 through these methods alone (no ``if paradigm == ...`` anywhere else)::
 
     cls.check(config, world)         before any communication: are the paradigm's flags usable on this many ranks?
+                                     (cls.uses names its own flags; another paradigm's flag is refused)
     p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); build groups
     p.data_shard()                   (index, count): which slice of every global batch this rank trains on
     p.build(make_model, make_opt)    a full replica, sharded layers, or this rank's pipeline stage
@@ -29,9 +30,13 @@ replicated paradigm shares, with three places to act::
         forward
         before_backward(last)                             DDP arms its hooks on the last micro-batch
         backward of loss / k                              gradient-ready hooks fire inside backward
+    (a straggler, --slow-rank: sleep in proportion to this compute)
     after_backward()                                      DDP: finish averaging the gradients
-    optimizer step
-    after_step()                                          local SGD: average the weights every H steps
+    optimizer step                                        a parameter-server worker's: push, then pull the weights
+    after_step()                                          central storage: rank 0's weights to all
+
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``ps-sync`` and ``ps-async``
+(parameter_server.py), ``central-storage`` (central_storage.py).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
@@ -84,6 +89,7 @@ class Paradigm:
 
     name = "base"
     role = "trainer"
+    uses: frozenset[str] = frozenset()  # the TrainConfig fields of this paradigm's own flags (others refuse them)
     epoch_over = False  # asynchronous workers share an epoch's steps: the paradigm says when it is over
 
     def __init__(self, comm, config):
@@ -95,6 +101,7 @@ class Paradigm:
     @classmethod
     def check(cls, config, world: int) -> None:
         """Raise a :class:`ConfigError` for flags this paradigm cannot use on ``world`` ranks (no communication)."""
+        cls.check_flags_are_mine(config)
         _index, count = cls.shard_of(0, world, config)
         local = config.batch_size // count if config.batch_size % count == 0 else None
         if config.batch_size < count:
@@ -109,6 +116,15 @@ class Paradigm:
                 f"--accumulate {config.accumulate} must divide each rank's share of the batch ({local} = "
                 f"{config.batch_size} / {count} ranks)"
             )
+
+    @classmethod
+    def check_flags_are_mine(cls, config) -> None:
+        """A flag of another paradigm (``--servers`` with ``ddp``) is an error, not silently ignored."""
+        defaults = type(config)()
+        for field in sorted(set().union(*(k.uses for k in _REGISTRY.values())) - cls.uses):
+            if getattr(config, field) != getattr(defaults, field):
+                owners = ", ".join(n for n, k in _REGISTRY.items() if field in k.uses)
+                raise ConfigError(f"--{field.replace('_', '-')} is a flag of --paradigm {owners}, not of {cls.name}")
 
     @classmethod
     def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:

@@ -121,6 +121,7 @@ class _InFlight:
 @register
 class DataParallel(Paradigm):
     name = "ddp"
+    uses = frozenset({"allreduce", "ranks_per_node", "overlap", "bucket_mb"})
 
     @classmethod
     def check(cls, config, world: int) -> None:

@@ -119,6 +119,7 @@ def shards(n: int, servers: int) -> list[tuple[int, int]]:
 @register
 class ParameterServer(Paradigm):
     name = "ps-sync"
+    uses = frozenset({"servers", "staleness"})
     synchronous = True
 
     @classmethod
