@@ -195,7 +195,7 @@ def test_ps_async_learns_the_digits_with_three_workers(tmp_path):
                "--epochs", "20", "--batch-size", "60", "--no-progress", "--out", str(out)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "ps-async: workers = ranks 0-2, servers = rank(s) 3" in result.stdout
+    assert "ps-async: workers = ranks 0-2, servers = rank 3" in result.stdout
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["final"]["test_accuracy"] >= 0.94
     staleness = metrics["communication"]["per_rank"][0]["paradigm"]["staleness"]

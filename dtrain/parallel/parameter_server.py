@@ -20,6 +20,10 @@ The messages (tags on a communicator of their own), for one worker and one serve
          |  WEIGHTS (n_s)                             |   --staleness K: the reply waits while w is more than K
          |<-------------------------------------------|             steps ahead of the slowest worker
          |  ... every step ...                        |
+         |  END (n_s): the weights, and the epoch is  |   the coordinator (server 0), once W x steps pushes are in;
+         |  over (the worker passes END, 0 bytes, on  |   a worker then evaluates and starts the next epoch
+         |  to the other servers)                     |
+         |  ... every epoch ...                       |
          |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
          |------------------------------------------->|
 
@@ -51,6 +55,12 @@ step: the momentum decays per push, not per round (asynchrony itself acts like e
 the slowest is not answered until the slowest catches up. K = 0 makes every worker wait for every other at each step;
 with plain SGD (no momentum) that is ps-sync up to the order of the additions.
 
+**Epochs.** In ps-sync every worker takes its slice of each of the epoch's global batches, as in ``ddp``. In ps-async
+an epoch is a budget of W x steps pushes shared by the workers: each cycles through its own slices until the
+coordinator answers END, so a fast worker takes more steps and a straggler fewer (TensorFlow's coordinator likewise
+hands the next step to whichever worker is free). A push already on its way when the budget is reached is still
+applied, so an epoch may hold up to W - 1 more.
+
 **Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
 workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
 :meth:`finish`: the servers' shards and optimizer states are gathered, so every rank ends with the final model.
@@ -72,7 +82,7 @@ from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, parameter_count, register
 
 PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
-COORDINATOR = 0  # the server (by index) that counts an epoch's steps and holds back the replies of fast workers
+COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
 
 
 class ProtocolError(RuntimeError):
@@ -105,6 +115,11 @@ class RemoteOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to load: the servers load their shards of it."""
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
 def worker_count(world: int, config) -> int:
@@ -178,8 +193,7 @@ class ParameterServer(Paradigm):
 
     def describe_roles(self) -> str:
         mode = self.name if self.config.staleness is None else f"{self.name}, staleness bound {self.config.staleness}"
-        servers = ", ".join(map(str, self.server_ranks))
-        return f"{mode}: workers = ranks 0-{self.workers - 1}, servers = rank(s) {servers}"
+        return f"{mode}: workers = {_ranks(range(self.workers))}, servers = {_ranks(self.server_ranks)}"
 
     # --- the model: a full replica on a worker, one shard and its optimizer on a server ---------------------------
     def build(self, make_model, make_optimizer) -> None:
