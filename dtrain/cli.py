@@ -139,6 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="ps-async: a worker more than K steps ahead of the slowest waits (stale-synchronous; default: unbounded)",
     )
+    local = t.add_argument_group("local SGD and gossip (--paradigm local-sgd, gossip)")
+    local.add_argument(
+        "--sync-every", type=int, default=defaults.sync_every, metavar="H", help="local-sgd: average every H steps"
+    )
+    local.add_argument(
+        "--average-via",
+        choices=("allreduce", "master"),
+        default=defaults.average_via,
+        help="local-sgd: all-reduce the weights (--allreduce), or gather them on rank 0 and send back",
+    )
+    local.add_argument(
+        "--warmup-sync-steps",
+        type=int,
+        default=defaults.warmup_sync_steps,
+        metavar="W",
+        help="local-sgd: the first W steps average gradients, as ddp (post-local SGD)",
+    )
+    local.add_argument(
+        "--topology",
+        choices=("ring", "torus", "exponential", "random"),
+        default=defaults.topology,
+        help="gossip: the graph each rank averages over (default %(default)s)",
+    )
     slow = t.add_argument_group("a straggler (any paradigm)")
     slow.add_argument("--slow-rank", type=int, metavar="R", help="make rank R slower than the others")
     slow.add_argument(

@@ -65,6 +65,11 @@ class TrainConfig:
     # parameter servers (ps-sync, ps-async)
     servers: int = 1  # the last S ranks are servers, each owning a slice of the parameters
     staleness: int | None = None  # ps-async: how many steps a worker may run ahead of the slowest (None: unbounded)
+    # local SGD and gossip
+    sync_every: int = 1  # local-sgd: optimizer steps between averages of the weights (H)
+    average_via: str = "allreduce"  # local-sgd: "allreduce" (--allreduce) or "master" (to rank 0 and back)
+    warmup_sync_steps: int = 0  # local-sgd: the first W steps are ddp steps (post-local SGD)
+    topology: str = "ring"  # gossip: whom each rank averages with: ring, torus, exponential, random
     # a straggler, for any paradigm
     slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
     slow_factor: float = 1.0

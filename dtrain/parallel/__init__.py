@@ -36,7 +36,8 @@ replicated paradigm shares, with three places to act::
     after_step()                                          central storage: rank 0's weights to all
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``ps-sync`` and ``ps-async``
-(parameter_server.py), ``central-storage`` (central_storage.py).
+(parameter_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip``
+(gossip.py).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
@@ -76,7 +77,7 @@ def get(name: str) -> type[Paradigm]:
 
 def _load_all() -> None:
     """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
-    from dtrain.parallel import central_storage, data_parallel, parameter_server, single  # noqa: F401
+    from dtrain.parallel import central_storage, data_parallel, gossip, local_sgd, parameter_server, single  # noqa: F401
 
 
 def parameter_count(sizes) -> int:

@@ -1,0 +1,184 @@
+"""Local SGD: every rank takes H optimizer steps on its own data, then the ranks average their *weights*.
+
+Data parallelism averages gradients every step, so the replicas never differ. Local SGD lets them drift for H steps
+and then pulls them back together (Lin et al., 2018, "Don't use large mini-batches, use local SGD"; PyTorch's
+``PostLocalSGDOptimizer``)::
+
+      step:     1       2       3       4   |  5       6       7       8   |
+      rank 0:   w-->w0'-->w0''-->w0'''-->w0''''  avg  ...
+      rank 1:   w-->w1'-->w1''-->w1'''-->w1''''  avg  ...     (H = 4: one average of the weights every 4 steps)
+      rank 2:   w-->w2'-->w2''-->w2'''-->w2''''  avg  ...
+
+Each rank trains on its own slice of every global batch, as in ``ddp``; the average (``--average-via allreduce``: the
+all-reduce of ``--allreduce``; ``master``: everything sent to rank 0, averaged there and sent back, the seed
+material's picture) moves n bytes of weights instead of n bytes of gradients, once every H steps instead of every
+step: H times less traffic. It is *not* the same algorithm as big-batch SGD, except for H = 1 with SGD: then averaging
+the weights after each step is averaging the gradients before it, because SGD's update is linear in the gradient.
+
+**Momentum buffers stay local** (never averaged, never reset). With H = 1 that makes local SGD equal ``ddp`` to
+rounding: each rank's velocity is v_r = mu v_r + g_r + wd w, and the mean of the v_r follows the same recursion as
+ddp's v with the mean gradient, so the averaged step equals ddp's (tests/test_local_sgd.py checks it). Averaging the
+buffers too would give the same result at twice the bytes; resetting them would throw away the momentum at every
+sync (and break the H = 1 equality). Adam's moments are kept local as well (Adam is not linear: no equality there).
+
+**Post-local SGD** (``--warmup-sync-steps W``): the first W steps are ordinary ``ddp`` (gradients all-reduced every
+step), then local SGD begins, the schedule Lin et al. recommend (the early, large-gradient phase benefits most from
+exact averaging).
+
+**What is evaluated.** Between averages the replicas differ; at the end of each epoch the driver evaluates their
+average (one all-reduce into a second copy of the model, counted by the tracer under "evaluation", not as training
+traffic), and the paradigm records how far the replicas are from it: the *consensus distance*, the mean over ranks
+of ||w_r - w_avg|| / ||w_avg||. Training ends with one more average if the last step was not one, so every rank
+holds the same final model (checked by digests).
+
+**Cost** (n bytes of weights, p ranks, ring): an average sends 2 (p-1)/p n per rank, so per step 2 (p-1)/p n / H;
+the master variant sends n from every rank but 0 and (p-1) n from rank 0 per average. Exact per rank:
+:meth:`LocalSGD.costs`. Memory: ddp's, plus the averaged copy of the parameters kept for evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from dtrain import collectives
+from dtrain.backend import array_module
+from dtrain.collectives import costmodel
+from dtrain.errors import ConfigError
+from dtrain.parallel import parameter_count, register
+from dtrain.parallel.data_parallel import DataParallel
+
+AVERAGE_VIA = ("allreduce", "master")
+
+
+@register
+class LocalSGD(DataParallel):
+    name = "local-sgd"
+    uses = frozenset({"allreduce", "ranks_per_node", "bucket_mb", "sync_every", "average_via", "warmup_sync_steps"})
+
+    @classmethod
+    def check(cls, config, world: int) -> None:
+        super().check(config, world)
+        if config.sync_every < 1:
+            raise ConfigError(f"--sync-every must be >= 1 (local steps between averages), got {config.sync_every}")
+        if config.average_via not in AVERAGE_VIA:
+            raise ConfigError(f"--average-via {config.average_via!r} is not one of: {', '.join(AVERAGE_VIA)}")
+        if config.warmup_sync_steps < 0:
+            raise ConfigError(f"--warmup-sync-steps must be >= 0, got {config.warmup_sync_steps}")
+
+    def build(self, make_model, make_optimizer) -> None:
+        super().build(make_model, make_optimizer)  # ddp's: rank 0's weights everywhere, gradient buckets
+        self.average_model = make_model()  # the replicas' average, evaluated at the end of each epoch
+        self.average_algorithm = self.choose_algorithm(self.config, self.world, self.model.flat_params.nbytes)
+        self.local_steps = 0  # optimizer steps since the last average
+        self.averages = 0
+        self.consensus = []  # consensus distance at the end of each epoch
+
+    def warming_up(self) -> bool:
+        """Still in post-local SGD's synchronous phase (this step is a ddp step)."""
+        return self.steps < self.config.warmup_sync_steps
+
+    # --- one step: ddp's while warming up, else local, with an average every H steps ---------------------------
+    def before_backward(self, last: bool) -> None:
+        if self.warming_up():
+            super().before_backward(last)
+
+    def after_backward(self) -> None:
+        if self.warming_up():
+            super().after_backward()  # the gradients, averaged
+
+    def after_step(self) -> None:
+        warm = self.warming_up()
+        self.steps += 1
+        if warm:
+            return
+        self.local_steps += 1
+        if self.local_steps == self.config.sync_every:
+            self.average()
+            if collectives.debug_enabled():
+                self.check_replicas(f"after the average at step {self.steps}")
+
+    def average(self) -> None:
+        """Replace every rank's weights by their average over the ranks."""
+        flat = self.model.flat_params
+        if self.config.average_via == "master":  # gathered and summed on rank 0, sent back from there
+            collectives.reduce(self.grad_comm, flat, root=0, op="sum", algorithm="naive")
+            if self.rank == 0:
+                flat *= 1.0 / self.world
+            collectives.broadcast(self.grad_comm, flat, root=0, algorithm="naive")
+        else:
+            collectives.allreduce(self.grad_comm, flat, "avg", self.average_algorithm, topology=self.topology)
+        self.local_steps = 0
+        self.averages += 1
+
+    # --- what is evaluated, and how far the replicas are from it ------------------------------------------------
+    def evaluation_model(self):
+        """The average of the replicas (a copy; the replicas go on as they are); records the consensus distance."""
+        mean = self.replicas_average()
+        self.consensus.append(self.consensus_distance(self.model.flat_params, mean))
+        return self.average_model
+
+    def replicas_average(self):
+        """The replicas' average, into the evaluation copy (traffic counted under "evaluation", not training)."""
+        mean = self.average_model.flat_params
+        mean[...] = self.model.flat_params
+        tracer = getattr(self.grad_comm, "tracer", None)
+        with tracer.operation("evaluation") if tracer is not None else contextlib.nullcontext():
+            collectives.allreduce(self.grad_comm, mean, "avg", self.average_algorithm, topology=self.topology)
+        return mean
+
+    def consensus_distance(self, mine, mean) -> float:
+        """Mean over ranks of ||w_r - w_avg||, relative to ||w_avg|| (a metric: the object all-reduce, untraced)."""
+        xp = array_module(mine)
+        distance = float(xp.linalg.norm(mine - mean))
+        return self.comm.allreduce(distance) / self.world / max(float(xp.linalg.norm(mean)), 1e-30)
+
+    def finish(self) -> dict:
+        if self.local_steps:  # the last steps were local: one more average, so every rank ends with the same model
+            self.average()
+        held = self.comm.allgather(self.held_bytes())
+        figures = super().finish()  # (checks that the replicas are identical)
+        return {
+            **figures,
+            "averages": self.averages,
+            "average_via": self.config.average_via,
+            "consensus_distance": self.consensus,
+            "held_bytes": held,
+        }
+
+    def held_bytes(self) -> dict:
+        """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
+        state = self.optimizer.state_dict()
+        return {
+            "parameters": self.model.flat_params.nbytes + self.average_model.flat_params.nbytes,
+            "gradients": self.model.flat_grads.nbytes,
+            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+        }
+
+    # --- the cost as code ---------------------------------------------------------------------------------------
+    @classmethod
+    def average_bytes(cls, sizes, world: int, config) -> list[int]:
+        """Bytes each rank sends in one average of the weights."""
+        itemsize, n = np.dtype(config.dtype).itemsize, parameter_count(sizes)
+        if config.average_via == "master":
+            return [
+                sum(costmodel.bytes_sent("naive", n, itemsize, world, r, collective=c) for c in ("reduce", "broadcast"))
+                for r in range(world)
+            ]
+        algorithm = cls.choose_algorithm(config, world, n * itemsize)
+        return [costmodel.bytes_sent(algorithm, n, itemsize, world, r, config.ranks_per_node) for r in range(world)]
+
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Per step after the warm-up: one average every H steps (``sent_per_step`` is its share, a fraction);
+        ``sent_per_average`` and ``sent_per_warmup_step`` (ddp's) exactly."""
+        ddp = super().costs(sizes, world, config)
+        per_average = cls.average_bytes(sizes, world, config)
+        return {
+            **ddp,
+            "sent_per_step": [b / config.sync_every for b in per_average],
+            "sent_per_average": per_average,
+            "sent_per_warmup_step": ddp["sent_per_step"],
+            "parameters": 2 * ddp["parameters"],  # the replica, and the average evaluated at each epoch's end
+        }
