@@ -50,7 +50,9 @@ def run(comm, cfg, data, model=None):
     kind = parallel.get(cfg.paradigm)
     kind.check(cfg, comm.Get_size())
     paradigm = kind(prepared, cfg)
-    paradigm.build(model or make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum))
+    paradigm.build(
+        model or make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum, cfg.weight_decay)
+    )
     if paradigm.role == "server":
         paradigm.serve(len(data))
     else:

@@ -63,6 +63,7 @@ def torus_shape(p: int) -> tuple[int, int]:
 
 def neighbours(topology: str, p: int, rank: int, step: int = 0, seed: int = 0) -> list[int]:
     """The distinct ranks ``rank`` averages with at ``step`` (only "random" depends on the step)."""
+    p, rank = int(p), int(rank)
     if topology == "ring":
         return sorted({(rank - 1) % p, (rank + 1) % p} - {rank})
     if topology == "torus":
