@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from dtrain.errors import UserError
 
@@ -272,6 +273,9 @@ def _fail(message: str) -> int:
         comm = mpi4py.COMM_WORLD
         sys.stderr.write(f"dtrain: error (rank {comm.Get_rank()}): {message}\n")
         sys.stderr.flush()
+        from dtrain.comm.mpi import FORWARD_S
+
+        time.sleep(FORWARD_S)  # mpiexec forwards the line before the Abort ends the job
         comm.Abort(EXIT_USER_ERROR)
         return EXIT_USER_ERROR  # MPICH's Abort can return before the process manager ends this rank
     sys.stderr.write(f"dtrain: error: {message}\n")

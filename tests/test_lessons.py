@@ -94,3 +94,62 @@ def test_lesson_03_exits_nonzero_on_bad_arguments():
     result = run_mpi(2, [str(LESSONS / "03_data_parallel.py"), "--batch-size", "47"], timeout=60, check=False)
     assert result.returncode != 0
     assert "--batch-size 47" in result.stderr and "divisible" in result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [3, 4])
+def test_lesson_04_parameter_server_checks_its_claims(nranks, tmp_path):
+    """Lesson 4 checks ps-sync against one process, bound 0 against ps-sync, the staleness histograms against the
+    tracer's pushes and the bound, and every rank's bytes against the cost functions; its OK lines and its
+    measurements file say so."""
+    measurements = tmp_path / "lesson.json"
+    args = [str(LESSONS / "04_parameter_server.py"), "--epochs", "2", "--quick", "--json", str(measurements)]
+    out = run_mpi(nranks, args, timeout=240).stdout
+    assert "OK: ps-sync's weights are one process's on the whole global batch: yes" in out, out
+    assert "OK: ps-async reaches 90% test accuracy (with and without a bound): yes" in out, out
+    assert "OK: ps-sync's loss curve is ddp's: yes" in out, out
+    assert "OK: with bound 0 and plain SGD, ps-async is ps-sync: yes" in out, out
+    assert "OK: every push is in the histogram once, and within the bound: yes" in out, out
+    assert "OK: bytes per step match the cost functions on every rank, and the server sends W n / S: yes" in out, out
+    assert "all checks passed: yes" in out, out
+
+    results = json.loads(measurements.read_text())
+    workers, servers = nranks - 1, [1, 2] if nranks >= 4 else [1]
+    assert results["world"] == nranks and results["workers"] == workers and results["servers"] == servers
+    assert all(d < 1e-12 for d in results["protocol"]["relative_difference"].values())
+    assert results["lockstep_relative_difference"] < 1e-12
+    tags = [m["tag"] for m in results["protocol"]["messages"]]  # the one-server run's every message, in time order
+    assert tags.count("PULL") == tags.count("DONE") == tags.count("END") == workers
+    assert tags.count("PUSH") == tags.count("WEIGHTS") == tags.count("END") + (tags.count("WEIGHTS") - workers)
+    assert set(results["convergence"]) == {"ps-sync", "ps-async", "ps-async K=2", "ddp"}
+    assert all(len(c["train_loss"]) == 2 for c in results["convergence"].values())
+    bounds = {"ps-sync": 0, "ps-async": None, "ps-async K=2": (workers - 1) * 5, "ps-async K=0 (1 epoch)": workers - 1}
+    assert set(results["staleness"]) == set(bounds)
+    for name, st in results["staleness"].items():  # every push recorded once, and (W-1)(2K+1) at most
+        assert sum(st["histogram"].values()) == st["pushes"] and st["ok"] and st["bound"] == bounds[name], name
+        assert st["bound"] is None or st["max"] <= st["bound"], name
+    for workload in ("synthetic", "digits"):
+        runs = results["straggler"][workload]["runs"]
+        assert len(runs) == 5 and all(len(r["pushes"]) == workers and r["samples_per_s"] > 0 for r in runs)
+        assert all(r["pushes"] == runs[0]["pushes"] for r in runs if r["paradigm"] == "ps-sync")  # lockstep
+    n = results["link"]["n"]
+    for label, run in results["link"]["runs"].items():
+        assert run["sent"] == run["costs"] and len(run["sent"]) == nranks, label
+    assert results["link"]["runs"]["ps-sync S=1"]["sent"] == [n] * workers + [workers * n]
+    if nranks >= 4:  # two servers: each sends the W - 1 workers half of the parameters
+        assert results["link"]["runs"]["ps-sync S=2"]["sent"][-2:] == [(workers - 1) * n // 2] * 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("nranks", "args", "message"),
+    [
+        (4, ["--batch-size", "50"], "--batch-size 50 must be divisible by 2, 3, 4"),  # 3 and 2 workers, 4 for ddp
+        (2, [], "lesson 4 needs at least 3 ranks"),
+    ],
+)
+def test_lesson_04_exits_nonzero_on_bad_arguments(nranks, args, message):
+    """Every rank refuses, so whichever leaves first (aborting the others) has said why."""
+    result = run_mpi(nranks, [str(LESSONS / "04_parameter_server.py"), *args], timeout=60, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr

@@ -24,10 +24,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
 from dtrain.comm import usable_cores
+
+# Output a rank writes goes to mpiexec through a pipe; an Abort can end the job before mpiexec has read the last
+# lines (suspected in rare test failures where no rank's message arrived). A rank about to end the job waits this
+# long first: nothing else is left to do, and a fifth of a second is nothing next to a lost error message.
+FORWARD_S = 0.2
 
 # One thread per rank for every threaded library a rank may load: BLAS (OpenBLAS, MKL), OpenMP, Numba.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -60,10 +66,12 @@ def refuse_arguments(message: str, comm=None) -> None:
     Every rank writes it, not only rank 0: under ``python -m mpi4py`` a non-zero exit aborts the whole job, so the
     first rank to leave can kill rank 0 before rank 0 has printed anything. Whichever rank leaves first has said why.
     """
-    text = message if (comm or world()).Get_size() == 1 else f"[rank {rank(comm)}] {message}"
+    several = (comm or world()).Get_size() > 1
     sys.stdout.flush()
-    sys.stderr.write(text + "\n")
+    sys.stderr.write((f"[rank {rank(comm)}] {message}" if several else message) + "\n")
     sys.stderr.flush()
+    if several:
+        time.sleep(FORWARD_S)  # let mpiexec forward the line before the first exit aborts the job
     raise SystemExit(2)
 
 
@@ -82,6 +90,7 @@ def install_excepthook() -> None:
         sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception, aborting all ranks:\n{text}")
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(FORWARD_S)
         comm.Abort(1)
 
     sys.excepthook = abort_on_exception

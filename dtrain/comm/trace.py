@@ -48,6 +48,7 @@ from dtrain.comm.names import IN_PLACE, PROC_NULL
 from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, RequestWrapper, forward
 
 OTHER = "other"
+EVALUATION = "evaluation"  # traffic for measuring (a paradigm's evaluation of its replicas), not for training
 
 # Timestamps are wall-clock microseconds (so ranks in different processes share an origin) read through
 # perf_counter (so they resolve microseconds). write_chrome_trace shifts them to start at zero.

@@ -45,6 +45,7 @@ import numpy as np
 from dtrain import collectives
 from dtrain.backend import array_module
 from dtrain.collectives import costmodel
+from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
 from dtrain.parallel.data_parallel import DataParallel
@@ -124,7 +125,7 @@ class LocalSGD(DataParallel):
         mean = self.average_model.flat_params
         mean[...] = self.model.flat_params
         tracer = getattr(self.grad_comm, "tracer", None)
-        with tracer.operation("evaluation") if tracer is not None else contextlib.nullcontext():
+        with tracer.operation(EVALUATION) if tracer is not None else contextlib.nullcontext():
             collectives.allreduce(self.grad_comm, mean, "avg", self.average_algorithm, topology=self.topology)
         return mean
 

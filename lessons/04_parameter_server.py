@@ -1,0 +1,453 @@
+"""Lesson 4: parameter servers on real MPI ranks. The parameters live on servers; workers pull, compute and push.
+
+The last S ranks are servers, each owning a slice (shard) of the flat parameter buffer and its optimizer state; the
+first W = p - S ranks are workers, which hold the whole model for forward and backward but no optimizer state. Each
+step a worker pushes its gradient to the servers and gets the new weights back (dtrain/parallel/parameter_server.py):
+
+    dtrain launch -n 4 lessons/04_parameter_server.py          # 3 workers and 1 server (2 and 2 in the S=2 runs)
+    dtrain launch -n 3 lessons/04_parameter_server.py          # the least: 2 workers and a server
+    dtrain launch -n 5 lessons/04_parameter_server.py --quick
+
+What you will see:
+  1. the roles and the protocol: which rank does what, the first and last messages of a real run drawn as a sequence
+     diagram from its trace, and ps-sync's final weights equal to one process training on the whole global batch
+     (float64, to ~1e-16 relative), with one server and with two;
+  2. synchronous against asynchronous: loss and test accuracy per epoch of ps-sync, ps-async, ps-async with a
+     staleness bound, and ddp on the same ranks; and ps-async with bound 0 and no momentum equal to ps-sync;
+  3. staleness: how many updates landed between the weights a worker computed on and the arrival of its gradient,
+     as a histogram, against the number of pushes the tracer counted and the bound (W-1)(2K+1);
+  4. a straggler: one worker 3 times slower, ps-sync against ps-async, on a workload whose steps are mostly
+     arithmetic and on the digits, whose steps are mostly overhead;
+  5. the server's link: bytes sent per step by every rank, from the tracer, against ParameterServer.costs() and a
+     ring all-reduce's 2(p-1)/p n per rank; sharding the parameters over S servers divides the server's bytes by S.
+
+Every check compares with an independent oracle (one process's training, the tracer's counts, a formula) and prints
+an OK line; the last line says whether all passed (the exit status is non-zero if not). Asynchronous runs are not
+reproducible: which worker's push lands first depends on the scheduler, so their numbers differ from run to run.
+Timings are printed, never checked: speed belongs to benchmarks (docs/benchmarks.md). With more ranks than cores
+(4 ranks on 2 cores) a rank often waits for a core rather than for a message.
+
+Things to try:
+  * --quick: one epoch of each straggler workload instead of two (what the notebook and the tests run);
+  * dtrain launch -n 6: 5 workers through one server's link, against 4 and 2 through two;
+  * dtrain train --paradigm ps-async --staleness 1 --slow-rank 1 --slow-factor 5: the bound makes the fast workers
+    wait for the straggler, and the staleness histogram shrinks (see metrics.json, docs/metrics.md).
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+import textwrap
+import time
+
+import numpy as np
+
+from dtrain import checkpoint
+from dtrain.comm import mpi, usable_cores
+from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.parameter_server import DONE, END, PULL, PUSH, WEIGHTS, ParameterServer
+from dtrain.train import TrainConfig, train
+
+parser = argparse.ArgumentParser(description="Lesson 4: parameter servers on MPI ranks")
+parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's training runs (default %(default)s)")
+parser.add_argument("--batch-size", type=int, default=60, help="global batch on digits (default %(default)s)")
+parser.add_argument("--quick", action="store_true", help="one epoch per straggler run instead of two (section 4)")
+parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
+args = parser.parse_args()
+
+mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+from mpi4py import MPI  # after argparse, so --help works without starting MPI
+
+world = MPI.COMM_WORLD
+p, rank = world.Get_size(), world.Get_rank()
+B = args.batch_size
+SERVERS = [1, 2] if p >= 4 else [1]  # two servers need two workers besides: 4 ranks or more
+if p < 3:
+    mpi.refuse_arguments(
+        f"lesson 4 needs at least 3 ranks (a server and two workers, so that there is something to be asynchronous "
+        f"about), got {p}: dtrain launch -n 4 lessons/04_parameter_server.py"
+    )
+if args.epochs < 1 or B < 1 or any(B % (p - s) for s in SERVERS) or B % p:
+    counts = sorted({p - s for s in SERVERS} | {p})
+    mpi.refuse_arguments(
+        f"bad arguments: --batch-size {B} must be divisible by {', '.join(map(str, counts))} (the workers of each "
+        f"run, and the {p} ranks of ddp, each take an equal slice of it), --epochs {args.epochs} must be >= 1",
+    )
+
+W = p - 1  # workers when there is one server
+OVERSUBSCRIBED = p > usable_cores()
+TAGS = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", WEIGHTS: "WEIGHTS", END: "END"}
+# Every run: the digits, a 64-32-10 MLP, the driver of `dtrain train` (train(config, comm)), a watchdog of 120 s.
+BASE = dict(dataset="digits", hidden=(32,), batch_size=B, lr=0.05, momentum=0.9, progress=False, quiet=True,
+            timeout=120)  # fmt: skip
+results = {"world": p, "workers": W, "servers": SERVERS, "batch_size": B, "cores": usable_cores()}
+
+
+def say(text: str) -> None:
+    """Print a paragraph of explanation, wrapped and indented like the tables (rank 0 only)."""
+    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
+
+
+def everywhere(flag: bool) -> bool:
+    """Rank 0's verdict, on every rank (the checks are made on rank 0, which holds the gathered metrics)."""
+    return bool(world.bcast(flag, root=0))
+
+
+def sleeping_barrier() -> None:
+    """A barrier whose waiters sleep: while rank 0 works alone, the other ranks leave it the cores."""
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
+
+def shared_folder() -> str:
+    """A fresh temporary folder, the same path on every rank (every rank's config must be the same)."""
+    return world.bcast(tempfile.mkdtemp(prefix="lesson04-") if rank == 0 else None, root=0)
+
+
+def run(**overrides) -> dict:
+    """One training run on every rank of the world, through dtrain's driver; the metrics (complete on rank 0)."""
+    return train(TrainConfig(**{**BASE, **overrides}), world)
+
+
+def relative(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def figures(metrics) -> dict:
+    """The paradigm's own figures (roles, staleness ...), the same on every rank: rank 0's copy."""
+    return metrics["communication"]["per_rank"][0]["paradigm"]
+
+
+def pushes(metrics) -> list:
+    """Pushes each worker made, as the tracer counted them (one "ps/push" operation per step)."""
+    per_rank = metrics["communication"]["per_rank"]
+    return [r["operations"]["ps/push"]["calls"] for r, role in zip(per_rank, figures(metrics)["roles"])
+            if role == "worker"]  # fmt: skip
+
+
+def arrow(src: int, dst: int, text: str, columns: int, width: int = 22) -> str:
+    """One line of a sequence diagram: a lifeline "|" per rank, an arrow from src's to dst's with text on it."""
+    cells = [" "] * (columns * width)
+    for c in range(columns):
+        cells[c * width + width // 2] = "|"
+    a, b = src * width + width // 2, dst * width + width // 2
+    lo, hi = min(a, b), max(a, b)
+    cells[lo + 1 : hi] = "-" * (hi - lo - 1)
+    cells[hi - 1 if b > a else lo + 1] = ">" if b > a else "<"
+    label = f" {text} "
+    if len(label) <= hi - lo - 3:
+        start = lo + 2 + (hi - lo - 3 - len(label)) // 2
+        cells[start : start + len(label)] = label
+    return "".join(cells).rstrip()
+
+
+mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); global batch {B} digits\n")
+
+# ----------------------------------------------------------------------------- 1. roles, the protocol, ps-sync = one
+# ps-sync: every worker pushes the gradient of its slice of the global batch; the server averages the W pushes (in
+# worker order) and takes one optimizer step. The average of the slice gradients is the whole batch's gradient
+# (lesson 3), so ps-sync must follow one process training on the whole global batch, to rounding: in float64, ~1e-16.
+# The oracle: dtrain's driver with --paradigm single, on a one-rank simulated world, on rank 0 alone.
+mpi.print0("1. Roles and the protocol: ps-sync (float64, 1 epoch) against one process on the whole global batch")
+SYNC64 = dict(paradigm="ps-sync", dtype="float64", epochs=1)
+folders = {s: shared_folder() for s in SERVERS}
+trace_path = os.path.join(folders[1], "trace.json")
+sync64 = {s: run(**SYNC64, servers=s, checkpoint_dir=folders[s], trace=trace_path if s == 1 else None)
+          for s in SERVERS}  # fmt: skip
+reference = None
+if rank == 0:
+    from dtrain.comm import sim
+
+    single_folder = tempfile.mkdtemp(prefix="lesson04-single-")
+    single = TrainConfig(**{**BASE, **SYNC64, "paradigm": "single", "checkpoint_dir": single_folder, "timeout": 0})
+    sim.run(1, lambda comm: train(single, comm))
+    reference = checkpoint.load(single_folder)["params"]
+    shutil.rmtree(single_folder)
+sleeping_barrier()
+
+protocol_ok = True
+if rank == 0:
+    results["protocol"] = {"relative_difference": {}, "roles": {}, "shards": {}}
+    for s in SERVERS:
+        fig = figures(sync64[s])
+        workers = fig["roles"].count("worker")
+        n = sync64[s]["model"]["parameters"]
+        shards = ", ".join(f"rank {workers + i} [{a:,}, {b:,})" for i, (a, b) in enumerate(fig["shards"]))
+        say(f"--servers {s}: ranks 0-{workers - 1} are workers, each computing on 1/{workers} of every global batch;"
+            f" the servers own these slices of the {n:,} parameters: {shards}")  # fmt: skip
+        results["protocol"]["roles"][s], results["protocol"]["shards"][s] = fig["roles"], fig["shards"]
+
+    # The first and last messages of the one-server run, from its trace (each rank's sends, by start time)
+    events = json.load(open(trace_path))["traceEvents"]
+    sends = sorted((e for e in events if e["name"] in ("Send", "Isend") and e["args"].get("tag") in TAGS),
+                   key=lambda e: e["ts"])  # fmt: skip
+    messages = [{"t_ms": e["ts"] / 1e3, "src": e["pid"], "dst": e["args"]["peer"], "tag": TAGS[e["args"]["tag"]],
+                 "bytes": e["args"].get("bytes_sent", 0)} for e in sends]  # fmt: skip
+    results["protocol"]["messages"] = messages
+    print(f"\n   the one-server run as it happened on the real ranks (its trace: each rank's sends by start time;"
+          f" {len(messages)} messages in all)")  # fmt: skip
+    print("   " + "".join(f"{f'rank {r} ' + ('server' if r == W else 'worker'):^22s}" for r in range(p)).rstrip())
+    first, last = 4 * W, 3 * W  # the pulls and the first step; the last step and the DONEs
+    shown = messages if len(messages) <= first + last else [*messages[:first], None, *messages[-last:]]
+    for m in shown:
+        if m is None:
+            print("   " + (" " * 11 + ":" + " " * 10) * p + "   ... every step ...")
+        else:
+            print("   " + arrow(m["src"], m["dst"], f"{m['tag']} {m['bytes']:,} B", p) + f"   {m['t_ms']:9.3f} ms")
+    say(
+        "Each worker PULLs the first weights (0 bytes asked, n bytes back); each step it PUSHes its gradient (n bytes)"
+        " and waits. ps-sync: the server answers once all W pushes are in, WEIGHTS to every worker (END instead at"
+        " the end of an epoch); after its last step a worker says DONE, and the server leaves its loop when all have."
+    )
+    print()
+    for s in SERVERS:
+        final = checkpoint.load(folders[s])["params"]
+        difference = relative(final, reference)
+        results["protocol"]["relative_difference"][s] = difference
+        print(f"   --servers {s}: final weights against one process, largest relative difference {difference:.1e}")
+        protocol_ok = protocol_ok and difference < 1e-12
+for folder in folders.values():
+    if rank == 0:
+        shutil.rmtree(folder)
+mpi.print0(f"   OK: ps-sync's weights are one process's on the whole global batch: {'yes' if protocol_ok else 'NO'}")
+protocol_ok = everywhere(protocol_ok)
+
+# ------------------------------------------------------------------------------------ 2. synchronous, asynchronous
+# ps-async applies each push on arrival (scaled by 1/W: a worker's slice is 1/W of the global batch) and answers at
+# once: nobody waits for anybody, but a worker's gradient was computed on weights that other pushes have changed
+# since. An epoch is a budget of W x steps pushes shared by the workers. --staleness K: a worker more than K steps
+# ahead of the slowest is not answered until the slowest catches up (stale-synchronous parallel).
+mpi.print0(f"\n2. Synchronous against asynchronous: 64-32-10 on digits, {args.epochs} epoch(s), {W} workers + 1 server")
+RUNS = {  # name: overrides
+    "ps-sync": dict(paradigm="ps-sync"),
+    "ps-async": dict(paradigm="ps-async"),
+    "ps-async K=2": dict(paradigm="ps-async", staleness=2),
+    "ddp": dict(paradigm="ddp", allreduce="ring", bucket_mb=0),  # every rank a worker: the reference of lesson 3
+}
+curves = {name: run(**overrides, epochs=args.epochs) for name, overrides in RUNS.items()}
+# K = 0 with plain SGD: each round's W updates of gradient/W add up to ps-sync's one update of their average
+folders = {name: shared_folder() for name in ("ps-sync", "ps-async K=0")}
+LOCKSTEP = dict(dtype="float64", momentum=0.0, epochs=1)
+lockstep = {
+    "ps-sync": run(paradigm="ps-sync", **LOCKSTEP, checkpoint_dir=folders["ps-sync"]),
+    "ps-async K=0": run(paradigm="ps-async", staleness=0, **LOCKSTEP, checkpoint_dir=folders["ps-async K=0"]),
+}
+convergence_ok = True
+if rank == 0:
+    results["convergence"] = {
+        name: {key: [e[key] for e in m["epochs"]] for key in ("train_loss", "test_accuracy", "train_time_s")}
+        | {"samples_per_s": m["samples_per_s"]}
+        for name, m in curves.items()
+    }
+    print("   train loss (the global batch's, averaged over the epoch) and test accuracy after each epoch:")
+    print(f"   {'epoch':>9s}" + "".join(f"{name:>26s}" for name in curves))
+    for e in range(args.epochs):
+        print(f"   {e + 1:9d}" + "".join(
+            f"{m['epochs'][e]['train_loss']:17.4f} {100 * m['epochs'][e]['test_accuracy']:7.2f}%"
+            for m in curves.values()))  # fmt: skip
+    print(f"   {'samples/s':>9s}" + "".join(f"{m['samples_per_s']:17,.0f}         " for m in curves.values()))
+    accuracy = {name: curves[name]["final"]["test_accuracy"] for name in curves}
+    gap = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(curves["ps-sync"]["epochs"],
+                                                                       curves["ddp"]["epochs"]))  # fmt: skip
+    print(f"   ps-sync against ddp: loss curves within {gap:.1e} (the same global batch, float32 rounding)")
+    asynchronous_ok = all(accuracy[name] >= 0.90 for name in ("ps-async", "ps-async K=2"))
+    print(f"   OK: ps-async reaches 90% test accuracy (with and without a bound): {'yes' if asynchronous_ok else 'NO'}"
+          f" ({100 * accuracy['ps-async']:.2f}%, {100 * accuracy['ps-async K=2']:.2f}%)")  # fmt: skip
+    print(f"   OK: ps-sync's loss curve is ddp's: {'yes' if gap < 1e-5 else 'NO'}")
+    equal = relative(checkpoint.load(folders["ps-async K=0"])["params"], checkpoint.load(folders["ps-sync"])["params"])
+    results["lockstep_relative_difference"] = equal
+    print(f"   ps-async --staleness 0 against ps-sync, no momentum, float64: largest relative difference {equal:.1e}")
+    print(f"   OK: with bound 0 and plain SGD, ps-async is ps-sync: {'yes' if equal < 1e-12 else 'NO'}")
+    convergence_ok = asynchronous_ok and gap < 1e-5 and equal < 1e-12
+    say(
+        "Why bound 0 is synchronous: no worker may be a step ahead of another, so each round every worker pushes"
+        " once, and the W updates of gradient/W sum to the average's update (in another order: ~1e-16). With"
+        " momentum it is not: the velocity decays once per push, W times per round."
+    )
+    for folder in folders.values():
+        shutil.rmtree(folder)
+convergence_ok = everywhere(convergence_ok)
+
+# --------------------------------------------------------------------------------------------------- 3. staleness
+# Staleness of an update: how many updates the server applied between the weights it sent the worker and the arrival
+# of the gradient the worker computed on them. The bound: after worker w's k-th push is answered, every other worker
+# u has pushed at least k - K times (else w would not have been answered) and can push at most k + K + 1 times before
+# w's next push arrives (u is then K + 1 ahead of w, and waits). So at most 2K + 1 pushes of each of the W - 1
+# others land in between: staleness <= (W - 1)(2K + 1). ps-sync: every gradient is applied to the weights it was
+# computed on, staleness 0.
+mpi.print0(f"\n3. Staleness: updates between a worker's weights and its gradient's arrival ({W} workers)")
+staleness_ok = True
+if rank == 0:
+    results["staleness"] = {}
+    rows = [(name, curves[name], RUNS[name].get("staleness")) for name in ("ps-sync", "ps-async", "ps-async K=2")]
+    rows.append(("ps-async K=0 (1 epoch)", lockstep["ps-async K=0"], 0))
+    for name, m, bound in rows:
+        st = figures(m)["staleness"]
+        histogram = {int(k): v for k, v in st["histogram"].items()}
+        counted = sum(pushes(m))  # the tracer's count on the workers, against the server's histogram
+        limit = 0 if name == "ps-sync" else (W - 1) * (2 * bound + 1) if bound is not None else None
+        within = limit is None or st["max"] <= limit
+        ok = sum(histogram.values()) == counted and within
+        staleness_ok = staleness_ok and ok
+        results["staleness"][name] = {"histogram": histogram, "mean": st["mean"], "max": st["max"], "bound": limit,
+                                      "pushes": counted, "ok": ok}  # fmt: skip
+        print(f"   {name}: {counted:,} pushes, mean staleness {st['mean']:.2f}, max {st['max']}"
+              + (f" (bound (W-1)(2K+1) = {limit})" if limit is not None and name != "ps-sync" else ""))  # fmt: skip
+        widest = max(histogram.values())
+        for k in range(max(histogram) + 1):
+            count = histogram.get(k, 0)
+            print(f"      {k:3d} {count:6,d} {'#' * math.ceil(50 * count / widest) if count else ''}")
+    say(
+        "Without a bound, staleness is set by the scheduler: with more ranks than cores a worker that has lost its"
+        " core lets the others push many times. The bound caps it, at the price of making the fast workers wait."
+    )
+mpi.print0(f"   OK: every push is in the histogram once, and within the bound: {'yes' if staleness_ok else 'NO'}")
+staleness_ok = everywhere(staleness_ok)
+
+# --------------------------------------------------------------------------------------------------- 4. a straggler
+# --slow-rank R --slow-factor F: rank R sleeps (F-1) x its forward and backward time every step. ps-sync's step waits
+# for its slowest worker; in ps-async the others go on, and take more of the epoch's pushes.
+SYNTHETIC = dict(dataset="synthetic", samples=24000, batch_size=1500, hidden=(256,), epochs=1 if args.quick else 2)
+SLOW, FACTOR = 1, 3.0
+mpi.print0(f"\n4. A straggler: worker {SLOW} takes {FACTOR:g}x its compute time per step; samples/s (higher is faster)")
+workloads = {
+    "synthetic": (SYNTHETIC, f"784-256-10 on {SYNTHETIC['samples']:,} synthetic samples, global batch 1500"),
+    "digits": (dict(epochs=1 if args.quick else 2), f"64-32-10 on the digits, global batch {B}"),
+}
+VARIANTS = [("ps-sync", 1.0, None), ("ps-async", 1.0, None), ("ps-sync", FACTOR, None), ("ps-async", FACTOR, None),
+            ("ps-async", FACTOR, 2)]  # fmt: skip
+straggler = {}
+for workload, (overrides, _) in workloads.items():
+    for paradigm, factor, bound in VARIANTS:
+        straggler[workload, paradigm, factor, bound] = run(**{**overrides, "paradigm": paradigm, "staleness": bound,
+                                                              "slow_rank": SLOW, "slow_factor": factor})  # fmt: skip
+if rank == 0:
+    results["straggler"] = {}
+    for workload, (_, description) in workloads.items():
+        print(f"   {description}:")
+        print(f"   {'':17s} {'samples/s':>10s} {'pushes per worker':>18s} {'staleness':>15s}"
+              f" {'worker 0: ms/step':>18s} {'waiting':>8s}")  # fmt: skip
+        rows = []
+        for paradigm, factor, bound in VARIANTS:
+            m = straggler[workload, paradigm, factor, bound]
+            st, steps = figures(m)["staleness"], pushes(m)[0]
+            row = {"paradigm": paradigm, "slow_factor": factor, "staleness_bound": bound,
+                   "samples_per_s": m["samples_per_s"], "pushes": pushes(m), "staleness_mean": st["mean"],
+                   "staleness_max": st["max"], "worker_wait_s": figures(m)["worker_wait_s"],
+                   "step_ms": 1e3 * m["communication"]["per_rank"][0]["train_time_s"] / steps,
+                   "wait_ms": 1e3 * figures(m)["worker_wait_s"][0] / steps}  # fmt: skip
+            rows.append(row)
+            name = f"{paradigm}{f' K={bound}' if bound is not None else ''}, x{factor:g}"
+            staleness = f"mean {st['mean']:.1f} max {st['max']}" if paradigm == "ps-async" else "0"
+            print(f"   {name:17s} {m['samples_per_s']:10,.0f} {pushes(m)!s:>18s} {staleness:>15s}"
+                  f" {row['step_ms']:18.2f} {row['wait_ms']:8.2f}")  # fmt: skip
+        find = {(r["paradigm"], r["slow_factor"], r["staleness_bound"]): r for r in rows}
+        ratio = find["ps-async", FACTOR, None]["samples_per_s"] / find["ps-sync", FACTOR, None]["samples_per_s"]
+        kept = find["ps-sync", FACTOR, None]["samples_per_s"] / find["ps-sync", 1.0, None]["samples_per_s"]
+        print(f"   with the straggler, ps-async ran {ratio:.2f}x as fast as ps-sync, and ps-sync at {kept:.2f}x its"
+              " own speed without one\n")  # fmt: skip
+        results["straggler"][workload] = {"description": description, "runs": rows, "async_over_sync": ratio,
+                                          "sync_with_over_without": kept}  # fmt: skip
+    synthetic, digits = results["straggler"]["synthetic"]["runs"][0], results["straggler"]["digits"]["runs"][0]
+    own = {name: row["step_ms"] - row["wait_ms"] for name, row in (("synthetic", synthetic), ("digits", digits))}
+    say(
+        "(waiting: the time worker 0 spent between its push and the reply, which ParameterServer measures;"
+        " the rest of its step is its own: forward, backward, its share of Python.) Why the straggler matters on one"
+        " workload and hardly on the other: it sleeps (F-1) times its own forward and backward. On the synthetic"
+        f" workload, without a straggler, a worker's own part is a large part of a step ({own['synthetic']:.1f} of"
+        f" {synthetic['step_ms']:.1f} ms), so a 3x straggler makes every synchronous step wait for about twice that"
+        " more, while asynchronous workers go on without it. On the digits a worker computes on"
+        f" {B // W} samples of a 2,410-parameter model: its own part is {own['digits']:.2f} of a"
+        f" {digits['step_ms']:.2f} ms step, most of it Python's fixed cost per layer, not arithmetic; the rest is"
+        " the round trip to the server (messages, the server's loop"
+        + (", and, with more ranks than cores, waiting for a core" if OVERSUBSCRIBED else "")
+        + "), which asynchrony does not remove: every worker still waits for its own reply. Tripling the arithmetic"
+        " changes little. With a straggler, the pushes per worker show the fast asynchronous workers taking the slow"
+        " one's share of the epoch, unless a bound K holds them back: they may run at most K steps ahead of it, so"
+        " over many steps they go at its pace, as in ps-sync. (Timings vary from run to run.)"
+    )
+
+# -------------------------------------------------------------------------------------------- 5. the server's link
+# Per step a worker sends its gradient (n bytes) and receives the weights (n); the server receives W gradients and
+# sends W copies of the weights: W n each way through one link. A ring all-reduce sends 2(p-1)/p n per rank, under 2n
+# whatever p. With S servers each owns n/S of the parameters, so each link carries W n / S.
+n = sync64[1]["model"]["parameters"] * 8  # float64
+mpi.print0(f"\n5. The server's link: bytes sent per step, from the tracer (n = {n:,} bytes of float64 parameters)")
+ddp64 = run(paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64", epochs=1)
+link_ok = True
+if rank == 0:
+    results["link"] = {"n": n, "runs": {}}
+    print(f"   {'run':14s} {'rank':>4s} {'role':>7s} {'sent (tracer)':>14s} {'costs()':>10s} {'/ n':>6s}"
+          f" {'received':>10s}   expected")  # fmt: skip
+    for label, m in [*((f"ps-sync S={s}", sync64[s]) for s in SERVERS), ("ddp (ring)", ddp64)]:
+        per_rank, predicted = m["communication"]["per_rank"], m["costs"]["sent_per_step"]
+        if label.startswith("ps"):
+            roles, steps = figures(m)["roles"], pushes(m)[0]
+            workers, servers = roles.count("worker"), roles.count("server")
+            # a worker's pushes; a server's replies to the pushes (its answers to the first PULLs are "ps/pull")
+            sent = [r["operations"]["ps/push" if role == "worker" else "ps/weights"]["bytes_sent"] // steps
+                    for r, role in zip(per_rank, roles)]  # fmt: skip
+            expected = {"worker": "n", "server": f"W n / S = {workers} n / {servers}"}
+        else:
+            roles, steps = ["-"] * p, per_rank[0]["operations"]["allreduce/ring"]["calls"]  # one bucket per step
+            sent = [r["operations"]["allreduce/ring"]["bytes_sent"] // steps for r in per_rank]
+            expected = {"-": f"2(p-1)/p n = {2 * (p - 1) / p:.2f} n"}
+        received = [  # a worker's weights arrive inside its push; a server receives nothing but pushes (and 0 bytes)
+            (r["operations"].get("ps/push") or r["operations"].get("allreduce/ring") or r["totals"])["bytes_received"]
+            // steps
+            for r in per_rank
+        ]
+        for r in range(p):
+            print(f"   {label if r == 0 else '':14s} {r:4d} {roles[r]:>7s} {sent[r]:14,d} {predicted[r]:10,d}"
+                  f" {sent[r] / n:6.2f} {received[r]:10,d}   {expected[roles[r]]}")  # fmt: skip
+        exact = sent == predicted
+        if label.startswith("ps"):
+            shares = sum(s for s, role in zip(sent, roles) if role == "server")
+            exact = exact and shares == workers * n and all(s == n for s, r in zip(sent, roles) if r == "worker")
+        else:
+            exact = exact and all(abs(s - 2 * (p - 1) / p * n) <= 2 * 8 for s in sent)  # < one float per phase
+            exact = exact and predicted == DataParallel.costs(m["model"]["sizes"], p, TrainConfig(
+                paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64"))["sent_per_step"]  # fmt: skip
+        link_ok = link_ok and exact
+        results["link"]["runs"][label] = {"roles": roles, "sent": sent, "costs": predicted, "received": received}
+    busiest = {label: max(v["sent"]) / n for label, v in results["link"]["runs"].items()}
+    print("   the busiest link, per step: " + ", ".join(f"{label} {b:.2f} n" for label, b in busiest.items()))
+
+    # The same from costs() alone, without running anything: the server's link grows with W, the ring's does not
+    sizes, ps = sync64[1]["model"]["sizes"], [4, 8, 16, 64, 256]
+    print("\n   the same from the cost functions alone, for more ranks: bytes sent per step by the busiest rank / n")
+    print(f"   {'p =':>20s}" + "".join(f"{q:7d}" for q in ps))
+    projection = {}
+    for label, servers in (("one server", lambda q: 1), ("S = p/4 servers", lambda q: q // 4)):
+        projection[label] = [max(ParameterServer.costs(sizes, q, TrainConfig(paradigm="ps-sync", servers=servers(q),
+                             dtype="float64"))["sent_per_step"]) / n for q in ps]  # fmt: skip
+    projection["ring all-reduce"] = [2 * (q - 1) / q for q in ps]
+    for label, row in projection.items():
+        print(f"   {label:>20s}" + "".join(f"{v:7.2f}" for v in row))
+    results["link"]["projection"] = {"p": ps, **projection}
+    say(
+        "Every push and every reply goes through the server: its link carries W times a worker's bytes each way,"
+        " and W grows with the cluster, while a ring all-reduce keeps every rank's share under 2n. Sharding the"
+        " parameters over S servers divides each server's bytes by S (3/4 of the ranks working and a quarter"
+        " serving keeps each link at 3n whatever p). Whether the link is the bottleneck in time depends on the"
+        " link: here, a 2,410-parameter model on one machine, the bytes are cheap. The server's own figure is"
+        f" server_busy_fraction in metrics.json (this run's: {100 * figures(sync64[1])['server_busy_fraction'][0]:.0f}%"
+        " of its loop not spent waiting for a message)."
+    )
+mpi.print0(f"   OK: bytes per step match the cost functions on every rank, and the server sends W n / S: "
+           f"{'yes' if link_ok else 'NO'}")  # fmt: skip
+link_ok = everywhere(link_ok)
+
+if args.json and rank == 0:
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nmeasurements written to {args.json}")
+passed = protocol_ok and convergence_ok and staleness_ok and link_ok
+mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
+if not passed:
+    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
+    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
