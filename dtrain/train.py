@@ -244,11 +244,12 @@ def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
                 save_checkpoint(paradigm, config, sizes, position, losses)
             if paradigm.epoch_over:  # the paradigm ends the epoch (asynchronous workers share its steps)
                 break
+        train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
         train_time = time.perf_counter() - epoch_start
         position.epochs.append(
             {
                 "epoch": epoch,
-                "train_loss": epoch_loss(paradigm, position, losses),  # the global batch's, averaged over steps
+                "train_loss": train_loss,  # the global batch's, averaged over steps
                 **dict(zip(("test_loss", "test_accuracy"), evaluate(paradigm.evaluation_model(), data, xp))),
                 "samples_per_s": len(loader) * config.batch_size / train_time,  # an epoch: every sample once
                 "train_time_s": train_time,

@@ -110,6 +110,12 @@ class Paradigm:
                 f"--batch-size {config.batch_size} is smaller than the {count} ranks that split it: every rank "
                 f"needs at least one sample per step; use --batch-size {count} or more, or fewer ranks"
             )
+        if config.batch_size % count:
+            who = "ranks" if count == world else f"workers (of {world} ranks)"
+            raise ConfigError(
+                f"--batch-size {config.batch_size} (the global batch) must split evenly over the {count} {who} that "
+                f"train on it; try {max(count, config.batch_size // count * count)}"
+            )
         if config.slow_rank is not None and not 0 <= config.slow_rank < world:
             raise ConfigError(f"--slow-rank {config.slow_rank} is not a rank: there are {world} (0 to {world - 1})")
         if local is not None and local % config.accumulate:
