@@ -335,7 +335,7 @@ if rank == 0:
     reference = 100 * runs["ddp"][1]["final"]["test_accuracy"]
     for name, (_, metrics) in runs.items():
         figures = metrics["communication"]["per_rank"][0]["paradigm"]
-        gap = f"{figures['spectral_gap']:12.4f}" if name != "ddp" else f"{'-':>12s}"
+        gap = f"{figures['spectral_gap']:12.4f}" if figures.get("spectral_gap") is not None else f"{'-':>12s}"
         before = f"{figures['consensus_before_final_average']:34.2e}" if name != "ddp" else f"{'0 (identical)':>34s}"
         accuracy = 100 * metrics["final"]["test_accuracy"]
         print(f"   {name:>12s} {gap} {before} {accuracy:13.2f}% {accuracy - reference:+7.2f}")

@@ -147,18 +147,19 @@ def plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, r in rows.items():
+    fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(13, 4.8))
+    markers = "osD^v<>Xp*"
+    for (label, r), marker in zip(rows.items(), markers):
         for axis, x in ((by_bytes, r["bytes_mean"] / 1e6), (by_time, r["wall_s"])):
-            axis.scatter(x, 100 * r["accuracy"])
-            axis.annotate(label, (x, 100 * r["accuracy"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+            axis.scatter(x, 100 * r["accuracy"], marker=marker, s=50, label=label, alpha=0.8)
+    by_time.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     by_bytes.set_xscale("log")
     by_bytes.set_xlabel("MB sent per rank (training, mean over ranks; log scale)")
     by_time.set_xlabel("wall time of the job (s, median)")
     for axis in (by_bytes, by_time):
         axis.set_ylabel("final test accuracy (%)")
         axis.grid(alpha=0.3)
-    fig.suptitle("digits, 4 ranks, same seed, batch and epochs")
+    fig.suptitle("digits, 4 ranks, same seed, batch and epochs (one test image = 0.28 points)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

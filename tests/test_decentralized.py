@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_data_parallel import SIZES, batches, relative, run
 
-from dtrain import collectives, parallel
+from dtrain import checkpoint, collectives, parallel
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
 from dtrain.errors import ConfigError
@@ -26,7 +26,7 @@ from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel.gossip import TOPOLOGIES, expected_mixing_matrix, mixing_matrix, neighbours, spectral_gap
 from dtrain.parallel.local_sgd import LocalSGD
-from dtrain.train import TrainConfig
+from dtrain.train import TrainConfig, train
 
 BATCH = 24
 
@@ -161,7 +161,7 @@ def test_the_rings_spectral_gap_is_the_closed_form(p):
 
 def test_torus_on_a_prime_and_unknown_topologies_are_one_clear_error():
     with pytest.raises(ConfigError, match="--topology torus needs a rank count that is a product"):
-        parallel.get("gossip").check(config(paradigm="gossip", topology="torus"), 7)
+        parallel.get("gossip").check(config(paradigm="gossip", topology="torus", batch_size=28), 7)
     with pytest.raises(ConfigError, match="--topology 'star' is not one of"):
         parallel.get("gossip").check(config(paradigm="gossip", topology="star"), 4)
 
@@ -250,3 +250,22 @@ def test_under_mpiexec(paradigm, p, flags, tmp_path):
         assert metrics["final"]["test_accuracy"] >= 0.94
     if paradigm == "gossip":
         assert figures["consensus_before_final_average"] < 0.05
+
+
+def test_a_ring_of_three_is_a_complete_graph_so_gossip_is_local_sgd_with_h1(data64):
+    """With 3 ranks each one's two neighbours are everyone: a round is the exact average, as local SGD's with H = 1."""
+    ddp = sim.run(3, run, config(paradigm="ddp"), data64)[0][0]
+    for params, _, _ in sim.run(3, run, config(paradigm="gossip", topology="ring"), data64):
+        assert relative(params, ddp) < 1e-12
+
+
+def test_resuming_local_sgd_with_h1_follows_the_uninterrupted_run(tmp_path):
+    """The checkpoint holds the averaged model and the averaged momentum buffers: with H = 1 (SGD) that is all the
+    next steps depend on, so a resumed run is the uninterrupted one to rounding."""
+    fast = dict(paradigm="local-sgd", hidden=(16,), batch_size=48, dtype="float64", progress=False, quiet=True,
+                timeout=0)  # fmt: skip
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    sim.run(3, lambda comm: train(TrainConfig(**fast, epochs=2, checkpoint_dir=str(whole)), comm))
+    sim.run(3, lambda comm: train(TrainConfig(**fast, epochs=1, checkpoint_dir=str(resumed)), comm))
+    sim.run(3, lambda comm: train(TrainConfig(**fast, epochs=2, checkpoint_dir=str(resumed), resume=True), comm))
+    assert relative(checkpoint.load(resumed)["params"], checkpoint.load(whole)["params"]) < 1e-12

@@ -102,7 +102,8 @@ def test_traced_bytes_per_step_equal_the_cost_function(paradigm, servers, p, dat
             assert ops["ps/push"]["calls"] == STEPS
         else:  # a server: the weights after every step, and once more for the first pull
             assert sent == (STEPS + 1) * predicted[rank]
-            assert sum(predicted[p - servers :]) == (p - servers) * n
+    if servers:  # the servers' shards make the whole model, sent to each of the W workers
+        assert sum(predicted[p - servers :]) == (p - servers) * n
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -233,3 +234,20 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
     result = run_mpi_code(3, code, tmp_path, timeout=60, check=False)
     assert result.returncode != 0
     assert "RuntimeError: " + ("worker 1 broke at step 5" if who == "worker" else "server broke") in result.stderr
+
+
+@pytest.mark.parametrize(("servers", "bound"), [(1, None), (2, 1), (3, 0)])
+def test_asynchronous_epochs_through_the_driver_share_their_budget(servers, bound):
+    """Driven as by dtrain train: every epoch ends for every worker (END from the coordinator, passed on to the other
+    servers), each epoch holds W x steps pushes (and at most W - 1 more already on their way), and a straggler takes
+    fewer of them."""
+    cfg = TrainConfig(paradigm="ps-async", servers=servers, staleness=bound, slow_rank=0, slow_factor=4.0,
+                      hidden=(16,), batch_size=60, epochs=2, progress=False, quiet=True, timeout=0)  # fmt: skip
+    metrics = sim.SimWorld(servers + 3, timeout=120).run(lambda comm: train(cfg, comm))[0]
+    figures = metrics["communication"]["per_rank"][0]["paradigm"]
+    budget = 3 * (1438 // 60)
+    pushes = figures["server_updates"][0]
+    assert 2 * budget <= pushes <= 2 * (budget + 2)
+    assert figures["server_updates"] == [pushes] * servers  # every push reaches every server
+    assert sum(figures["staleness"]["histogram"].values()) == servers * pushes  # counted once per server
+    assert len(metrics["epochs"]) == 2

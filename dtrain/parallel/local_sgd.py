@@ -17,7 +17,7 @@ the weights after each step is averaging the gradients before it, because SGD's 
 
 **Momentum buffers stay local** (never averaged, never reset). With H = 1 that makes local SGD equal ``ddp`` to
 rounding: each rank's velocity is v_r = mu v_r + g_r + wd w, and the mean of the v_r follows the same recursion as
-ddp's v with the mean gradient, so the averaged step equals ddp's (tests/test_local_sgd.py checks it). Averaging the
+ddp's v with the mean gradient, so the averaged step equals ddp's (tests/test_decentralized.py checks it). Averaging the
 buffers too would give the same result at twice the bytes; resetting them would throw away the momentum at every
 sync (and break the H = 1 equality). Adam's moments are kept local as well (Adam is not linear: no equality there).
 
@@ -30,6 +30,11 @@ average (one all-reduce into a second copy of the model, counted by the tracer u
 traffic), and the paradigm records how far the replicas are from it: the *consensus distance*, the mean over ranks
 of ||w_r - w_avg|| / ||w_avg||. Training ends with one more average if the last step was not one, so every rank
 holds the same final model (checked by digests).
+
+**Checkpoints** are written at the end, after the final average, with the *average* of the ranks' momentum buffers
+(for SGD that is what the averaged model's next steps follow; with H = 1 the resumed run is ddp's, to rounding). A
+run resumed from one starts every rank from that model and those buffers, so for H > 1 it is not the run that would
+have gone on uninterrupted (whose buffers were each rank's own); mid-run checkpoints are refused.
 
 **Cost** (n bytes of weights, p ranks, ring): an average sends 2 (p-1)/p n per rank, so per step 2 (p-1)/p n / H;
 the master variant sends n from every rank but 0 and (p-1) n from rank 0 per average. Exact per rank:
@@ -67,6 +72,11 @@ class LocalSGD(DataParallel):
             raise ConfigError(f"--average-via {config.average_via!r} is not one of: {', '.join(AVERAGE_VIA)}")
         if config.warmup_sync_steps < 0:
             raise ConfigError(f"--warmup-sync-steps must be >= 0, got {config.warmup_sync_steps}")
+        if config.checkpoint_every:
+            raise ConfigError(
+                f"--paradigm {cls.name} writes its checkpoint at the end of training only (between averages every "
+                "rank holds a model of its own, and a checkpoint holds one); drop --checkpoint-every"
+            )
 
     def build(self, make_model, make_optimizer) -> None:
         super().build(make_model, make_optimizer)  # ddp's: rank 0's weights everywhere, gradient buckets
@@ -139,6 +149,7 @@ class LocalSGD(DataParallel):
         if self.local_steps:  # the last steps were local: one more average, so every rank ends with the same model
             self.average()
         held = self.comm.allgather(self.held_bytes())
+        self.final_optimizer_state = self.averaged_optimizer_state()
         figures = super().finish()  # (checks that the replicas are identical)
         return {
             **figures,
@@ -147,6 +158,17 @@ class LocalSGD(DataParallel):
             "consensus_distance": self.consensus,
             "held_bytes": held,
         }
+
+    def averaged_optimizer_state(self) -> dict:
+        """The optimizer's state with each buffer averaged over the ranks (a collective), for the checkpoint."""
+        state = self.optimizer.state_dict()
+        for value in state.values():
+            if isinstance(value, np.ndarray):
+                collectives.allreduce(self.grad_comm, value, "avg", "ring")
+        return state
+
+    def optimizer_state(self) -> dict:
+        return getattr(self, "final_optimizer_state", None) or super().optimizer_state()
 
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""

@@ -8,7 +8,8 @@ state of that shard; workers hold the whole model for forward and backward, and 
 The messages (tags on a communicator of their own), for one worker and one server::
 
       worker w                                    server s (shard s: n_s of the model's n bytes)
-         |  PULL (0 bytes)                            |   at the start: the weights come from the servers
+         |  PULL (0 bytes)                            |   before the first push: the servers' weights (the same
+         |                                            |   as the worker's own at the start; after a resume too)
          |------------------------------------------->|
          |  WEIGHTS (n_s)                             |
          |<-------------------------------------------|
@@ -46,20 +47,26 @@ servers whose loads differ 800-fold. Cutting a layer in two is harmless because 
 
 **Synchronous** (``ps-sync``): the average of the W slice gradients is the global batch's gradient (as for ``ddp``), so
 ps-sync follows single-process training with the same global batch to rounding. **Asynchronous** (``ps-async``): each
-push is applied on arrival, scaled by 1/W (a worker's slice is 1/W of the global batch, so W pushes move the weights as
-far as one synchronous step); the worker then computes its next gradient on weights that others may have changed
-since. Its *staleness*, the number of updates the server applied between the weights a worker was sent and the
-arrival of the gradient computed from them, is recorded for every update. With momentum, every push is an optimizer
-step: the momentum decays per push, not per round (asynchrony itself acts like extra momentum: Mitliagkas et al.,
-2016). **Stale-synchronous** (``--staleness K``, Ho et al., 2013): as async, but a worker more than K steps ahead of
-the slowest is not answered until the slowest catches up. K = 0 makes every worker wait for every other at each step;
-with plain SGD (no momentum) that is ps-sync up to the order of the additions.
+push is applied on arrival, as an optimizer step with the learning rate divided by W: a worker's slice is 1/W of the
+global batch, so W pushes move the weights about as far as one synchronous step (weight decay included, since it
+rides on the same step; Adam normalises its steps, so for Adam only the rate's 1/W does this). The worker then
+computes its next gradient on weights that others may have changed since. Its *staleness*, the number of updates the
+server applied between the weights a worker was sent and the arrival of the gradient computed from them, is recorded
+for every update. With momentum, every push is an optimizer step: the momentum decays per push, not per round
+(asynchrony itself acts like extra momentum: Mitliagkas et al., 2016). **Stale-synchronous** (``--staleness K``, Ho et
+al., 2013): as async, but a worker more than K steps ahead of the slowest is not answered until the slowest catches
+up. K = 0 makes every worker wait for every other at each step; for plain SGD (no momentum, no weight decay) that is
+ps-sync up to the order of the additions (weight decay would act on weights the round's earlier pushes already
+moved: a difference of order (lr wd)^2).
 
 **Epochs.** In ps-sync every worker takes its slice of each of the epoch's global batches, as in ``ddp``. In ps-async
 an epoch is a budget of W x steps pushes shared by the workers: each cycles through its own slices until the
 coordinator answers END, so a fast worker takes more steps and a straggler fewer (TensorFlow's coordinator likewise
 hands the next step to whichever worker is free). A push already on its way when the budget is reached is still
-applied, so an epoch may hold up to W - 1 more.
+applied, so an epoch may hold up to W - 1 more. The price: a fast worker goes round its own slices again while the
+straggler's are partly skipped, so an asynchronous epoch leans towards the fast workers' data (each worker's slices are
+its own, as in Downpour SGD). The epoch's evaluation is of worker 0's weights as the epoch's END left them; the final
+model (digest, checkpoint) is the servers', with the last in-flight pushes applied.
 
 **Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
 workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
@@ -219,11 +226,12 @@ class ParameterServer(Paradigm):
         params, grads = self.model.flat_params, self.model.flat_grads
         if not self.pulled:
             self.pull()
-        comm, (coordinator, (a0, b0)), others = self.ps_comm, *self._served()[:1], self._served()[1:]
+        comm, served = self.ps_comm, self._served()
+        (coordinator, (a0, b0)), others = served[0], served[1:]  # the coordinator's reply says if the epoch is over
         started = time.perf_counter()
         with self._label("ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
             requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
-            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self._served()]
+            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in served]
             probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
             self.epoch_over = self.status.Get_tag() == END
             comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
@@ -278,7 +286,7 @@ class ParameterServer(Paradigm):
         params, grads, xp = shard.flat_params, shard.flat_grads, array_module(shard.flat_params)
         coordinator = self.rank - self.workers == COORDINATOR
         bound = self.config.staleness
-        budget, pushes = self.workers * steps_per_epoch, 0  # the coordinator's count of the epoch's pushes
+        budget, pushes = self.workers * steps_per_epoch, 0  # the epoch's pushes: only the coordinator's count is used
         ended = set()  # workers that have ended this epoch
         self.version = 0  # updates applied to this shard
         sent_version = [0] * self.workers  # the version each worker's weights are at
@@ -287,6 +295,8 @@ class ParameterServer(Paradigm):
         arrived = []  # ps-sync: workers whose push for this step is in
         done = set()
         self.staleness = collections.Counter()
+        if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
+            self.optimizer.lr = self.config.lr / self.workers
         self.idle_s, started = 0.0, time.perf_counter()
         empty = params[:0]
 
@@ -338,8 +348,7 @@ class ParameterServer(Paradigm):
                 comm.Recv(grads, w, PUSH)
                 pushes += 1
                 self.staleness[self.version - sent_version[w]] += 1
-                grads *= 1.0 / self.workers  # one worker's slice is 1/W of the global batch
-                self.optimizer.step()
+                self.optimizer.step()  # at lr / W: one worker's slice is 1/W of the global batch
                 self.version += 1
                 clock[w] += 1
                 waiting.append(w)
@@ -360,6 +369,7 @@ class ParameterServer(Paradigm):
             else:
                 raise ProtocolError(f"server rank {self.rank}: unexpected tag {tag} from rank {w}")
         self.serve_s = time.perf_counter() - started
+        self.optimizer.lr = self.config.lr  # (what a checkpoint stores)
 
     # --- the end: every rank gets the final model --------------------------------------------------------------
     def finish(self) -> dict:
