@@ -28,7 +28,7 @@ import numpy as np
 from dtrain import backend, checkpoint, parallel, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
 from dtrain.comm.prepare import layers, prepare
-from dtrain.comm.trace import EVALUATION, gather_events, write_chrome_trace
+from dtrain.comm.trace import NOT_TRAINING, gather_events, write_chrome_trace
 from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
@@ -201,8 +201,9 @@ def train(config: TrainConfig, comm=None) -> dict:
     }
     mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time}
     totals = mine["totals"]
-    # time in communication operations, their waits included (a server's reply, a slower rank), evaluation excluded
-    mine["comm_time_s"] = totals["time_s"] - mine["operations"].get(EVALUATION, {}).get("time_s", 0.0)
+    # time in communication operations, their waits included (a server's reply, a slower rank); not evaluation's
+    outside = sum(mine["operations"].get(label, {}).get("time_s", 0.0) for label in NOT_TRAINING)
+    mine["comm_time_s"] = totals["time_s"] - outside
     mine["compute_time_s"] = max(0.0, train_time - mine["comm_time_s"])
     metrics["communication"] = {
         "layers": [type(layer).__name__ for layer in layers(comm)],

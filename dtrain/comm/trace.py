@@ -49,6 +49,8 @@ from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, RequestWr
 
 OTHER = "other"
 EVALUATION = "evaluation"  # traffic for measuring (a paradigm's evaluation of its replicas), not for training
+CHECKPOINT = "checkpoint"  # traffic for a checkpoint (state gathered or averaged to be written), not for training
+NOT_TRAINING = (EVALUATION, CHECKPOINT)
 
 # Timestamps are wall-clock microseconds (so ranks in different processes share an origin) read through
 # perf_counter (so they resolve microseconds). write_chrome_trace shifts them to start at zero.

@@ -50,7 +50,7 @@ import numpy as np
 from dtrain import collectives
 from dtrain.backend import array_module
 from dtrain.collectives import costmodel
-from dtrain.comm.trace import EVALUATION
+from dtrain.comm.trace import CHECKPOINT, EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
 from dtrain.parallel.data_parallel import DataParallel
@@ -149,7 +149,8 @@ class LocalSGD(DataParallel):
         if self.local_steps:  # the last steps were local: one more average, so every rank ends with the same model
             self.average()
         held = self.comm.allgather(self.held_bytes())
-        self.final_optimizer_state = self.averaged_optimizer_state()
+        if self.config.checkpoint_dir:
+            self.final_optimizer_state = self.averaged_optimizer_state()
         figures = super().finish()  # (checks that the replicas are identical)
         return {
             **figures,
@@ -162,9 +163,11 @@ class LocalSGD(DataParallel):
     def averaged_optimizer_state(self) -> dict:
         """The optimizer's state with each buffer averaged over the ranks (a collective), for the checkpoint."""
         state = self.optimizer.state_dict()
-        for value in state.values():
-            if isinstance(value, np.ndarray):
-                collectives.allreduce(self.grad_comm, value, "avg", "ring")
+        tracer = getattr(self.grad_comm, "tracer", None)
+        with tracer.operation(CHECKPOINT) if tracer is not None else contextlib.nullcontext():
+            for value in state.values():
+                if isinstance(value, np.ndarray):
+                    collectives.allreduce(self.grad_comm, value, "avg", "ring")
         return state
 
     def optimizer_state(self) -> dict:
