@@ -18,12 +18,14 @@ import pytest
 from mpi_util import run_mpi_code
 from test_data_parallel import BATCH, SIZES, STEPS, batches, relative, run
 
-from dtrain import parallel
+from dtrain import checkpoint, parallel
 from dtrain.comm import sim
+from dtrain.data import load_dataset
 from dtrain.errors import ConfigError
+from dtrain.nn import MLP
 from dtrain.parallel import parameter_count
 from dtrain.parallel.parameter_server import ParameterServer
-from dtrain.train import TrainConfig, train
+from dtrain.train import TrainConfig, evaluate, train
 
 LAYOUTS = [(1, 1), (1, 3), (2, 2), (3, 1)]  # (servers, workers)
 
@@ -179,7 +181,7 @@ def test_every_role_layout_terminates_under_mpiexec(servers, workers, tmp_path):
     expected = sim.run(servers + workers, lambda comm: train(TrainConfig(**cfg), comm))[0]["weights_sha256"]
     code = f"""
         from mpi4py import MPI
-        from dtrain.train import TrainConfig, train
+        from dtrain.train import TrainConfig, evaluate, train
         for paradigm in ("ps-sync", "ps-async"):
             metrics = train(TrainConfig(**{{**{cfg!r}, "paradigm": paradigm}}), MPI.COMM_WORLD)
             if MPI.COMM_WORLD.Get_rank() == 0:
@@ -210,7 +212,7 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
     code = f"""
         from mpi4py import MPI
         from dtrain.parallel import parameter_server as ps
-        from dtrain.train import TrainConfig, train
+        from dtrain.train import TrainConfig, evaluate, train
 
         if "{who}" == "worker":
             original = ps.ParameterServer.push_and_pull
@@ -251,3 +253,18 @@ def test_asynchronous_epochs_through_the_driver_share_their_budget(servers, boun
     assert figures["server_updates"] == [pushes] * servers  # every push reaches every server
     assert sum(figures["staleness"]["histogram"].values()) == servers * pushes  # counted once per server
     assert len(metrics["epochs"]) == 2
+
+
+def test_the_accuracy_reported_for_ps_async_is_that_of_the_final_model(tmp_path):
+    """Each epoch's evaluation pulls the servers' weights once every worker has ended it, so the last epoch's
+    accuracy and loss are those of the final model, the one in the checkpoint."""
+    cfg = TrainConfig(paradigm="ps-async", slow_rank=1, slow_factor=3.0, hidden=(16,), batch_size=60, epochs=2,
+                      dtype="float64", progress=False, quiet=True, timeout=0, checkpoint_dir=str(tmp_path))  # fmt: skip
+    metrics = sim.run(4, lambda comm: train(cfg, comm))[0]
+    for mine in metrics["communication"]["per_rank"][:3]:  # each worker pulled once per epoch for its evaluation
+        assert mine["operations"]["evaluation"]["calls"] == 2
+    data = load_dataset("digits", dtype=np.float64)
+    model = MLP([data.n_features, 16, data.n_classes], dtype=np.float64)
+    model.flat_params[...] = checkpoint.load(tmp_path)["params"]
+    loss, accuracy = evaluate(model, data, np)
+    assert (loss, accuracy) == (metrics["final"]["test_loss"], metrics["final"]["test_accuracy"])

@@ -65,8 +65,8 @@ coordinator answers END, so a fast worker takes more steps and a straggler fewer
 hands the next step to whichever worker is free). A push already on its way when the budget is reached is still
 applied, so an epoch may hold up to W - 1 more. The price: a fast worker goes round its own slices again while the
 straggler's are partly skipped, so an asynchronous epoch leans towards the fast workers' data (each worker's slices are
-its own, as in Downpour SGD). The epoch's evaluation is of worker 0's weights as the epoch's END left them; the final
-model (digest, checkpoint) is the servers', with the last in-flight pushes applied.
+its own, as in Downpour SGD). At the end of an epoch each worker pulls the servers' weights (counted under
+"evaluation"), so the accuracy reported is that of the servers' model, the one the digest and checkpoint hold.
 
 **Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
 workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
@@ -85,6 +85,7 @@ from dtrain.backend import array_module, to_host, weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
+from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, parameter_count, register
 
@@ -241,14 +242,22 @@ class ParameterServer(Paradigm):
         self.wait_s += time.perf_counter() - started
         self.epoch_steps += 1
 
-    def pull(self) -> None:
-        """The first weights, from the servers (after a resume, the checkpoint's)."""
+    def pull(self, label: str = "ps/pull") -> None:
+        """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
         params = self.model.flat_params
-        with self._label("ps/pull", 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
+        with self._label(label, 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
             requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
             requests += [self.ps_comm.Isend(params[:0], server, PULL) for server, _ in self._served()]
             waitall(requests)
         self.pulled = True
+
+    def evaluation_model(self):
+        """ps-async: the servers' weights, pulled after every worker has ended the epoch (the driver asks after the
+        epoch's global loss), so an epoch's accuracy is that of the model the servers hold: after the last epoch, the
+        final model of the digest and the checkpoint. (ps-sync: every worker already holds it.)"""
+        if not self.synchronous:
+            self.pull(EVALUATION)
+        return self.model
 
     def _served(self) -> list:
         return list(zip(self.server_ranks, self.bounds))
