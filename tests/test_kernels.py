@@ -406,3 +406,25 @@ def test_import_is_cheap():
     result = run_python("import sys, dtrain.kernels; print('numba' in sys.modules)", None)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_load_brings_in_the_loops_a_first_reduction_needs_and_nothing_for_numpy():
+    """In a fresh process: after ``load``, the first fused float32 reduction finds Numba imported and its two-input
+    loops ready (their dispatchers hold a compiled signature); with the NumPy backend, Numba is never imported."""
+    code = (
+        "import sys, numpy as np\n"
+        "from dtrain import kernels\n"
+        "kernels.use('{backend}')\n"
+        "kernels.load(np.float32)\n"
+        "loaded = 'numba' in sys.modules and bool(kernels._numba_loops) and "
+        "len(kernels._loops(0).sum_scale.signatures) > 0\n"
+        "print(loaded)\n"
+    )
+    ran = {}
+    for backend in ("numba", "numpy"):
+        if backend == "numba":
+            pytest.importorskip("numba")
+        out = subprocess.run([sys.executable, "-c", code.format(backend=backend)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        ran[backend] = out.stdout.strip()
+    assert ran == {"numba": "True", "numpy": "False"}

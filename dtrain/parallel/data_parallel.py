@@ -70,8 +70,8 @@ from collections.abc import Generator
 
 import numpy as np
 
-from dtrain import collectives
-from dtrain.backend import array_module, weights_digest
+from dtrain import collectives, kernels
+from dtrain.backend import array_module, is_device_array, weights_digest
 from dtrain.collectives import costmodel, hierarchical, ring
 from dtrain.comm import waitall, watchdog
 from dtrain.errors import ConfigError
@@ -157,6 +157,8 @@ class DataParallel(Paradigm):
     def build(self, make_model, make_optimizer) -> None:
         super().build(make_model, make_optimizer)
         model = self.model
+        if self.world > 1 and not is_device_array(model.flat_params):
+            kernels.load(model.flat_params.dtype)  # (Numba's start-up now, not inside the first timed step)
         collectives.broadcast(self.comm, model.flat_params, root=0)  # replicas start from rank 0's weights
         self.check_replicas("after the initial broadcast")
         flat, params = model.flat_grads, model.parameters()
