@@ -36,8 +36,8 @@ replicated paradigm shares, with three places to act::
     after_step()                                          central storage: rank 0's weights to all
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``ps-sync`` and ``ps-async``
-(parameter_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip``
-(gossip.py).
+(parameter_server.py; the server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd``
+(local_sgd.py), ``gossip`` (gossip.py).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.

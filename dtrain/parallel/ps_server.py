@@ -1,0 +1,137 @@
+"""A parameter server's side of the protocol (:mod:`dtrain.parallel.parameter_server` has the picture).
+
+The server takes the next message from any worker (``Probe(ANY_SOURCE)``, then the receive the tag calls for) and
+answers it, until every worker has said DONE. :class:`ServerLoop` keeps the loop's state and has one method per
+message; the worker's side (push, pull, END, DONE) is in ``parameter_server.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from dtrain.backend import array_module
+from dtrain.comm import probe, waitall, watchdog
+from dtrain.comm.names import ANY_SOURCE, ANY_TAG
+
+PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
+COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
+
+
+class ProtocolError(RuntimeError):
+    """A message the protocol has no place for (a bug, reported instead of a hang)."""
+
+
+class ServerLoop:
+    """One server's loop: it takes the next message from any worker and answers it, until every worker is done.
+
+    The coordinator (server 0) also keeps the epochs: after W x ``steps_per_epoch`` pushes it answers END instead of
+    WEIGHTS, to each worker once, and the worker passes END on to the other servers. Every server holds back the reply
+    to a worker more than K steps ahead of the slowest worker still in the epoch (each shard's weights must be sent
+    after the updates the bound waits for); a worker that has ended the epoch, or said DONE, is no longer the slowest.
+    """
+
+    def __init__(self, server, steps_per_epoch: int):
+        """``server``: the :class:`~dtrain.parallel.parameter_server.ParameterServer` of this rank (its shard,
+        optimizer and protocol communicator)."""
+        self.server, self.comm, self.status = server, server.ps_comm, server.status
+        self.params, self.grads = server.shard.flat_params, server.shard.flat_grads
+        self.workers, self.bound = server.workers, server.config.staleness
+        self.coordinator = server.rank - server.workers == COORDINATOR
+        self.budget = server.workers * steps_per_epoch  # pushes in an epoch (the coordinator counts them)
+        self.pushes = 0  # this epoch's so far
+        self.version = 0  # updates applied to this shard
+        self.sent_version = [0] * self.workers  # the version each worker's weights are at
+        self.clock = [0] * self.workers  # pushes received from each worker
+        self.waiting = []  # workers whose reply is held back (stale-synchronous)
+        self.arrived = []  # ps-sync: workers whose push for this step is in
+        self.ended, self.done = set(), set()  # workers that have ended this epoch; that have finished
+        self.staleness = collections.Counter()
+        self.idle_s = 0.0  # time spent waiting for a message
+        self.handlers = {PUSH: self.on_sync_push if server.synchronous else self.on_async_push, PULL: self.on_pull,
+                         END: self.on_end, DONE: self.on_done}  # fmt: skip
+
+    def run(self) -> None:
+        while len(self.done) < self.workers:
+            t0 = time.perf_counter()
+            with watchdog.watching(self.comm, "ps server: waiting for any worker"):
+                probe(self.comm, self.status, ANY_SOURCE, ANY_TAG)
+            self.idle_s += time.perf_counter() - t0
+            w, tag = self.status.Get_source(), self.status.Get_tag()
+            if tag not in self.handlers:
+                raise ProtocolError(f"server rank {self.server.rank}: unexpected tag {tag} from rank {w}")
+            self.handlers[tag](w)
+
+    # --- one method per message ----------------------------------------------------------------------------------
+    def on_sync_push(self, w: int) -> None:
+        """ps-sync: keep the push; once all W are in, average them in worker order, update, answer everyone."""
+        server = self.server
+        self.comm.Recv(server.slots[w], w, PUSH)
+        self.pushes += 1
+        self.arrived.append(w)
+        if len(self.arrived) == self.workers:
+            array_module(self.grads).sum(server.slots, axis=0, out=self.grads)
+            self.grads *= 1.0 / self.workers
+            server.optimizer.step()
+            self.version += 1
+            self.staleness[0] += self.workers
+            self.reply(range(self.workers))
+            self.arrived.clear()
+
+    def on_async_push(self, w: int) -> None:
+        """ps-async: apply the push now (at lr / W), note its staleness, answer when the bound allows."""
+        self.comm.Recv(self.grads, w, PUSH)
+        self.pushes += 1
+        self.staleness[self.version - self.sent_version[w]] += 1
+        self.server.optimizer.step()
+        self.version += 1
+        self.clock[w] += 1
+        self.waiting.append(w)
+        self.release()
+
+    def on_pull(self, w: int) -> None:
+        self.comm.Recv(self.params[:0], w, PULL)
+        with self.server._label("ps/pull", 0):
+            self.comm.Send(self.params, w, WEIGHTS)
+        self.sent_version[w] = self.version
+
+    def on_end(self, w: int) -> None:
+        """(Not on the coordinator.) The coordinator has ended the epoch for w, who may have been the slowest."""
+        self.comm.Recv(self.params[:0], w, END)
+        self.end_epoch([w])
+        self.release()
+
+    def on_done(self, w: int) -> None:
+        self.comm.Recv(self.params[:0], w, DONE)
+        self.done.add(w)
+        self.release()  # the slowest may just have left
+
+    # --- answering ---------------------------------------------------------------------------------------------
+    def reply(self, workers) -> None:
+        """Send the shard's weights to ``workers`` (END instead of WEIGHTS once the coordinator's budget is spent)."""
+        tag = END if self.coordinator and self.pushes >= self.budget else WEIGHTS
+        with self.server._label("ps/weights", self.params.nbytes):
+            waitall([self.comm.Isend(self.params, w, tag) for w in workers])  # (before the next update changes it)
+        for w in workers:
+            self.sent_version[w] = self.version
+        if tag == END:
+            self.end_epoch(workers)
+
+    def release(self) -> None:
+        """Answer every held worker no more than K steps ahead of the slowest still in the epoch (all of them once
+        the epoch's budget is spent); an answer can end the epoch for its worker, which can free others."""
+        while True:
+            running = [self.clock[w] for w in range(self.workers) if w not in self.done and w not in self.ended]
+            slowest = min(running, default=0)
+            spent = self.pushes >= self.budget
+            ready = [w for w in self.waiting if self.bound is None or self.clock[w] - slowest <= self.bound or spent]
+            if not ready:
+                return
+            self.waiting = [w for w in self.waiting if w not in ready]
+            self.reply(ready)
+
+    def end_epoch(self, workers) -> None:
+        self.ended.update(workers)
+        if len(self.ended) == self.workers:  # every worker has ended the epoch: the next one starts at 0
+            self.pushes = 0
+            self.ended.clear()
