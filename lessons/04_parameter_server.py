@@ -20,6 +20,8 @@ What you will see:
      arithmetic and on the digits, whose steps are mostly overhead;
   5. the server's link: bytes sent per step by every rank, from the tracer, against ParameterServer.costs() and a
      ring all-reduce's 2(p-1)/p n per rank; sharding the parameters over S servers divides the server's bytes by S.
+  6. central storage (TensorFlow's CentralStorageStrategy): every rank computes, rank 0 alone holds the optimizer
+     state and updates; equal to one process, its bytes per step and its optimizer state equal to its costs().
 
 Every check compares with an independent oracle (one process's training, the tracer's counts, a formula) and prints
 an OK line; the last line says whether all passed (the exit status is non-zero if not). Asynchronous runs are not
@@ -442,11 +444,46 @@ mpi.print0(f"   OK: bytes per step match the cost functions on every rank, and t
            f"{'yes' if link_ok else 'NO'}")  # fmt: skip
 link_ok = everywhere(link_ok)
 
+# --------------------------------------------------------------------------------------------- 6. central storage
+# TensorFlow's CentralStorageStrategy (dtrain/parallel/central_storage.py): no rank is set aside to serve. Every rank
+# computes on its slice; the gradients are reduced to rank 0 (a binomial tree), which alone holds the optimizer state
+# and updates; the new weights are broadcast (a tree again). Like ps-sync it follows one process on the global batch.
+mpi.print0("\n6. Central storage: every rank computes, rank 0 alone holds the optimizer and updates (float64, 1 epoch)")
+storage_folder = shared_folder()
+central = run(paradigm="central-storage", dtype="float64", epochs=1, checkpoint_dir=storage_folder)
+storage_ok = True
+if rank == 0:
+    difference = relative(checkpoint.load(storage_folder)["params"], reference)
+    shutil.rmtree(storage_folder)
+    per_rank, costs = central["communication"]["per_rank"], central["costs"]
+    steps = per_rank[0]["operations"]["reduce/tree"]["calls"]
+    held = central["communication"]["per_rank"][0]["paradigm"]["held_bytes"]
+    print(f"   final weights against one process, largest relative difference {difference:.1e}")
+    print(f"   {'rank':>6s} {'sent per step (tracer)':>23s} {'costs()':>9s} {'optimizer state held':>21s}")
+    sent = []
+    for r, mine in enumerate(per_rank):
+        ops = mine["operations"]
+        first_broadcast = ops["broadcast/tree"]["bytes_sent"] // (steps + 1)  # the build's, then one per step
+        sent.append((ops["reduce/tree"]["bytes_sent"] + ops["broadcast/tree"]["bytes_sent"] - first_broadcast) // steps)
+        print(f"   {r:6d} {sent[r]:23,d} {costs['sent_per_step'][r]:9,d} {held[r]['optimizer']:21,d}")
+    storage_ok = difference < 1e-12 and sent == costs["sent_per_step"]
+    storage_ok = storage_ok and [h["optimizer"] for h in held] == costs["optimizer"]
+    results["central_storage"] = {"relative_difference": difference, "sent": sent, "held": held}
+    say(
+        "Against ps-sync: nobody idles as a server, and the tree spreads rank 0's traffic over log2 p rounds instead"
+        " of W messages through one link; but nothing is sharded, and rank 0's update sits on every step's critical"
+        " path. Against ddp: the other ranks hold no optimizer state (the memory of Adam's two moments, saved p - 1"
+        " times), at the price of a reduce and a broadcast instead of one all-reduce."
+    )
+mpi.print0(f"   OK: central storage is one process's training, its bytes and its state are costs(): "
+           f"{'yes' if storage_ok else 'NO'}")  # fmt: skip
+storage_ok = everywhere(storage_ok)
+
 if args.json and rank == 0:
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nmeasurements written to {args.json}")
-passed = protocol_ok and convergence_ok and staleness_ok and link_ok
+passed = protocol_ok and convergence_ok and staleness_ok and link_ok and storage_ok
 mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
 if not passed:
     world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
