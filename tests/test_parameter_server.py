@@ -268,3 +268,15 @@ def test_the_accuracy_reported_for_ps_async_is_that_of_the_final_model(tmp_path)
     model.flat_params[...] = checkpoint.load(tmp_path)["params"]
     loss, accuracy = evaluate(model, data, np)
     assert (loss, accuracy) == (metrics["final"]["test_loss"], metrics["final"]["test_accuracy"])
+
+
+def test_a_servers_answers_to_evaluation_pulls_are_not_counted_as_training():
+    """ps-async's epoch-end pulls: the servers' replies go under "evaluation", so their training bytes stay W n a
+    push (the first pull of each worker excepted)."""
+    cfg = TrainConfig(paradigm="ps-async", hidden=(16,), batch_size=60, epochs=3, progress=False, quiet=True,
+                      timeout=0)  # fmt: skip
+    metrics = sim.run(4, lambda comm: train(cfg, comm))[0]
+    server = metrics["communication"]["per_rank"][3]["operations"]
+    n = metrics["model"]["parameters"] * 4
+    assert server["evaluation"]["bytes_sent"] == 3 * 3 * n  # 3 workers, 3 epochs
+    assert server["ps/pull"]["bytes_sent"] == 3 * n  # the first weights of each worker

@@ -13,6 +13,7 @@ import time
 from dtrain.backend import array_module
 from dtrain.comm import probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
+from dtrain.comm.trace import EVALUATION
 
 PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
@@ -46,6 +47,7 @@ class ServerLoop:
         self.waiting = []  # workers whose reply is held back (stale-synchronous)
         self.arrived = []  # ps-sync: workers whose push for this step is in
         self.ended, self.done = set(), set()  # workers that have ended this epoch; that have finished
+        self.pulled = set()  # workers that have had their first weights
         self.staleness = collections.Counter()
         self.idle_s = 0.0  # time spent waiting for a message
         self.handlers = {PUSH: self.on_sync_push if server.synchronous else self.on_async_push, PULL: self.on_pull,
@@ -90,9 +92,11 @@ class ServerLoop:
         self.release()
 
     def on_pull(self, w: int) -> None:
+        """A worker's first pull is training's; later ones are for evaluating (counted apart, as the worker does)."""
         self.comm.Recv(self.params[:0], w, PULL)
-        with self.server._label("ps/pull", 0):
+        with self.server._label("ps/pull" if w not in self.pulled else EVALUATION, 0):
             self.comm.Send(self.params, w, WEIGHTS)
+        self.pulled.add(w)
         self.sent_version[w] = self.version
 
     def on_end(self, w: int) -> None:
