@@ -3,8 +3,8 @@
 The runs (each ``dtrain launch -n 4 -m dtrain train --paradigm ... --dataset digits --batch-size 96 --epochs 20``):
 ddp (the baseline), local-sgd with H = 1, 4, 8, 16, post-local SGD (H = 8 after a warm-up of 2 epochs of ddp
 steps), gossip on a ring and on an exponential graph, ps-sync and ps-async (1 server + 3 workers: the same 4
-processes, one fewer computing). The global batch 96 divides among 4 ranks and among 3 workers, and its 14 steps
-per epoch make 280 steps, a multiple of every H, so no run pays an extra final average.
+processes, one fewer computing), and central storage. The global batch 96 divides among 4 ranks and among 3
+workers, and its 14 steps per epoch make 280 steps, a multiple of every H, so no run pays an extra final average.
 
 For each: final test accuracy, wall time (``train()`` from start to end: data, model, training, evaluation; the
 median of ``--repeats`` runs, interleaved; reductions by NumPy, see ``run_once``), and bytes per
@@ -39,6 +39,7 @@ RUNS = {  # label: flags after --paradigm
     "gossip exponential": ["--paradigm", "gossip", "--topology", "exponential"],
     "ps-sync": ["--paradigm", "ps-sync"],
     "ps-async": ["--paradigm", "ps-async"],
+    "central-storage": ["--paradigm", "central-storage"],
 }
 
 
@@ -148,7 +149,7 @@ def plot(rows: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(13, 4.8))
-    markers = "osD^v<>Xp*"
+    markers = "osD^v<>Xp*h"
     for (label, r), marker in zip(rows.items(), markers):
         for axis, x in ((by_bytes, r["bytes_mean"] / 1e6), (by_time, r["wall_s"])):
             axis.scatter(x, 100 * r["accuracy"], marker=marker, s=50, label=label, alpha=0.8)
