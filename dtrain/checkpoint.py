@@ -5,8 +5,9 @@ gathers it first), the optimizer's state (its flat buffers: momentum, Adam's m a
 training stood (epoch, steps done in it, global step) and how the data were being drawn (the seed: each epoch's
 shuffle is drawn from ``(seed, epoch)``, so the position is the whole data-order state), plus the metrics of the
 epochs already done. The optimizer's learning rate is stored but not restored: the resumed run's ``--lr`` applies.
-A small JSON header says which model, dtype and paradigm wrote it, so a mismatch is refused with
-a clear message instead of loading nonsense.
+A small JSON header says which model, dtype, optimizer and paradigm wrote it; a model, dtype or optimizer that differ
+are refused with a clear message instead of loading nonsense, and another paradigm's checkpoint is resumed (a ZeRO
+run's by ddp, a ddp run's by single).
 
 **Written atomically.** Rank 0 writes ``checkpoint.npz.tmp``, flushes it to the disk (``fsync``), renames it over
 ``checkpoint.npz`` (a rename within a folder is atomic on POSIX) and fsyncs the folder: a crash at any moment leaves
@@ -34,7 +35,7 @@ FILENAME = "checkpoint.npz"
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that is missing, damaged, or written for another model or paradigm."""
+    """A checkpoint that is missing, damaged, or written for another model, dtype or optimizer."""
 
 
 def path_in(folder) -> Path:
@@ -89,10 +90,10 @@ def load(folder) -> dict:
 
 
 def check_compatible(meta: dict, expected: dict, path) -> None:
-    """Refuse a checkpoint whose model, dtype, optimizer or paradigm differ from this run's, naming the difference."""
+    """Refuse a checkpoint whose model, dtype or optimizer differ from this run's, naming the difference. (Another
+    paradigm's is welcome: every paradigm writes the same full flat buffers.)"""
     for key, flag in (("sizes", "model sizes"), ("dtype", "--dtype"), ("optimizer", "--optimizer"),
-                      ("optimizer_buffers", "optimizer state (--momentum 0 keeps none)"),
-                      ("paradigm", "--paradigm")):  # fmt: skip
+                      ("optimizer_buffers", "optimizer state (--momentum 0 keeps none)")):  # fmt: skip
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"--resume: {path} was written with {flag} {meta.get(key)}, this run has {expected[key]}; "

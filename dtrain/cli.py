@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="ps-async: a worker more than K steps ahead of the slowest waits (stale-synchronous; default: unbounded)",
     )
+    zero = t.add_argument_group("ZeRO, sharded data parallelism (--paradigm zero; --allreduce: ring or rabenseifner)")
+    zero.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(1, 2, 3),
+        help="shard the optimizer state (1), and the gradients (2), and the parameters (3; the default, as FSDP)",
+    )
     local = t.add_argument_group("local SGD and gossip (--paradigm local-sgd, gossip)")
     local.add_argument(
         "--sync-every", type=int, default=defaults.sync_every, metavar="H", help="local-sgd: average every H steps"

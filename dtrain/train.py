@@ -65,6 +65,8 @@ class TrainConfig:
     # parameter servers (ps-sync, ps-async)
     servers: int = 1  # the last S ranks are servers, each owning a slice of the parameters
     staleness: int | None = None  # ps-async: how many steps a worker may run ahead of the slowest (None: unbounded)
+    # ZeRO (zero): which training state is sharded over the ranks
+    zero_stage: int | None = None  # 1: optimizer state; 2: and gradients; 3: and parameters (None: 3)
     # local SGD and gossip
     sync_every: int = 1  # local-sgd: optimizer steps between averages of the weights (H)
     average_via: str = "allreduce"  # local-sgd: "allreduce" (--allreduce) or "master" (to rank 0 and back)
@@ -338,9 +340,8 @@ def resume(paradigm, comm, config, sizes) -> Position:
     if comm.Get_rank() == 0:
         try:
             state = checkpoint.load(config.checkpoint_dir)
-            buffers = sorted(k for k, v in paradigm.optimizer_state().items() if isinstance(v, np.ndarray))
-            expected = {"paradigm": config.paradigm, "sizes": list(sizes), "dtype": config.dtype,
-                        "optimizer": config.optimizer, "optimizer_buffers": buffers}  # fmt: skip
+            expected = {"sizes": list(sizes), "dtype": config.dtype, "optimizer": config.optimizer,
+                        "optimizer_buffers": paradigm.optimizer_buffers()}  # fmt: skip
             path = checkpoint.path_in(config.checkpoint_dir)
             checkpoint.check_compatible(state["meta"], expected, path)
             checkpoint.check_position(state["meta"], config, path)
@@ -359,6 +360,8 @@ def resume(paradigm, comm, config, sizes) -> Position:
             f"uninterrupted run on {meta['world_size']}",
             flush=True,
         )
+    if meta["paradigm"] != config.paradigm and comm.Get_rank() == 0:
+        print(f"resuming a checkpoint written by --paradigm {meta['paradigm']} with {config.paradigm}", flush=True)
     if meta["seed"] != config.seed and comm.Get_rank() == 0:
         print("resuming with another --seed: the data order from here on changes", flush=True)
     return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["done"], meta["done_loss"],

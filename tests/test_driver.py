@@ -117,7 +117,6 @@ BAD_CHECKPOINTS = {
     "truncated": (lambda folder: _truncate(folder), "damaged or not a dtrain checkpoint"),
     "not a checkpoint": (lambda folder: (folder / checkpoint.FILENAME).write_bytes(b"hello"), "damaged"),
     "another model": (lambda folder: _write(folder, hidden=(16,)), "model sizes [64, 16, 10], this run has [64, 32"),
-    "another paradigm": (lambda folder: _write(folder, paradigm="single", p=1), "--paradigm single, this run has ddp"),
     "no momentum state": (lambda folder: _write(folder, momentum=0.0), "optimizer state (--momentum 0 keeps none)"),
     "more epochs than asked": (lambda folder: _write(folder, epochs=3), "has trained 3 epoch(s), more than --epochs 2"),
 }

@@ -18,6 +18,7 @@ through these methods alone (no ``if paradigm == ...`` anywhere else)::
     p.full_parameters()              the whole model's flat buffer: weights digest, checkpoints
     p.load_full_parameters(flat)     the inverse, for resuming from a checkpoint
     p.optimizer_state() / p.load_optimizer_state(state)       the optimizer's whole state, for checkpoints
+    p.optimizer_buffers()            the names of its flat buffers, without communication
     p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
     p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
     cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
@@ -37,7 +38,7 @@ replicated paradigm shares, with three places to act::
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``ps-sync`` and ``ps-async``
 (parameter_server.py; the server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd``
-(local_sgd.py), ``gossip`` (gossip.py).
+(local_sgd.py), ``gossip`` (gossip.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded data parallelism).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
@@ -45,6 +46,7 @@ tests hold them against the tracer's counts, and a planner can rank paradigms wi
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import time
 
@@ -54,6 +56,7 @@ from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.errors import ConfigError
 
 _REGISTRY: dict[str, type[Paradigm]] = {}
+MODULES = ("single", "data_parallel", "zero", "parameter_server", "central_storage", "local_sgd", "gossip")
 
 
 def register(cls: type[Paradigm]) -> type[Paradigm]:
@@ -77,7 +80,8 @@ def get(name: str) -> type[Paradigm]:
 
 def _load_all() -> None:
     """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
-    from dtrain.parallel import central_storage, data_parallel, gossip, local_sgd, parameter_server, single  # noqa: F401
+    for module in MODULES:
+        importlib.import_module(f"dtrain.parallel.{module}")
 
 
 def parameter_count(sizes) -> int:
@@ -194,6 +198,11 @@ class Paradigm:
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
+
+    def optimizer_buffers(self) -> list[str]:
+        """The names of the optimizer's flat buffers ("velocity"; Adam's "m", "v"), on this rank, without talking to
+        another (a resume checks a checkpoint against them on rank 0 alone)."""
+        return sorted(k for k, v in self.optimizer_state().items() if isinstance(v, np.ndarray))
 
     def evaluation_model(self):
         """A model whose forward is the whole model's, for evaluating on the test set."""

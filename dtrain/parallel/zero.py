@@ -1,0 +1,385 @@
+"""ZeRO: data parallelism whose training state is sharded over the ranks (stages 1, 2, 3; stage 3 is PyTorch FSDP).
+
+Plain data parallelism (``ddp``) keeps on every rank a whole copy of the parameters, the gradients and the optimizer
+state. ZeRO (Rajbhandari et al., 2020) keeps the data parallelism (each rank its slice of the global batch, the
+same result as ``single``) but lets each rank *own* one chunk of that state and hold the rest only while it is
+needed. Every Linear layer's parameters are one slice of the flat buffer (weight, then bias); that slice is cut into
+N chunks by ``chunk_bounds``, and rank r owns chunk r of every layer (FSDP does the same per wrapped module)::
+
+    N = 3 ranks, what rank 0 holds between steps       parameters      gradients      optimizer state
+      ddp                                               [###|###|###]   [###|###|###]  [###|###|###]
+      stage 1: optimizer state sharded                  [###|###|###]   [###|###|###]  [###|   |   ]
+      stage 2: ... and gradients                        [###|###|###]   [###|   |   ]  [###|   |   ]
+      stage 3: ... and parameters                       [###|   |   ]   [###|   |   ]  [###|   |   ]
+
+**One step** (every rank computes forward and backward on its own slice of the global batch, as in ddp)::
+
+    stage 1   forward, backward (full gradients) | reduce-scatter each layer's gradients (avg): rank r gets chunk r
+              | step the optimizer on chunk r only | all-gather each layer's parameters: everyone has the new weights
+    stage 2   as stage 1, but each layer's gradient is reduce-scattered *inside backward*, the moment it is computed,
+              and then freed: a rank never holds more than its gradient chunks and one layer's full gradient
+    stage 3   no full weights between steps. Each layer, just before its forward: all-gather its parameters, compute,
+              free them; just before its backward: all-gather again, compute, free; then reduce-scatter its gradient
+              (as stage 2). The optimizer steps on chunk r; nothing is gathered after the step
+
+A reduce-scatter and an all-gather are the two halves of a ring all-reduce (:mod:`dtrain.collectives.ring`), so
+stages 1 and 2 send what ddp sends; stage 3 gathers twice, 1.5 times as much. ``--allreduce`` picks the pair:
+``ring`` (any N; the default) or ``rabenseifner`` (recursive halving, then recursive doubling; N a power of two).
+
+**Cost per rank** (n parameters of b bytes; N ranks; s = this rank's chunks, about n/N; L = the largest layer;
+k = 0, 1 or 2 optimizer buffers for plain SGD, momentum, Adam; a = ``--accumulate``)::
+
+                 bytes sent per step (ring)       parameters     gradients      optimizer state
+    ddp          2 (N-1)/N n b                    n b            n b            k n b
+    stage 1      2 (N-1)/N n b                    n b            n b            k s b
+    stage 2      (a+1) (N-1)/N n b                n b            (s + L) b      k s b
+    stage 3      3 a (N-1)/N n b                  (s + L) b      (s + L) b      k s b
+
+The ZeRO paper's formulas (mixed-precision Adam, model of Psi parameters) are ``(2+2+K) Psi`` for ddp, then
+``2 Psi + 2 Psi + K Psi / N``, ``2 Psi + (2+K) Psi / N`` and ``(2+2+K) Psi / N`` bytes, with K = 12 (an fp32 master
+copy of the weights and Adam's two moments). dtrain trains in one precision, so parameters and gradients cost b
+bytes each (4 in float32, not 2), there is no master copy, and K becomes k b: 4 bytes for SGD momentum, 8 for Adam.
+The paper leaves out the layer in flight (L): the gradient being reduce-scattered in stage 2, and the gathered layer
+in stage 3; they are counted here. With accumulation (a micro-batches), stages 2 and 3 communicate on every
+micro-batch (their full gradients are gone after each backward), stage 1 once per step, as DeepSpeed does.
+
+**Measured, not assumed.** A ledger (:class:`Ledger`) counts what this rank holds, by kind, as it allocates and frees
+(an accounting of the arrays this module holds, not the process's RSS); its peaks and the tracer's bytes are held
+against :meth:`Zero.costs` in tests/test_zero.py. The whole model exists once on every rank while it is built, from
+the seed (FSDP without a meta device does the same); stage 3 keeps only its chunks of it.
+
+**Checkpoints** gather the chunks into the flat parameter and optimizer buffers every paradigm writes, so any stage,
+any N, ``ddp`` or ``single`` can resume them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+
+from dtrain import collectives, kernels
+from dtrain.autograd import Tensor
+from dtrain.backend import array_module, is_device_array, to_host
+from dtrain.collectives import chunk_bounds, costmodel
+from dtrain.comm.trace import CHECKPOINT, EVALUATION
+from dtrain.errors import ConfigError
+from dtrain.nn import Linear, Module, Parameter, Sequential
+from dtrain.parallel import Paradigm, register
+from dtrain.parallel.data_parallel import DataParallel
+
+STAGES = (1, 2, 3)
+DEFAULT_STAGE = 3  # full sharding, FSDP's default
+PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
+KINDS = ("parameters", "gradients", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One Linear layer's parameters: ``flat[start:start + size]`` (a rows x cols weight, then cols biases), and this
+    rank's chunk of them, ``[lo, hi)`` relative to ``start``."""
+
+    start: int
+    rows: int
+    cols: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols + self.cols
+
+    @property
+    def whole(self) -> slice:
+        return slice(self.start, self.start + self.size)
+
+    @property
+    def own(self) -> slice:
+        return slice(self.start + self.lo, self.start + self.hi)
+
+    def weight(self, flat):
+        return flat[: self.rows * self.cols].reshape(self.rows, self.cols)
+
+    def bias(self, flat):
+        return flat[self.rows * self.cols :]
+
+
+def units_of(sizes, rank: int, world: int) -> list[Unit]:
+    """The layers of an MLP with widths ``sizes``, in flat-buffer order, each with ``rank``'s chunk."""
+    units, start = [], 0
+    for rows, cols in itertools.pairwise(sizes):
+        lo, hi = chunk_bounds(rows * cols + cols, world)[rank]
+        units.append(Unit(start, rows, cols, lo, hi))
+        start += rows * cols + cols
+    return units
+
+
+class Ledger:
+    """What this rank holds for training, by kind, now and at its peak (bytes)."""
+
+    def __init__(self):
+        self.now = dict.fromkeys(KINDS, 0)
+        self.peak = dict.fromkeys(KINDS, 0)
+
+    def hold(self, kind: str, nbytes: int) -> None:
+        self.now[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.now[kind])
+
+    def free(self, kind: str, nbytes: int) -> None:
+        self.now[kind] -= nbytes
+
+
+class ShardedLinear(Module):
+    """A Linear layer of which this rank owns one chunk (``shard``, a 1-D Parameter): stages 2 and 3.
+
+    Its forward and backward are one autograd op whose backward reduce-scatters the layer's gradient as soon as it
+    is computed and adds this rank's chunk of the average into ``shard.grad``; the full gradient is then dropped.
+    """
+
+    def __init__(self, zero: Zero, unit: Unit, shard: Parameter):
+        self.zero, self.unit, self.shard = zero, unit, shard
+
+    def forward(self, x: Tensor) -> Tensor:
+        zero, unit, xp = self.zero, self.unit, array_module(x.data)
+        with zero.layer(unit, self.shard.data, "forward") as full:
+            out = x.data @ unit.weight(full) + unit.bias(full)
+
+        def backward(g):
+            with zero.layer(unit, self.shard.data, "backward") as full:  # stage 3: gathered again (not kept)
+                gx = g @ unit.weight(full).T if x.requires_grad else None
+            grad = xp.empty(unit.size, dtype=g.dtype)  # this layer's whole gradient, until it is reduce-scattered
+            zero.ledger.hold("gradients", grad.nbytes)
+            xp.matmul(x.data.T, g, out=unit.weight(grad))
+            g.sum(axis=0, out=unit.bias(grad))
+            self.shard.grad += zero.reduce_scatter(grad)
+            zero.ledger.free("gradients", grad.nbytes)
+            return gx, None  # the shard's gradient is already accumulated
+
+        return Tensor._make(out, (x, self.shard), backward)
+
+    def __repr__(self):
+        return f"ShardedLinear({self.unit.rows}, {self.unit.cols}, chunk {self.unit.hi - self.unit.lo})"
+
+
+class UnitOptimizers:
+    """One optimizer per layer, each over this rank's chunk (the update is elementwise: chunk by chunk is exact)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+
+class _Evaluating:
+    """The model, its traffic (stage 3's gathers) labelled as evaluation's."""
+
+    def __init__(self, model, tracer):
+        self.model, self.tracer = model, tracer
+
+    def __call__(self, x):
+        with self.tracer.operation(EVALUATION):
+            return self.model(x)
+
+
+@register
+class Zero(Paradigm):
+    name = "zero"
+    uses = frozenset({"zero_stage", "allreduce"})
+
+    @classmethod
+    def check(cls, config, world: int) -> None:
+        super().check(config, world)
+        if cls.stage_of(config) not in STAGES:
+            raise ConfigError(f"--zero-stage {config.zero_stage} is not a ZeRO stage: choose 1, 2 or 3")
+        cls.pair(config, world)
+
+    @staticmethod
+    def stage_of(config) -> int:
+        return DEFAULT_STAGE if config.zero_stage is None else config.zero_stage
+
+    @staticmethod
+    def pair(config, world: int) -> tuple[str, str]:
+        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names."""
+        name = "ring" if config.allreduce == "auto" else config.allreduce
+        if name not in PAIRS:
+            raise ConfigError(
+                f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto (ring), ring or "
+                "rabenseifner (recursive halving, then recursive doubling)"
+            )
+        if name == "rabenseifner" and world & (world - 1):
+            raise ConfigError(f"--allreduce rabenseifner needs a power-of-two number of ranks, not {world}: use ring")
+        return PAIRS[name]
+
+    def __init__(self, comm, config):
+        super().__init__(comm, config)
+        self.stage = self.stage_of(config)
+        self.rs_algorithm, self.ag_algorithm = self.pair(config, self.world)
+        self.tracer = getattr(comm, "tracer", None)
+        self.ledger = Ledger()
+        self.gathered = None  # stage 3: the whole model, gathered once training is over
+
+    # --- the model: this rank's chunks --------------------------------------------------------------------
+    def build(self, make_model, make_optimizer) -> None:
+        model = make_model()  # the whole model, from the seed: identical on every rank
+        flat = model.flat_params
+        xp = array_module(flat)
+        if self.world > 1 and not is_device_array(flat):
+            kernels.load(flat.dtype)  # (Numba's start-up now, not inside the first timed step)
+        if self.world == 1 and self.rank == 0 and not getattr(self.config, "quiet", False):
+            print(f"zero on 1 rank: nothing to shard, this is plain training (stage {self.stage}'s steps)", flush=True)
+        self.sizes, self.n, self.dtype = list(model.sizes), flat.size, flat.dtype
+        self.units = units_of(self.sizes, self.rank, self.world)
+        chunks = list(itertools.accumulate((u.hi - u.lo for u in self.units), initial=0))
+        grads = model.flat_grads if self.stage == 1 else xp.zeros(chunks[-1], dtype=flat.dtype)
+        params = flat if self.stage < 3 else xp.concatenate([flat[u.own] for u in self.units])
+        self.ledger.hold("parameters", params.nbytes)
+        self.ledger.hold("gradients", grads.nbytes)
+        # each layer's chunk: views into the full buffers (stage 1) or into this rank's packed chunks
+        where = [u.own if self.stage == 1 else slice(a, b) for u, a, b in zip(self.units, chunks, chunks[1:])]
+        mine = [(flat[u.own] if self.stage < 3 else params[w], grads[w]) for u, w in zip(self.units, where)]
+        self.optimizer = UnitOptimizers([make_optimizer(SimpleNamespace(flat_params=p, flat_grads=g)) for p, g in mine])
+        self.ledger.hold("optimizer", sum(self._buffer_bytes(part) for part in self.optimizer.parts))
+        if self.stage == 1:
+            self.model = model
+            return
+        layers, linear = [], iter(zip(self.units, mine))
+        for layer in model.layers:  # each Linear becomes this rank's chunk of it; activations stay as they are
+            if isinstance(layer, Linear):
+                unit, (p, g) = next(linear)
+                shard = Parameter(p, f"chunk {self.rank} of {layer!r}")
+                shard.grad = g
+                layer = ShardedLinear(self, unit, shard)
+            layers.append(layer)
+        self.model = Sequential(layers)
+        self.model.flat_params, self.model.flat_grads = params, grads  # what zero_grad clears: this rank's chunks
+
+    @staticmethod
+    def _buffer_bytes(optimizer) -> int:
+        return sum(v.nbytes for v in optimizer.state_dict().values() if isinstance(v, np.ndarray))
+
+    # --- the collectives, labelled for the tracer ---------------------------------------------------------
+    def _label(self, name: str):
+        return self.tracer.operation(name) if self.tracer is not None else contextlib.nullcontext()
+
+    def reduce_scatter(self, grad):
+        """Average ``grad`` (one layer's, or the whole buffer's in stage 1) over the ranks; this rank's chunk."""
+        with self._label(f"zero/reduce-scatter/{self.rs_algorithm}"):
+            return collectives.reduce_scatter(self.comm, grad, "avg", self.rs_algorithm)
+
+    def allgather(self, buf, label: str) -> None:
+        with self._label(label):
+            collectives.allgather(self.comm, buf, self.ag_algorithm)
+
+    @contextlib.contextmanager
+    def layer(self, unit: Unit, chunk, when: str):
+        """A layer's whole parameters for the ``with`` block: a view of the replica (stage 2), or gathered from every
+        rank's ``chunk`` of it and freed at the end of the block (stage 3)."""
+        if self.stage < 3:
+            yield self.model.flat_params[unit.whole]
+            return
+        full = array_module(self.model.flat_params).empty(unit.size, dtype=self.dtype)
+        self.ledger.hold("parameters", full.nbytes)
+        full[unit.lo : unit.hi] = chunk
+        self.allgather(full, f"zero/allgather-{when}/{self.ag_algorithm}")
+        try:
+            yield full
+        finally:
+            self.ledger.free("parameters", full.nbytes)
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def after_backward(self) -> None:
+        if self.stage == 1:  # full gradients: each layer's reduce-scattered now, last first, as backward made them
+            for unit in reversed(self.units):
+                self.reduce_scatter(self.model.flat_grads[unit.whole])
+
+    def after_step(self) -> None:
+        if self.stage < 3:  # the replicas take every rank's updated chunk
+            for unit in self.units:
+                self.allgather(self.model.flat_params[unit.whole], f"zero/allgather-params/{self.ag_algorithm}")
+
+    def global_loss(self, local_mean: float) -> float:
+        return self.comm.allreduce(local_mean) / self.world  # a metric: the object all-reduce, not counted
+
+    # --- the whole model: gathered from the chunks --------------------------------------------------------
+    def _gather(self, chunks, label: str):
+        """The full flat buffer from every rank's chunk of every layer (``chunks``: this rank's, one per layer)."""
+        full = array_module(chunks[0]).empty(self.n, dtype=chunks[0].dtype)
+        for unit, chunk in zip(self.units, chunks):
+            full[unit.own] = chunk
+            self.allgather(full[unit.whole], label)
+        return full
+
+    def full_parameters(self):
+        if self.stage < 3:
+            return self.model.flat_params
+        if self.gathered is not None:
+            return self.gathered
+        return self._gather([part.params for part in self.optimizer.parts], CHECKPOINT)
+
+    def load_full_parameters(self, flat) -> None:
+        for unit, part in zip(self.units, self.optimizer.parts):
+            part.params[...] = flat[unit.own]
+        if self.stage < 3:
+            self.model.flat_params[...] = flat
+
+    def optimizer_buffers(self) -> list[str]:
+        return sorted(k for k, v in self.optimizer.parts[0].state_dict().items() if isinstance(v, np.ndarray))
+
+    def optimizer_state(self) -> dict:
+        """The whole optimizer state, as one optimizer over the flat buffer would hold it (gathered: a collective)."""
+        states = [part.state_dict() for part in self.optimizer.parts]
+        xp = array_module(self.optimizer.parts[0].params)
+        whole = {k: v for k, v in states[0].items() if not isinstance(v, np.ndarray)}
+        for name in self.optimizer_buffers():
+            whole[name] = to_host(self._gather([xp.asarray(s[name]) for s in states], CHECKPOINT))
+        return whole
+
+    def load_optimizer_state(self, state: dict) -> None:
+        for unit, part in zip(self.units, self.optimizer.parts):
+            part.load_state_dict({k: v[unit.own] if isinstance(v, np.ndarray) else v for k, v in state.items()})
+
+    def evaluation_model(self):
+        if self.stage < 3 or self.tracer is None:
+            return self.model
+        return _Evaluating(self.model, self.tracer)
+
+    def finish(self) -> dict:
+        if self.stage < 3:
+            DataParallel.check_replicas(self, "at the end of training")
+        else:
+            self.gathered = self.full_parameters()
+        return {
+            "stage": self.stage,
+            "reduce_scatter": self.rs_algorithm,
+            "allgather": self.ag_algorithm,
+            "held_bytes": self.comm.allgather(dict(self.ledger.peak)),  # each rank's peaks (the ledger's)
+        }
+
+    # --- the cost as code ---------------------------------------------------------------------------------
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Per rank (lists): bytes sent per step and the peak bytes held of each kind (module docstring's table)."""
+        b = np.dtype(config.dtype).itemsize
+        stage, (rs, ag), a = cls.stage_of(config), cls.pair(config, world), config.accumulate
+        buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        layers = [u.size for u in units_of(sizes, 0, world)]
+        n, largest = sum(layers), max(layers)
+
+        def sent(collective, algorithm, rank):
+            return sum(costmodel.bytes_sent(algorithm, size, b, world, rank, collective=collective) for size in layers)
+
+        costs = {"sent_per_step": [], **{kind: [] for kind in KINDS}}
+        for rank in range(world):
+            scatter, gather = sent("reduce_scatter", rs, rank), sent("allgather", ag, rank)
+            s = sum(u.hi - u.lo for u in units_of(sizes, rank, world))
+            per_step = {1: scatter + gather, 2: a * scatter + gather, 3: a * (scatter + 2 * gather)}
+            costs["sent_per_step"].append(per_step[stage])
+            costs["parameters"].append((n if stage < 3 else s + largest) * b)
+            costs["gradients"].append((n if stage == 1 else s + largest) * b)
+            costs["optimizer"].append(buffers * s * b)
+        return costs
