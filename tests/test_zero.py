@@ -15,14 +15,16 @@ import sys
 
 import numpy as np
 import pytest
-from test_data_parallel import SIZES, STEPS, batches, config, relative, run
+from test_data_parallel import BATCH, SIZES, STEPS, batches, config, make_model, relative, run
 
 from dtrain import parallel
 from dtrain.comm import sim
+from dtrain.comm.prepare import prepare
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
-from dtrain.parallel.zero import Zero
+from dtrain.optim import make_optimizer
+from dtrain.parallel.zero import Zero, paper_formula
 from dtrain.train import TrainConfig, train
 
 ADAM_LR = 0.01
@@ -131,6 +133,58 @@ def test_peak_bytes_held_equal_the_formula_on_every_rank(stage, optimizer, data6
     assert sum(chunks) == n
     per_element = {"sgd": 1, "adam": 2}[optimizer]
     assert costs["optimizer"] == [per_element * s * 8 for s in chunks]
+
+
+def test_costs_are_the_papers_formula_plus_the_layer_in_flight():
+    """On a model whose layers split evenly, costs() is the ZeRO paper's per-stage formula in dtrain's terms
+    (paper_formula, written from the paper's table) plus the one layer in flight that the paper leaves out; stage 0
+    of the formula is ddp's own cost function."""
+    sizes = [63, 64, 64, 8]  # layers of 4096, 4160 and 520 parameters: each divides by 2 and by 4
+    n, largest = parallel.parameter_count(sizes), max(layer_sizes(sizes))
+    for p, optimizer, momentum in itertools.product((2, 4), ("sgd", "adam"), (0.0, 0.9)):
+        k = {"sgd": 1 if momentum else 0, "adam": 2}[optimizer]
+        ddp = parallel.get("ddp").costs(sizes, p, config(optimizer=optimizer, momentum=momentum))
+        assert {kind: ddp[kind] for kind in ("parameters", "gradients", "optimizer")} == paper_formula(n, p, 0, 8, k)
+        for stage in (1, 2, 3):
+            costs = Zero.costs(sizes, p, zero(stage, optimizer=optimizer, momentum=momentum))
+            in_flight = {"parameters": stage == 3, "gradients": stage >= 2, "optimizer": False}
+            for kind, expected in paper_formula(n, p, stage, 8, k).items():
+                assert costs[kind] == [expected + in_flight[kind] * largest * 8] * p, (stage, kind)
+
+
+def test_stage_3_gathers_one_layer_at_a_time_and_frees_it():
+    """The ledger's history of one stage-3 step: each layer's parameters are held whole only between its gather and
+    its free (forward in layer order, backward in reverse), its whole gradient only until it is reduce-scattered."""
+    data = batches(np.float64)
+
+    def one_step(comm):
+        cfg = zero(3)
+        paradigm = Zero(prepare(comm, timeout=0), cfg)
+        paradigm.build(make_model(cfg), lambda m: make_optimizer("sgd", m, cfg.lr, cfg.momentum))
+        paradigm.ledger.start_recording()
+        local = BATCH // comm.Get_size()
+        x, y = data[0]
+        r = comm.Get_rank()
+        paradigm.step(x[r * local : (r + 1) * local], y[r * local : (r + 1) * local])
+        return paradigm.ledger.history, [u.size for u in paradigm.units]
+
+    for history, sizes in sim.run(2, one_step):
+        at_rest = history[0][1]
+        whole = [held for _, held in history]
+        steps = [(what, b["parameters"] - a["parameters"], b["gradients"] - a["gradients"])
+                 for (what, b), a in zip(history[1:], whole)]  # fmt: skip
+        layers = range(len(sizes))
+        expected = [(f"layer {i}: gathered for forward", 8 * sizes[i], 0) for i in layers]
+        expected = [e for i in layers for e in (expected[i], (f"layer {i}: forward done, freed", -8 * sizes[i], 0))]
+        for i in reversed(layers):
+            expected += [
+                (f"layer {i}: gathered for backward", 8 * sizes[i], 0),
+                (f"layer {i}: backward done, freed", -8 * sizes[i], 0),
+                (f"layer {i}: its whole gradient", 0, 8 * sizes[i]),
+                (f"layer {i}: gradient reduce-scattered, freed", 0, -8 * sizes[i]),
+            ]
+        assert steps == expected
+        assert whole[-1] == at_rest  # nothing left over after the step
 
 
 def layer_sizes(sizes):

@@ -107,6 +107,17 @@ def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int
     return buckets
 
 
+def check_replicas(comm, flat, when: str) -> None:
+    """Every rank's ``flat`` must be bit-identical (a collective); else :class:`ReplicasDiverged` names the ranks."""
+    digests = comm.allgather(weights_digest(flat))
+    if len(set(digests)) > 1:
+        groups = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        listing = "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
+        raise ReplicasDiverged(f"data-parallel replicas differ {when}: {listing}")
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A bucket whose non-blocking all-reduce has started: its state machine and the requests it waits on."""
@@ -292,13 +303,7 @@ class DataParallel(Paradigm):
 
     # --- end of training ----------------------------------------------------------------------------------
     def check_replicas(self, when: str) -> None:
-        digests = self.comm.allgather(weights_digest(self.model.flat_params))
-        if len(set(digests)) > 1:
-            groups = {}
-            for rank, digest in enumerate(digests):
-                groups.setdefault(digest, []).append(rank)
-            listing = "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
-            raise ReplicasDiverged(f"data-parallel replicas differ {when}: {listing}")
+        check_replicas(self.comm, self.model.flat_params, when)
 
     def finish(self) -> dict:
         self.check_replicas("at the end of training")

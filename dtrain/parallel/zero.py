@@ -22,6 +22,15 @@ N chunks by ``chunk_bounds``, and rank r owns chunk r of every layer (FSDP does 
               free them; just before its backward: all-gather again, compute, free; then reduce-scatter its gradient
               (as stage 2). The optimizer steps on chunk r; nothing is gathered after the step
 
+    what rank 0 of N = 3 holds during a stage-3 step of a 3-layer MLP (# its chunk of a layer, ### the whole layer)
+                                 parameters     gradients      rank 0 sends
+                                 L0  L1  L2     L0  L1  L2
+      between steps              #   #   #      #   #   #
+      forward of layer 1         #   ### #      #   #   #      all-gather of layer 1 (freed after the forward)
+      backward of layer 1        #   ### #      #   ### #      all-gather of layer 1, then its gradient is
+                                                               reduce-scattered into chunk 0 and both are freed
+      optimizer step             #   #   #      #   #   #      nothing: each rank updates its own chunks
+
 A reduce-scatter and an all-gather are the two halves of a ring all-reduce (:mod:`dtrain.collectives.ring`), so
 stages 1 and 2 send what ddp sends; stage 3 gathers twice, 1.5 times as much. ``--allreduce`` picks the pair:
 ``ring`` (any N; the default) or ``rabenseifner`` (recursive halving, then recursive doubling; N a power of two).
@@ -35,15 +44,18 @@ k = 0, 1 or 2 optimizer buffers for plain SGD, momentum, Adam; a = ``--accumulat
     stage 2      (a+1) (N-1)/N n b                n b            (s + L) b      k s b
     stage 3      3 a (N-1)/N n b                  (s + L) b      (s + L) b      k s b
 
-The ZeRO paper's formulas (mixed-precision Adam, model of Psi parameters) are ``(2+2+K) Psi`` for ddp, then
-``2 Psi + 2 Psi + K Psi / N``, ``2 Psi + (2+K) Psi / N`` and ``(2+2+K) Psi / N`` bytes, with K = 12 (an fp32 master
-copy of the weights and Adam's two moments). dtrain trains in one precision, so parameters and gradients cost b
-bytes each (4 in float32, not 2), there is no master copy, and K becomes k b: 4 bytes for SGD momentum, 8 for Adam.
-The paper leaves out the layer in flight (L): the gradient being reduce-scattered in stage 2, and the gathered layer
-in stage 3; they are counted here. With accumulation (a micro-batches), stages 2 and 3 communicate on every
-micro-batch (their full gradients are gone after each backward), stage 1 once per step, as DeepSpeed does.
+The ZeRO paper's formulas (mixed-precision Adam, a model of Psi parameters) are ``(2+2+K) Psi`` bytes for ddp, then
+``2 Psi + 2 Psi + K Psi / N``, ``2 Psi + (2+K) Psi / N`` and ``(2+2+K) Psi / N``, with K = 12 (an fp32 master copy of
+the weights and Adam's two moments). dtrain trains in one precision of b bytes (4 in float32) and keeps no master
+copy, so Psi parameters cost Psi b for the weights, Psi b for the gradients and K = k b per parameter for the
+optimizer: ``(2+k) Psi b`` for ddp, ``2 Psi b + k Psi b / N``, ``Psi b + (1+k) Psi b / N`` and ``(2+k) Psi b / N``
+(:func:`paper_formula`). The paper leaves out the layer in flight (L above): the gradient being reduce-scattered in
+stage 2, the gathered layer in stage 3; dtrain counts them. With accumulation (a micro-batches), stages 2 and 3
+communicate on every micro-batch (their full gradients are gone after each backward), stage 1 once per step, as
+DeepSpeed does.
 
-**Measured, not assumed.** A ledger (:class:`Ledger`) counts what this rank holds, by kind, as it allocates and frees
+**Measured, not assumed.** A ledger (:class:`~dtrain.parallel.zero_shards.Ledger`, in zero_shards.py with the other
+bookkeeping: which chunk of each layer a rank owns) counts what this rank holds, by kind, as it allocates and frees
 (an accounting of the arrays this module holds, not the process's RSS); its peaks and the tracer's bytes are held
 against :meth:`Zero.costs` in tests/test_zero.py. The whole model exists once on every rank while it is built, from
 the seed (FSDP without a meta device does the same); stage 3 keeps only its chunks of it.
@@ -55,7 +67,6 @@ any N, ``ddp`` or ``single`` can resume them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -64,72 +75,27 @@ import numpy as np
 from dtrain import collectives, kernels
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, is_device_array, to_host
-from dtrain.collectives import chunk_bounds, costmodel
-from dtrain.comm.trace import CHECKPOINT, EVALUATION
+from dtrain.collectives import costmodel
+from dtrain.comm.trace import CHECKPOINT
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.parallel import Paradigm, register
-from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.data_parallel import check_replicas
+from dtrain.parallel.zero_shards import KINDS, Evaluating, Ledger, Unit, UnitOptimizers, units_of
 
 STAGES = (1, 2, 3)
 DEFAULT_STAGE = 3  # full sharding, FSDP's default
 PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
-KINDS = ("parameters", "gradients", "optimizer")
 
 
-@dataclasses.dataclass(frozen=True)
-class Unit:
-    """One Linear layer's parameters: ``flat[start:start + size]`` (a rows x cols weight, then cols biases), and this
-    rank's chunk of them, ``[lo, hi)`` relative to ``start``."""
+def paper_formula(n: int, world: int, stage: int, itemsize: int, buffers: int) -> dict:
+    """The ZeRO paper's bytes per rank by kind, in dtrain's terms (module docstring): ``n`` parameters of
+    ``itemsize`` bytes, ``buffers`` optimizer buffers (k), ``stage`` 0 for ddp. No layer in flight, chunks of n/N."""
 
-    start: int
-    rows: int
-    cols: int
-    lo: int
-    hi: int
+    def state(sharded_from: int) -> float:  # the optimizer state is sharded from stage 1, gradients 2, parameters 3
+        return n * itemsize / world if stage >= sharded_from else n * itemsize
 
-    @property
-    def size(self) -> int:
-        return self.rows * self.cols + self.cols
-
-    @property
-    def whole(self) -> slice:
-        return slice(self.start, self.start + self.size)
-
-    @property
-    def own(self) -> slice:
-        return slice(self.start + self.lo, self.start + self.hi)
-
-    def weight(self, flat):
-        return flat[: self.rows * self.cols].reshape(self.rows, self.cols)
-
-    def bias(self, flat):
-        return flat[self.rows * self.cols :]
-
-
-def units_of(sizes, rank: int, world: int) -> list[Unit]:
-    """The layers of an MLP with widths ``sizes``, in flat-buffer order, each with ``rank``'s chunk."""
-    units, start = [], 0
-    for rows, cols in itertools.pairwise(sizes):
-        lo, hi = chunk_bounds(rows * cols + cols, world)[rank]
-        units.append(Unit(start, rows, cols, lo, hi))
-        start += rows * cols + cols
-    return units
-
-
-class Ledger:
-    """What this rank holds for training, by kind, now and at its peak (bytes)."""
-
-    def __init__(self):
-        self.now = dict.fromkeys(KINDS, 0)
-        self.peak = dict.fromkeys(KINDS, 0)
-
-    def hold(self, kind: str, nbytes: int) -> None:
-        self.now[kind] += nbytes
-        self.peak[kind] = max(self.peak[kind], self.now[kind])
-
-    def free(self, kind: str, nbytes: int) -> None:
-        self.now[kind] -= nbytes
+    return {"parameters": state(3), "gradients": state(2), "optimizer": buffers * state(1)}
 
 
 class ShardedLinear(Module):
@@ -151,39 +117,17 @@ class ShardedLinear(Module):
             with zero.layer(unit, self.shard.data, "backward") as full:  # stage 3: gathered again (not kept)
                 gx = g @ unit.weight(full).T if x.requires_grad else None
             grad = xp.empty(unit.size, dtype=g.dtype)  # this layer's whole gradient, until it is reduce-scattered
-            zero.ledger.hold("gradients", grad.nbytes)
+            zero.ledger.hold("gradients", grad.nbytes, f"layer {unit.index}: its whole gradient")
             xp.matmul(x.data.T, g, out=unit.weight(grad))
             g.sum(axis=0, out=unit.bias(grad))
             self.shard.grad += zero.reduce_scatter(grad)
-            zero.ledger.free("gradients", grad.nbytes)
+            zero.ledger.free("gradients", grad.nbytes, f"layer {unit.index}: gradient reduce-scattered, freed")
             return gx, None  # the shard's gradient is already accumulated
 
         return Tensor._make(out, (x, self.shard), backward)
 
     def __repr__(self):
         return f"ShardedLinear({self.unit.rows}, {self.unit.cols}, chunk {self.unit.hi - self.unit.lo})"
-
-
-class UnitOptimizers:
-    """One optimizer per layer, each over this rank's chunk (the update is elementwise: chunk by chunk is exact)."""
-
-    def __init__(self, parts):
-        self.parts = parts
-
-    def step(self) -> None:
-        for part in self.parts:
-            part.step()
-
-
-class _Evaluating:
-    """The model, its traffic (stage 3's gathers) labelled as evaluation's."""
-
-    def __init__(self, model, tracer):
-        self.model, self.tracer = model, tracer
-
-    def __call__(self, x):
-        with self.tracer.operation(EVALUATION):
-            return self.model(x)
 
 
 @register
@@ -230,7 +174,7 @@ class Zero(Paradigm):
         xp = array_module(flat)
         if self.world > 1 and not is_device_array(flat):
             kernels.load(flat.dtype)  # (Numba's start-up now, not inside the first timed step)
-        if self.world == 1 and self.rank == 0 and not getattr(self.config, "quiet", False):
+        if self.world == 1 and not self.config.quiet:
             print(f"zero on 1 rank: nothing to shard, this is plain training (stage {self.stage}'s steps)", flush=True)
         self.sizes, self.n, self.dtype = list(model.sizes), flat.size, flat.dtype
         self.units = units_of(self.sizes, self.rank, self.world)
@@ -283,13 +227,13 @@ class Zero(Paradigm):
             yield self.model.flat_params[unit.whole]
             return
         full = array_module(self.model.flat_params).empty(unit.size, dtype=self.dtype)
-        self.ledger.hold("parameters", full.nbytes)
+        self.ledger.hold("parameters", full.nbytes, f"layer {unit.index}: gathered for {when}")
         full[unit.lo : unit.hi] = chunk
         self.allgather(full, f"zero/allgather-{when}/{self.ag_algorithm}")
         try:
             yield full
         finally:
-            self.ledger.free("parameters", full.nbytes)
+            self.ledger.free("parameters", full.nbytes, f"layer {unit.index}: {when} done, freed")
 
     # --- one step -----------------------------------------------------------------------------------------
     def after_backward(self) -> None:
@@ -346,11 +290,11 @@ class Zero(Paradigm):
     def evaluation_model(self):
         if self.stage < 3 or self.tracer is None:
             return self.model
-        return _Evaluating(self.model, self.tracer)
+        return Evaluating(self.model, self.tracer)
 
     def finish(self) -> dict:
         if self.stage < 3:
-            DataParallel.check_replicas(self, "at the end of training")
+            check_replicas(self.comm, self.model.flat_params, "at the end of training")
         else:
             self.gathered = self.full_parameters()
         return {
