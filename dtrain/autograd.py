@@ -306,6 +306,14 @@ def softmax_cross_entropy(logits: Tensor, labels) -> Tensor:
     return Tensor._make(xp.asarray(loss, dtype=z.dtype), (logits,), backward)
 
 
+def activation_bytes(output: Tensor) -> int:
+    """Bytes of the intermediate results that ``output``'s graph keeps alive until its backward: the ``data`` of every
+    non-leaf tensor in it, ``output`` included. This is a forward pass's *activation memory*, the part of training
+    memory that grows with the batch (parameters, gradients and optimizer state do not). Not counted: the input batch,
+    and the few arrays an op's backward closure makes for itself (softmax's probabilities)."""
+    return sum(node.data.nbytes for node in output._topological_order() if not node.is_leaf)
+
+
 def unbroadcast(grad, shape):
     """Sum ``grad`` over the axes along which an input of ``shape`` was broadcast, returning that shape."""
     if grad.shape == tuple(shape):

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy, unbroadcast
+from dtrain.autograd import Tensor, activation_bytes, no_grad, softmax_cross_entropy, unbroadcast
 from dtrain.nn import MLP
 
 EPS = 1e-6  # central differences in float64: truncation ~EPS^2, rounding ~1e-16 / EPS, both far below the tolerance
@@ -464,3 +464,15 @@ def test_matmul_by_a_plain_array_treats_it_as_a_constant():
     y = Tensor(np.arange(6.0).reshape(3, 2), requires_grad=True)
     (y @ np.ones((2, 5))).sum().backward()  # d/dy sum(y @ B) = B summed over its columns, for every row
     np.testing.assert_array_equal(y.grad, np.full((3, 2), 5.0))
+
+
+@pytest.mark.parametrize("batch", [1, 7, 32])
+def test_activation_bytes_counts_every_intermediate_of_an_mlp_forward(batch):
+    """Per Linear+ReLU layer of width h the graph keeps x@W, +b and relu (3 arrays of batch x h); the last layer keeps
+    x@W and +b; the loss is one number. In float64: 8 bytes each."""
+    model = MLP([64, 32, 16, 10], seed=0, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((batch, 64))
+    loss = softmax_cross_entropy(model(Tensor(x)), np.zeros(batch, dtype=np.int64))
+    assert activation_bytes(loss) == 8 * (batch * (3 * 32 + 3 * 16 + 2 * 10) + 1)
+    with no_grad():  # no graph, nothing kept: only the output itself
+        assert activation_bytes(model(Tensor(x))) == 0
