@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--paradigm",
         choices=parallel.names(),
         default=defaults.paradigm,
-        help="single: one process; ddp: data parallel, gradients all-reduced every step; ps-sync, ps-async: "
-        "parameter servers; central-storage: rank 0 holds the variables (default %(default)s)",
+        help="single: one process; ddp: data parallel, gradients all-reduced every step; zero: data parallel with "
+        "the optimizer state, gradients and parameters sharded (ZeRO stages 1-3, FSDP); ps-sync, ps-async: "
+        "parameter servers; central-storage: rank 0 holds the variables; local-sgd, gossip: decentralized "
+        "(default %(default)s)",
     )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
@@ -113,8 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--device", choices=DEVICES, default=defaults.device)
     t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
-    ddp = t.add_argument_group("data parallelism (--paradigm ddp)")
-    ddp.add_argument("--allreduce", choices=ALGORITHMS, default=defaults.allreduce, help="gradient all-reduce")
+    ddp = t.add_argument_group("data parallelism (--paradigm ddp; --allreduce also zero, local-sgd, gossip)")
+    ddp.add_argument(
+        "--allreduce",
+        choices=ALGORITHMS,
+        default=defaults.allreduce,
+        help="the all-reduce algorithm (zero: the reduce-scatter/all-gather pair, ring or rabenseifner)",
+    )
     ddp.add_argument(
         "--ranks-per-node", type=int, metavar="K", help="emulate nodes of K ranks for the hierarchical all-reduces"
     )
