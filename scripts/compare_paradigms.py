@@ -2,15 +2,17 @@
 
 The runs (each ``dtrain launch -n 4 -m dtrain train --paradigm ... --dataset digits --batch-size 96 --epochs 20``):
 ddp (the baseline), local-sgd with H = 1, 4, 8, 16, post-local SGD (H = 8 after a warm-up of 2 epochs of ddp
-steps), gossip on a ring and on an exponential graph, ps-sync and ps-async (1 server + 3 workers: the same 4
-processes, one fewer computing), and central storage. The global batch 96 divides among 4 ranks and among 3
-workers, and its 14 steps per epoch make 280 steps, a multiple of every H, so no run pays an extra final average.
+steps), gossip on a ring and on an exponential graph, ZeRO stages 1, 2 and 3, ps-sync and ps-async (1 server + 3
+workers: the same 4 processes, one fewer computing), and central storage. The global batch 96 divides among 4
+ranks and among 3 workers, and its 14 steps per epoch make 280 steps, a multiple of every H, so no run pays an extra
+final average.
 
 For each: final test accuracy, wall time (``train()`` from start to end: data, model, training, evaluation; the
 median of ``--repeats`` runs, interleaved; reductions by NumPy, see ``run_once``), and bytes per
 rank from the tracer (metrics.json ``communication.per_rank``): the mean over ranks and the largest rank (a
 parameter server's), training traffic only (local SGD's and gossip's per-epoch evaluation of the replicas' average
-is counted under "evaluation" and shown apart). Ratios are against ddp measured in the same run. Two figures:
+is counted under "evaluation" and shown apart), and the parameters, gradients and optimizer state the fullest rank
+holds (the paradigm's cost function). Ratios are against ddp measured in the same run. Two figures:
 accuracy against bytes per rank and accuracy against wall time (``docs/bench/compare_paradigms.png``).
 
     python scripts/compare_paradigms.py                    # writes docs/bench/compare_paradigms.{txt,json,png}
@@ -37,6 +39,9 @@ RUNS = {  # label: flags after --paradigm
     "post-local H=8": ["--paradigm", "local-sgd", "--sync-every", "8", "--warmup-sync-steps", "WARMUP"],
     "gossip ring": ["--paradigm", "gossip", "--topology", "ring"],
     "gossip exponential": ["--paradigm", "gossip", "--topology", "exponential"],
+    "zero stage 1": ["--paradigm", "zero", "--zero-stage", "1"],
+    "zero stage 2": ["--paradigm", "zero", "--zero-stage", "2"],
+    "zero stage 3": ["--paradigm", "zero", "--zero-stage", "3"],
     "ps-sync": ["--paradigm", "ps-sync"],
     "ps-async": ["--paradigm", "ps-async"],
     "central-storage": ["--paradigm", "central-storage"],
@@ -58,13 +63,26 @@ def run_once(flags: list[str], args, folder: Path) -> dict:
 
 
 def traffic(metrics: dict) -> tuple[float, int, float]:
-    """(mean training bytes sent per rank, the largest rank's, mean evaluation bytes per rank)."""
+    """(mean training bytes sent per rank, the largest rank's, mean evaluation bytes per rank). Not training: the
+    "evaluation" label, and "checkpoint" (ZeRO-3 gathers the final model from its chunks)."""
     training, evaluation = [], []
     for mine in metrics["communication"]["per_rank"]:
         ops = mine["operations"]
         evaluation.append(ops.get("evaluation", {}).get("bytes_sent", 0))
-        training.append(mine["totals"]["bytes_sent"] - evaluation[-1])
+        final_gather = ops.get("checkpoint", {}).get("bytes_sent", 0)
+        training.append(mine["totals"]["bytes_sent"] - evaluation[-1] - final_gather)
     return statistics.mean(training), max(training), statistics.mean(evaluation)
+
+
+def state_held(metrics: dict) -> float:
+    """Bytes of parameters, gradients and optimizer state the fullest rank holds, from the paradigm's cost function
+    (a number: every rank alike; a list: per rank), which tests hold against each paradigm's own accounting."""
+    costs = metrics["costs"]
+    per_rank = [0] * metrics["world_size"]
+    for kind in ("parameters", "gradients", "optimizer"):
+        values = costs[kind] if isinstance(costs[kind], list) else [costs[kind]] * metrics["world_size"]
+        per_rank = [a + b for a, b in zip(per_rank, values)]
+    return max(per_rank)
 
 
 def main() -> None:
@@ -101,6 +119,7 @@ def main() -> None:
             "bytes_mean": mean_bytes,
             "bytes_max": max_bytes,
             "evaluation_bytes": eval_bytes,
+            "state_bytes": state_held(first),
             "steps": len(first["epochs"]) * steps_per_epoch,
         }
     base = rows["ddp"]
@@ -112,14 +131,14 @@ def main() -> None:
         "DTRAIN_KERNELS=numpy",
         "",
         f"{'paradigm':20s} {'test acc':>9s} {'vs ddp':>7s} {'wall s':>7s} {'x ddp':>6s} {'MB/rank':>9s} "
-        f"{'x ddp':>7s} {'MB max':>8s} {'eval MB':>8s}",
+        f"{'x ddp':>7s} {'MB max':>8s} {'eval MB':>8s} {'state MB':>9s}",
     ]
     for label, r in rows.items():
         lines.append(
             f"{label:20s} {100 * r['accuracy']:8.2f}% {100 * (r['accuracy'] - base['accuracy']):+6.2f} "
             f"{r['wall_s']:7.2f} {r['wall_s'] / base['wall_s']:6.2f} {r['bytes_mean'] / 1e6:9.2f} "
             f"{r['bytes_mean'] / base['bytes_mean']:7.3f} {r['bytes_max'] / 1e6:8.2f} "
-            f"{r['evaluation_bytes'] / 1e6:8.2f}"
+            f"{r['evaluation_bytes'] / 1e6:8.2f} {r['state_bytes'] / 1e6:9.3f}"
         )
     h8 = rows["local-sgd H=8"]
     ddp_steps = base["steps"] * statistics.mean(results["ddp"][0]["costs"]["sent_per_step"])  # mean over ranks
@@ -149,7 +168,7 @@ def plot(rows: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_bytes, by_time) = plt.subplots(1, 2, figsize=(13, 4.8))
-    markers = "osD^v<>Xp*h"
+    markers = "osD^v<>Xp*hHP8d"
     for (label, r), marker in zip(rows.items(), markers):
         for axis, x in ((by_bytes, r["bytes_mean"] / 1e6), (by_time, r["wall_s"])):
             axis.scatter(x, 100 * r["accuracy"], marker=marker, s=50, label=label, alpha=0.8)

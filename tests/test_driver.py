@@ -132,8 +132,10 @@ def _truncate(folder):
     path.write_bytes(path.read_bytes()[:300])
 
 
+@pytest.mark.parametrize("reader", [{}, {"paradigm": "zero", "zero_stage": 3}], ids=["ddp", "zero3"])
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
-def test_a_bad_checkpoint_is_one_clear_error_on_every_rank_and_nothing_is_overwritten(case, tmp_path):
+def test_a_bad_checkpoint_is_one_clear_error_on_every_rank_and_nothing_is_overwritten(case, reader, tmp_path):
+    """(Read by ddp, and by zero, whose ranks each hold a chunk: the checks happen on rank 0 before any is loaded.)"""
     damage, phrase = BAD_CHECKPOINTS[case]
     damage(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -141,7 +143,7 @@ def test_a_bad_checkpoint_is_one_clear_error_on_every_rank_and_nothing_is_overwr
 
     def fn(comm):
         try:
-            train(ddp(checkpoint_dir=str(tmp_path), resume=True, out=str(tmp_path / "run")), comm)
+            train(ddp(checkpoint_dir=str(tmp_path), resume=True, out=str(tmp_path / "run"), **reader), comm)
         except ConfigError as exc:
             errors.append((comm.Get_rank(), str(exc)))
 
