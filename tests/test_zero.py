@@ -276,6 +276,12 @@ def test_zero_on_one_rank_trains_and_says_it_is_plain_training(capsys):
     assert metrics["weights_sha256"] == single["weights_sha256"]  # one rank: the same arithmetic, bit for bit
 
 
+def test_auto_takes_halving_and_doubling_on_a_power_of_two_and_the_ring_elsewhere():
+    cfg = zero(3, allreduce="auto")
+    assert [Zero.pair(cfg, p) for p in (1, 2, 3, 4, 6, 8)] == [("ring", "ring"), ("rabenseifner", "doubling"),
+        ("ring", "ring"), ("rabenseifner", "doubling"), ("ring", "ring"), ("rabenseifner", "doubling")]  # fmt: skip
+
+
 def test_a_bad_stage_on_the_command_line_is_one_line_and_no_run(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "dtrain", "train", "--paradigm", "zero", "--zero-stage", "5", "--out", str(tmp_path)],

@@ -36,9 +36,10 @@ replicated paradigm shares, with three places to act::
     optimizer step                                        a parameter-server worker's: push, then pull the weights
     after_step()                                          central storage: rank 0's weights to all
 
-The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``ps-sync`` and ``ps-async``
-(parameter_server.py; the server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd``
-(local_sgd.py), ``gossip`` (gossip.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded data parallelism; its bookkeeping in zero_shards.py).
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded
+data parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py; the
+server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip``
+(gossip.py).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.

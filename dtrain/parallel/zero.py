@@ -33,7 +33,12 @@ N chunks by ``chunk_bounds``, and rank r owns chunk r of every layer (FSDP does 
 
 A reduce-scatter and an all-gather are the two halves of a ring all-reduce (:mod:`dtrain.collectives.ring`), so
 stages 1 and 2 send what ddp sends; stage 3 gathers twice, 1.5 times as much. ``--allreduce`` picks the pair:
-``ring`` (any N; the default) or ``rabenseifner`` (recursive halving, then recursive doubling; N a power of two).
+``ring`` (any N) or ``rabenseifner`` (recursive halving, then recursive doubling; N a power of two); ``auto`` takes
+the second where it applies, since it needs log2 N steps to the ring's N - 1 for the same bytes.
+
+**Collectives per layer, not per model.** Every collective here moves one layer (FSDP moves one wrapped unit), so a
+step of an m-layer model pays m times the latency of ddp's one all-reduce: on a small model ZeRO is slower than ddp
+for that alone, on a large one the bytes dominate and the two cost the same (docs/benchmarks.md, section 7).
 
 **Cost per rank** (n parameters of b bytes; N ranks; s = this rank's chunks, about n/N; L = the largest layer;
 k = 0, 1 or 2 optimizer buffers for plain SGD, momentum, Adam; a = ``--accumulate``)::
@@ -148,11 +153,14 @@ class Zero(Paradigm):
 
     @staticmethod
     def pair(config, world: int) -> tuple[str, str]:
-        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names."""
-        name = "ring" if config.allreduce == "auto" else config.allreduce
+        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names. "auto": halving and doubling on a
+        power-of-two N (log2 N steps each where the ring takes N - 1, for the same bytes), else the ring."""
+        name = config.allreduce
+        if name == "auto":
+            name = "rabenseifner" if world > 1 and not world & (world - 1) else "ring"
         if name not in PAIRS:
             raise ConfigError(
-                f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto (ring), ring or "
+                f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto, ring or "
                 "rabenseifner (recursive halving, then recursive doubling)"
             )
         if name == "rabenseifner" and world & (world - 1):
