@@ -174,9 +174,11 @@ def plot(all_results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((h, o) for h, _, o in all_results))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    rows = 2 if len(panels) > 2 else 1
+    cols = -(-len(panels) // rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
     colours = {"parameters": "C0", "gradients": "C1", "optimizer": "C2"}
-    for ax, (hidden, optimizer) in zip(axes[0], panels):
+    for ax, (hidden, optimizer) in zip(axes.flat, panels):
         labels, positions, x = [], [], 0.0
         for (h, world, opt), results in all_results.items():
             if (h, opt) != (hidden, optimizer):
