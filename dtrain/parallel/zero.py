@@ -80,7 +80,7 @@ import numpy as np
 from dtrain import collectives, kernels
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, is_device_array, to_host
-from dtrain.collectives import costmodel
+from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.comm.trace import CHECKPOINT
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
@@ -321,6 +321,7 @@ class Zero(Paradigm):
         buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
         layers = [u.size for u in units_of(sizes, 0, world)]
         n, largest = sum(layers), max(layers)
+        bounds = [chunk_bounds(size, world) for size in layers]  # (once: per rank it would cost N times as much)
 
         def sent(collective, algorithm, rank):
             return sum(costmodel.bytes_sent(algorithm, size, b, world, rank, collective=collective) for size in layers)
@@ -328,7 +329,7 @@ class Zero(Paradigm):
         costs = {"sent_per_step": [], **{kind: [] for kind in KINDS}}
         for rank in range(world):
             scatter, gather = sent("reduce_scatter", rs, rank), sent("allgather", ag, rank)
-            s = sum(u.hi - u.lo for u in units_of(sizes, rank, world))
+            s = sum(hi - lo for lo, hi in (layer[rank] for layer in bounds))  # this rank's chunks
             per_step = {1: scatter + gather, 2: a * scatter + gather, 3: a * (scatter + 2 * gather)}
             costs["sent_per_step"].append(per_step[stage])
             costs["parameters"].append((n if stage < 3 else s + largest) * b)
