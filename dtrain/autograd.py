@@ -310,8 +310,13 @@ def activation_bytes(output: Tensor) -> int:
     """Bytes of the intermediate results that ``output``'s graph keeps alive until its backward: the ``data`` of every
     non-leaf tensor in it, ``output`` included. This is a forward pass's *activation memory*, the part of training
     memory that grows with the batch (parameters, gradients and optimizer state do not). Not counted: the input batch,
-    and the few arrays an op's backward closure makes for itself (softmax's probabilities)."""
-    return sum(node.data.nbytes for node in output._topological_order() if not node.is_leaf)
+    and the few arrays an op's backward closure makes for itself (softmax's probabilities). Each array counts once: an
+    op that hands its input on as its output (tensor parallelism's ``f``, an all-reduce made in place) keeps nothing
+    new, and an array a leaf holds (a pipeline stage's received input) is not an intermediate result."""
+    order = output._topological_order()
+    leaves = {id(node.data) for node in order if node.is_leaf}
+    kept = {id(node.data): node.data.nbytes for node in order if not node.is_leaf and id(node.data) not in leaves}
+    return sum(kept.values())
 
 
 def unbroadcast(grad, shape):

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.collectives import ALGORITHMS
     from dtrain.data import DATASETS
     from dtrain.optim import OPTIMIZERS
+    from dtrain.parallel.schedules import SCHEDULES
     from dtrain.train import TrainConfig
 
     defaults = TrainConfig()
@@ -78,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.paradigm,
         help="single: one process; ddp: data parallel, gradients all-reduced every step; zero: data parallel with "
         "the optimizer state, gradients and parameters sharded (ZeRO stages 1-3, FSDP); ps-sync, ps-async: "
-        "parameter servers; central-storage: rank 0 holds the variables; local-sgd, gossip: decentralized "
-        "(default %(default)s)",
+        "parameter servers; central-storage: rank 0 holds the variables; local-sgd, gossip: decentralized; "
+        "tp: tensor parallel (every layer's matrices split over --tp ranks); pp: pipeline parallel (consecutive "
+        "layers on --pp ranks, micro-batches flowing through them) (default %(default)s)",
     )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
@@ -176,6 +178,34 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("ring", "torus", "exponential", "random"),
         default=defaults.topology,
         help="gossip: the graph each rank averages over (default %(default)s)",
+    )
+    grid = t.add_argument_group(
+        "model parallelism (--paradigm tp, pp): the rank grid dp x tp x pp; --allreduce: the tensor and dp groups' "
+        "all-reduce"
+    )
+    grid.add_argument(
+        "--dp", type=int, metavar="D", help="data-parallel replicas of the model (default: the ranks left)"
+    )
+    grid.add_argument(
+        "--tp", type=int, metavar="T", help="ranks that split every layer (tensor parallel; tp default: the ranks left)"
+    )
+    grid.add_argument("--pp", type=int, metavar="P", help="pipeline stages (pp default: the ranks left)")
+    grid.add_argument(
+        "--microbatches",
+        type=int,
+        default=defaults.microbatches,
+        metavar="M",
+        help="pp: micro-batches per step, each replica's slice of the batch cut into M (default %(default)s)",
+    )
+    grid.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=defaults.schedule,
+        help="pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward) or interleaved "
+        "(1f1b over --virtual-stages chunks per rank) (default %(default)s)",
+    )
+    grid.add_argument(
+        "--virtual-stages", type=int, metavar="V", help="pp, interleaved: model chunks per rank (default 2)"
     )
     slow = t.add_argument_group("a straggler (any paradigm)")
     slow.add_argument("--slow-rank", type=int, metavar="R", help="make rank R slower than the others")

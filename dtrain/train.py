@@ -33,6 +33,7 @@ from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
 from dtrain.optim import OPTIMIZERS, make_optimizer
+from dtrain.parallel.schedules import SCHEDULES
 
 
 @dataclass
@@ -72,6 +73,13 @@ class TrainConfig:
     average_via: str = "allreduce"  # local-sgd: "allreduce" (--allreduce) or "master" (to rank 0 and back)
     warmup_sync_steps: int = 0  # local-sgd: the first W steps are ddp steps (post-local SGD)
     topology: str = "ring"  # gossip: whom each rank averages with: ring, torus, exponential, random
+    # model parallelism (tp, pp): the rank grid dp x tp x pp; a missing size takes what the others leave
+    dp: int | None = None  # data-parallel replicas of the model-parallel model
+    tp: int | None = None  # tensor-parallel ranks that split every layer of a stage
+    pp: int | None = None  # pipeline stages
+    microbatches: int = 4  # pp: micro-batches each replica's slice of the global batch is cut into
+    schedule: str = "1f1b"  # pp: gpipe, 1f1b or interleaved
+    virtual_stages: int | None = None  # pp, interleaved: model chunks per rank (None: 2 when interleaved, else 1)
     # a straggler, for any paradigm
     slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
     slow_factor: float = 1.0
@@ -137,6 +145,13 @@ class TrainConfig:
             raise ConfigError(f"--slow-factor must be a number >= 1 (times slower), got {self.slow_factor}")
         if self.slow_rank is not None and self.slow_rank < 0:
             raise ConfigError(f"--slow-rank must be a rank (>= 0), got {self.slow_rank}")
+        for name in ("dp", "tp", "pp", "virtual_stages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule!r} is not one of: {', '.join(SCHEDULES)}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 

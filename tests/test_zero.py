@@ -9,12 +9,12 @@ single.
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import train_util
 from test_data_parallel import BATCH, SIZES, STEPS, batches, config, make_model, relative, run
 
 from dtrain import parallel
@@ -25,7 +25,7 @@ from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel.zero import Zero, paper_formula
-from dtrain.train import TrainConfig, train
+from dtrain.train import TrainConfig
 
 ADAM_LR = 0.01
 
@@ -222,8 +222,7 @@ FAST = dict(hidden=(32,), batch_size=48, progress=False, quiet=True, timeout=0, 
 
 
 def on_sim(p, **overrides):
-    cfg = TrainConfig(**{**FAST, **overrides})
-    return sim.SimWorld(p, timeout=120).run(lambda comm: train(cfg, comm))[0]
+    return train_util.on_sim(p, FAST, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -237,17 +236,9 @@ def on_sim(p, **overrides):
     ids=["zero3 on 3 -> ddp on 2", "zero2 on 2 -> single", "ddp on 2 -> zero3 on 4", "zero1 on 4 -> zero2 on 3"],
 )
 def test_a_checkpoint_is_resumed_by_another_stage_world_size_or_paradigm(writer, reader, tmp_path):
-    """One epoch by the writer, then the reader resumes for a second: the same trajectory as one uninterrupted run
-    (every global batch is the same; only the order of summation over ranks differs, so to rounding)."""
-    (p_w, w), (p_r, r) = writer, reader
-    folder = str(tmp_path / "ckpt")
-    on_sim(p_w, epochs=1, checkpoint_dir=folder, **w)
-    resumed = on_sim(p_r, epochs=2, checkpoint_dir=folder, resume=True, **r)
-    whole = on_sim(p_w, epochs=2, **w)
-    first = ("train_loss", "test_loss", "test_accuracy")  # the first epoch's metrics come from the checkpoint
-    assert [resumed["epochs"][0][k] for k in first] == [whole["epochs"][0][k] for k in first]
-    assert resumed["final"]["train_loss"] == pytest.approx(whole["final"]["train_loss"], rel=1e-10)
-    assert resumed["final"]["test_loss"] == pytest.approx(whole["final"]["test_loss"], rel=1e-10)
+    """One epoch by the writer, then the reader resumes for a second: the same trajectory as the writer's
+    uninterrupted run."""
+    train_util.check_resumed_elsewhere(tmp_path / "ckpt", FAST, writer, reader, reference=writer)
 
 
 # --- bad input ------------------------------------------------------------------------------------------------------
@@ -294,17 +285,11 @@ def test_a_bad_stage_on_the_command_line_is_one_line_and_no_run(tmp_path):
 # --- real ranks -----------------------------------------------------------------------------------------------------
 
 
+COMMON = ["--hidden", "64", "--epochs", "2", "--dtype", "float64", "--batch-size", "48", "--no-progress", "--quiet"]
+
+
 def _train(tmp_path, name, ranks, *flags):
-    out = tmp_path / name
-    common = ["--hidden", "64", "--epochs", "2", "--dtype", "float64", "--batch-size", "48", "--no-progress",
-              "--quiet", "--out", str(out)]  # fmt: skip
-    if ranks == 1:
-        command = [sys.executable, "-m", "dtrain", "train", *common, *flags]
-    else:
-        command = [sys.executable, "-m", "dtrain", "launch", "-n", str(ranks), "-m", "dtrain", "train", *common, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    return json.loads((out / "metrics.json").read_text())
+    return train_util.train_cli(tmp_path / name, ranks, *COMMON, *flags, timeout=240)
 
 
 @pytest.mark.parametrize(("stage", "p"), [(1, 2), (2, 3), (3, 4), (3, 3)])

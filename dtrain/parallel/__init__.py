@@ -57,7 +57,10 @@ from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.errors import ConfigError
 
 _REGISTRY: dict[str, type[Paradigm]] = {}
-MODULES = ("single", "data_parallel", "zero", "parameter_server", "central_storage", "local_sgd", "gossip")
+MODULES = (
+    "single", "data_parallel", "zero", "parameter_server", "central_storage", "local_sgd", "gossip", "tensor_parallel",
+    "pipeline",
+)  # fmt: skip
 
 
 def register(cls: type[Paradigm]) -> type[Paradigm]:
@@ -97,6 +100,7 @@ class Paradigm:
     role = "trainer"
     uses: frozenset[str] = frozenset()  # the TrainConfig fields of this paradigm's own flags (others refuse them)
     epoch_over = False  # asynchronous workers share an epoch's steps: the paradigm says when it is over
+    sharers = "workers"  # what the ranks that split the global batch are called, when they are not all the ranks
 
     def __init__(self, comm, config):
         self.comm, self.config = comm, config
@@ -116,7 +120,7 @@ class Paradigm:
                 f"needs at least one sample per step; use --batch-size {count} or more, or fewer ranks"
             )
         if config.batch_size % count:
-            who = "ranks" if count == world else f"workers (of {world} ranks)"
+            who = "ranks" if count == world else f"{cls.sharers} (of {world} ranks)"
             raise ConfigError(
                 f"--batch-size {config.batch_size} (the global batch) must split evenly over the {count} {who} that "
                 f"train on it; try {max(count, config.batch_size // count * count)}"
