@@ -103,6 +103,31 @@ def plot_metrics(paths, out_png, labels=None) -> Path:
     return out_png
 
 
+COLOURS = {"forward": ("#4C72B0", "#A6BDDB"), "backward": ("#DD8452", "#F5C6A5")}  # chunk 0, later chunks
+
+
+def draw_timeline(ax, bars, title: str | None = None) -> None:
+    """A pipeline's timeline on the matplotlib axes ``ax``: a row per pipeline rank (stage 0 on top), a bar per
+    forward (blue) and backward (orange) from its start to its end, its micro-batch written inside; a rank's later
+    chunks (interleaving) in lighter shades. The white space is the bubble.
+
+    ``bars``: ``(rank, op, micro, start, end, chunk)`` tuples, from a schedule simulated before running anything
+    (:func:`dtrain.parallel.schedules.simulate`, made into bars by ``schedules.bars``) or measured by a pipeline.
+    """
+    bars = list(bars)
+    origin = min(bar[3] for bar in bars)
+    for rank, op, micro, start, end, chunk in bars:
+        colour = COLOURS[op][0 if chunk == 0 else 1]
+        ax.barh(rank, end - start, left=start - origin, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
+        ax.text((start + end) / 2 - origin, rank, str(micro), ha="center", va="center", fontsize=7)
+    ranks = sorted({bar[0] for bar in bars})
+    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.set_ylim(max(ranks) + 0.6, -0.6)
+    ax.set_xlim(0, max(bar[4] for bar in bars) - origin)
+    if title:
+        ax.set_title(title, fontsize=10)
+
+
 def _label(run: dict, path) -> str:
     """``paradigm xN (run folder)``, for a metrics.json path or a run folder alike."""
     cfg, path = run.get("config", {}), Path(path)

@@ -336,3 +336,11 @@ def test_under_mpiexec_pipelines_follow_single(ranks, flags, tmp_path):
         training = [ops for label, ops in mine["operations"].items() if label not in ("checkpoint", "evaluation")]
         assert sum(ops["bytes_sent"] for ops in training) == steps * costs["sent_per_step"][rank]
         assert mine["paradigm"]["per_rank"][rank]["peak_activation_bytes"] == costs["activations"][rank]
+
+
+def test_the_docstrings_picture_is_what_the_schedules_draw():
+    """schedules.py opens with GPipe and 1F1B for P = M = 4: the very lines text() draws from the instruction lists."""
+    lines = [line[14:] for line in schedules.__doc__.splitlines() if line.startswith("    stage ")]
+    for column, name in enumerate(("gpipe", "1f1b")):
+        drawn = schedules.text(schedules.simulate(schedules.build(name, 4, 4), 1.0, 2.0), 4)
+        assert [line.split()[column] for line in lines] == drawn

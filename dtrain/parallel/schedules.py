@@ -12,12 +12,12 @@ this module can check it, time it and draw it without MPI::
     interleaved_1f1b(P,M,V)  each rank holds V model chunks (virtual stages s, s + P, ...), so a micro-batch
                              crosses the ranks V times in smaller steps, and the bubble shrinks V-fold (Megatron)
 
-    P = 4, M = 4; F/B: forward/backward of micro-batch i; t_B = 2 t_F; dots: the bubble
-                  GPipe                                      1F1B
-    stage 0   F0 F1 F2 F3 ........ B0B0 B1B1 B2B2 B3B3   F0 F1 F2 F3 ........ B0B0 .. B1B1 .. B2B2 .. B3B3
-    stage 1   .. F0 F1 F2 F3 .... B0B0 B1B1 B2B2 B3B3 ..  .. F0 F1 F2 .... B0B0 F3 B1B1 .. B2B2 .. B3B3 ..
-    stage 2   ..... F0 F1 F2 F3 B0B0 B1B1 B2B2 B3B3 ....  ..... F0 F1 B0B0 F2 B1B1 F3 B2B2 .. B3B3 ....
-    stage 3   ........ F0 B0B0 F1 B1B1 F2 B2B2 F3 B3B3     ........ F0 B0B0 F1 B1B1 F2 B2B2 F3 B3B3 ......
+    P = 4, M = 4, t_B = 2 t_F: F3/B3 is micro-batch 3's forward/backward, dots the bubble (drawn by text())
+              GPipe                                           1F1B
+    stage 0   F0F1F2F3..................B0B0B1B1B2B2B3B3      F0F1F2F3............B0B0..B1B1..B2B2..B3B3
+    stage 1   ..F0F1F2F3............B0B0B1B1B2B2B3B3....      ..F0F1F2........B0B0F3B1B1..B2B2..B3B3....
+    stage 2   ....F0F1F2F3......B0B0B1B1B2B2B3B3........      ....F0F1....B0B0F2B1B1F3B2B2..B3B3........
+    stage 3   ......F0F1F2F3B0B0B1B1B2B2B3B3............      ......F0B0B0F1B1B1F2B2B2F3B3B3............
 
 Both leave the same **bubble**: each stage idles for P - 1 forward-and-backward slots of the M + P - 1 in a step, a
 fraction ``(P - 1) / (M + P - 1)``; interleaving with V chunks makes each slot V times shorter,
@@ -234,6 +234,25 @@ def simulate(schedule: list[list[Instruction]], forward_s: float = 1.0, backward
     if stuck:
         raise RuntimeError("the schedule deadlocks: " + "; ".join(stuck))
     return sorted(timeline, key=lambda event: (event[2], event[0]))
+
+
+def bars(timeline, stages: int) -> list[tuple]:
+    """:func:`simulate`'s timeline as ``(rank, op, micro, start, end, chunk)`` tuples, for ``report.draw_timeline``."""
+    return [(rank, ins.op, ins.micro, start, end, ins.stage // stages) for rank, ins, start, end in timeline]
+
+
+def text(timeline, stages: int, unit: float = 1.0) -> list[str]:
+    """:func:`simulate`'s timeline as lines of text, a line per rank, two characters per ``unit`` of time: ``F3``
+    for micro-batch 3's forward, ``B3`` for its backward (as many pairs as it lasts; lower case for a later chunk of
+    an interleaved rank), ``..`` idle: the bubble. Micro-batches past 9 are letters."""
+    end = max(finish for *_, finish in timeline)
+    rows = [["."] * round(2 * end / unit) for _ in range(stages)]
+    for rank, ins, start, finish in timeline:
+        letter = ins.op[0].upper() if ins.stage < stages else ins.op[0]
+        cell = letter + "0123456789abcdefghijklmnopqrstuvwxyz"[ins.micro % 36]
+        for k in range(round(start / unit), round(finish / unit)):
+            rows[rank][2 * k : 2 * k + 2] = cell
+    return ["".join(row) for row in rows]
 
 
 def bubble(timeline) -> float:

@@ -1,0 +1,240 @@
+"""Lesson 8: pipeline parallelism on real MPI ranks. Consecutive layers on consecutive ranks, micro-batches flowing.
+
+Cut the model's layers into P stages, one per rank; a micro-batch's activations go forward from stage to stage as
+messages, their gradients come back. With one batch, all but one stage would wait; with M micro-batches the stages
+work on different ones at once, and the *schedule* says which. dtrain/parallel/pipeline.py (the interpreter) and
+schedules.py (the schedules, as data); ``dtrain train --paradigm pp --pp P --microbatches M --schedule S``:
+
+    dtrain launch -n 4 lessons/08_pipeline_parallel.py
+    dtrain launch -n 2 lessons/08_pipeline_parallel.py --json pp.json
+
+What you will see:
+  1. GPipe, 1F1B and interleaved 1F1B drawn from their instruction lists before anything runs, and the bubble each
+     leaves: (P-1)/(M+P-1), and (P-1)/(VM+P-1) interleaved;
+  2. one 1F1B step on these ranks, instruction by instruction: each stage's list (warm-up, steady state, cool-down),
+     then the order in which the ranks really ran it;
+  3. the bubble measured on these ranks with a sleep-calibrated pipeline (each layer's forward sleeps 5 ms, its
+     backward 10 ms: the schedule, not Python's overhead or a shared core, sets the time), against the formula, as M
+     grows;
+  4. activation memory per stage, counted by the interpreter: GPipe keeps all M micro-batches, 1F1B at most P - s;
+     both held against Pipeline.costs();
+  5. training on real ranks: every schedule and grid follows single's loss curve (float64, to ~1e-12), and every
+     rank's bytes per step are the cost function's.
+
+Every check compares with an independent oracle and prints an OK line; the last line says whether all passed (the
+exit status is non-zero if not).
+
+Things to try:
+  * --sleep-ms 0: the real compute of a small model is tens of microseconds, and the bubble drowns in overhead;
+  * dtrain launch -n 4 -m dtrain train --paradigm pp --pp 4 --hidden 64,64,64 --trace pp.json, then
+    https://ui.perfetto.dev: each rank's forwards and backwards on its row, the bubble between them.
+"""
+
+import argparse
+import json
+
+import numpy as np
+from lesson_util import Checks, say, sleeping_barrier
+
+from dtrain.comm import mpi
+from dtrain.comm.prepare import prepare
+from dtrain.data import load_dataset, steps_per_epoch
+from dtrain.nn import MLP
+from dtrain.optim import make_optimizer
+from dtrain.parallel import schedules
+from dtrain.parallel.pipeline import Pipeline
+from dtrain.train import TrainConfig, train
+
+parser = argparse.ArgumentParser(description="Lesson 8: pipeline parallelism on MPI ranks")
+parser.add_argument("--epochs", type=int, default=3, help="epochs of section 5's training runs (default %(default)s)")
+parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
+parser.add_argument("--sleep-ms", type=float, default=5.0, help="section 3: a layer's forward sleeps this long, its "
+                    "backward twice as long (default %(default)s)")  # fmt: skip
+parser.add_argument("--max-microbatches", type=int, default=8, help="section 3's largest M (default %(default)s)")
+parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+args = parser.parse_args()
+
+mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+from mpi4py import MPI  # after argparse, so --help works without starting MPI
+
+world = MPI.COMM_WORLD
+P, rank = world.Get_size(), world.Get_rank()
+if args.batch_size % (4 * P) or args.epochs < 1 or args.sleep_ms < 0 or args.max_microbatches < 1:
+    mpi.refuse_arguments(
+        f"bad arguments: --batch-size {args.batch_size} must be divisible by 4 x the {P} ranks (4 micro-batches per "
+        f"stage), --epochs >= 1, --sleep-ms >= 0, --max-microbatches >= 1",
+    )
+
+checks = Checks(world)
+digits = load_dataset("digits")
+DEEP = [digits.n_features, *[32] * (2 * P - 1), digits.n_classes]  # 2P Linear layers: 2 per stage, or 1 per chunk
+results = {"world": P}
+mpi.print0(f"Lesson 8: pipeline parallelism on {P} rank(s)\n")
+
+# ----------------------------------------------------------------------- 1. the schedules, before anything runs
+M = 2 * P
+mpi.print0(f"1. Three schedules for P = {P} stages and M = {M} micro-batches, simulated from their instruction lists")
+mpi.print0("   (forward 1 unit, backward 2, per whole stage; F3/B3: micro-batch 3; lower case: a rank's second chunk)")
+drawn_ok = True
+for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    if name == "interleaved" and P == 1:
+        continue
+    schedule = schedules.build(name, P, M, V)
+    schedules.check(schedule, M, V)  # every forward before its backward, sends and receives matched
+    timeline = schedules.simulate(schedule, 1.0, 2.0, V)  # raises if the message order deadlocks
+    simulated, formula = schedules.bubble(timeline), schedules.bubble_formula(P, M, V)
+    drawn_ok = drawn_ok and abs(simulated - formula) < 1e-12
+    peaks = [schedules.in_flight(program) for program in schedule]
+    mpi.print0(f"\n   {name}{f' (V = {V})' if V > 1 else ''}: bubble {simulated:.3f} = (P-1)/(VM+P-1) = "
+               f"{formula:.3f}; activations in flight per stage: {peaks}")  # fmt: skip
+    for s, line in enumerate(schedules.text(timeline, P, unit=1 / V)):
+        mpi.print0(f"   stage {s}  {line}")
+checks.ok("every simulated bubble is the formula's", drawn_ok)
+say(
+    "GPipe and 1F1B leave the same bubble: each stage idles while the first micro-batch reaches it and while the last "
+    "one's gradient comes back. 1F1B starts each backward as early as it can, so a stage never holds more than P - s "
+    "micro-batches' activations; GPipe holds all M. Interleaving gives every rank two smaller chunks: the pipeline "
+    "fills and drains in half-sized steps, at the price of twice as many messages."
+)
+
+# ------------------------------------------------------------------ 2. one 1F1B step, instruction by instruction
+mpi.print0(f"\n2. One 1F1B step of {'-'.join(map(str, DEEP))} on these {P} rank(s), M = {P + 1}, instruction by "
+           f"instruction")  # fmt: skip
+rows = 8 * max(P + 1, args.max_microbatches)  # 8 samples per micro-batch, for every M below
+rng = np.random.default_rng(0)
+x_batch, y_batch = rng.standard_normal((rows, DEEP[0])), rng.integers(0, 10, rows)
+
+
+def built(schedule: str, microbatches: int, sizes=DEEP) -> Pipeline:
+    """A pipeline of ``sizes`` over this world's P ranks, built as the driver builds it, for batches of 8 M."""
+    config = TrainConfig(paradigm="pp", pp=P, microbatches=microbatches, schedule=schedule, dtype="float64",
+                         hidden=tuple(sizes[1:-1]), batch_size=8 * microbatches, timeout=0, quiet=True)  # fmt: skip
+    pipeline = Pipeline(prepare(world, timeout=0), config)
+    pipeline.build(lambda: MLP(sizes, seed=0, dtype=np.float64), lambda model: make_optimizer("sgd", model, 0.01))
+    return pipeline
+
+
+pipe = built("1f1b", P + 1)
+programs = world.gather([str(ins) + ("" if not ins.phase else f" ({ins.phase})") for ins in pipe.program], root=0)
+world.Barrier()
+pipe.step(x_batch[: 8 * (P + 1)], y_batch[: 8 * (P + 1)])
+measured = world.gather(pipe.timeline, root=0)
+order_ok = True
+if rank == 0:
+    for s, program in enumerate(programs):
+        print(f"   stage {s}: " + ", ".join(program))
+    events = sorted((start, s, op, micro) for s, line in enumerate(measured) for op, _, micro, start, _ in line)
+    print("   as they ran (every rank's clock is this machine's): " + " ".join(
+        f"{op[0].upper()}{micro}@{s}" for _, s, op, micro in events))  # fmt: skip
+    # the data dependencies held: micro-batch i's forward on stage s after its forward on s - 1, backward the reverse
+    when = {(op, s, micro): start for start, s, op, micro in events}
+    order_ok = all(when["forward", s - 1, i] < when["forward", s, i] and when["backward", s, i] < when["backward",
+                   s - 1, i] for s in range(1, P) for i in range(P + 1))  # fmt: skip
+checks.ok("each micro-batch went forward stage by stage and came back in reverse", order_ok)
+
+# ---------------------------------------------------------------------- 3. the bubble, measured on these ranks
+# Balanced stages (the formula assumes them): 2P layers of 32 x 32, so every stage holds two equal layers.
+EQUAL = [32] * (2 * P + 1)
+mpi.print0(f"\n3. The bubble measured: P = {P}, sleep-calibrated ({args.sleep_ms:g} ms per layer forward, "
+           f"{2 * args.sleep_ms:g} ms backward), {2 * P} layers of 32 x 32, two per stage")  # fmt: skip
+
+
+def measured_bubble(pipeline, steps: int = 2) -> float:
+    """The idle fraction of the last of ``steps`` steps, from every rank's timestamps: 1 - busy / (P x span)."""
+    for _ in range(steps):
+        world.Barrier()
+        pipeline.step(x_batch[: 8 * pipeline.M, :32], y_batch[: 8 * pipeline.M])
+    lines = world.allgather(pipeline.timeline)
+    span = max(end for line in lines for *_, end in line) - min(start for line in lines for *_, start, _ in line)
+    busy = sum(end - start for line in lines for *_, start, end in line)
+    return 1 - busy / (len(lines) * span)
+
+
+bubbles = []
+mpi.print0(f"   {'M':>3s} {'schedule':>9s} {'measured':>9s} {'formula':>8s}")
+for m in sorted({1, 2, 4, args.max_microbatches}):
+    for name in ("gpipe", "1f1b"):
+        pipeline = built(name, m, EQUAL)
+        pipeline.delay = (args.sleep_ms / 1e3, 2 * args.sleep_ms / 1e3)
+        got, formula = measured_bubble(pipeline), schedules.bubble_formula(P, m)
+        bubbles.append({"M": m, "schedule": name, "measured": got, "formula": formula})
+        mpi.print0(f"   {m:3d} {name:>9s} {got:9.3f} {formula:8.3f}")
+close = all(abs(b["measured"] - b["formula"]) < 0.1 for b in bubbles) if args.sleep_ms >= 5 else True
+falls = P == 1 or all(a["measured"] > b["measured"] for a, b in zip(bubbles, bubbles[2:]))  # (gpipe, 1f1b alternate)
+checks.ok("the measured bubble is the formula's, within 0.1, and falls as M grows", close and falls)
+say(
+    "Each stage waits P - 1 slots for the first micro-batch to reach it and P - 1 more for the last gradient to come "
+    "back; the M micro-batches fill the rest. The measured fraction sits a little above the formula: every hop adds "
+    "a message's latency, and sleeping is not exact. docs/benchmarks.md (section 9) measures P = 4 up to M = 16."
+)
+results["bubble"] = bubbles
+
+# ----------------------------------------------------------------------------------- 4. activation memory
+m = args.max_microbatches
+mpi.print0(f"\n4. Activations kept for backward, per stage (bytes; the interpreter's count; M = {m}, float64)")
+peaks, costs_ok = {}, True
+for name in ("gpipe", "1f1b"):
+    pipeline = built(name, m)
+    pipeline.step(x_batch[: 8 * m], y_batch[: 8 * m])
+    peaks[name] = world.allgather(pipeline.peak)
+    costs_ok = costs_ok and pipeline.peak == Pipeline.costs(DEEP, P, pipeline.config)["activations"][rank]
+mpi.print0(f"   {'stage':>5s} {'GPipe':>9s} {'1F1B':>9s} {'ratio':>6s}   (P/M = {P / m:.3f})")
+for s in range(P):
+    mpi.print0(f"   {s:5d} {peaks['gpipe'][s]:9,d} {peaks['1f1b'][s]:9,d} {peaks['1f1b'][s] / peaks['gpipe'][s]:6.3f}")
+checks.ok("the interpreter's peaks equal Pipeline.costs()", costs_ok)
+checks.ok("1F1B keeps at most P/M of GPipe's activations on every stage",
+          all(peaks["1f1b"][s] <= P / m * peaks["gpipe"][s] for s in range(P)))  # fmt: skip
+say(
+    "A micro-batch's activations live from its forward to its backward. GPipe runs every forward first, so each stage "
+    "holds all M; 1F1B runs a backward as soon as one is due, so stage s holds P - s. The memory no longer grows with "
+    "M, which is what lets 1F1B take many micro-batches, and so a small bubble."
+)
+results["activations"] = peaks
+
+# ------------------------------------------------------------------------------------ 5. training on real ranks
+mpi.print0(f"\n5. Training {'-'.join(map(str, DEEP))} on digits, float64, global batch {args.batch_size}, "
+           f"{args.epochs} epochs")  # fmt: skip
+common = dict(epochs=args.epochs, hidden=tuple(DEEP[1:-1]), batch_size=args.batch_size, dtype="float64", timeout=0,
+              progress=False, quiet=True)  # fmt: skip
+alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, rank)
+single = train(TrainConfig(paradigm="single", **common), alone) if rank == 0 else None
+sleeping_barrier(world)
+configs = {f"pp {P} {s}": dict(pp=P, schedule=s) for s in ("gpipe", "1f1b")}
+if P > 1 and 4 % P == 0:  # (interleaving: the 4 micro-batches must be a multiple of the stages)
+    configs[f"pp {P} interleaved"] = dict(pp=P, schedule="interleaved")
+if P % 2 == 0 and P > 2:
+    configs[f"dp 2 x pp {P // 2}"] = dict(dp=2, pp=P // 2)
+runs = {label: train(TrainConfig(paradigm="pp", **flags, **common), world) for label, flags in configs.items()}
+training_ok = bytes_ok = True
+if rank == 0:
+    steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
+    curves = {"single": [e["train_loss"] for e in single["epochs"]]}
+    curves.update({label: [e["train_loss"] for e in r["epochs"]] for label, r in runs.items()})
+    print(f"   {'epoch':>5s}" + "".join(f"{label:>19s}" for label in curves))
+    for e in range(args.epochs):
+        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:19.14f}" for label in curves))
+    worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
+    training_ok = worst < 1e-10
+    print(f"   largest relative difference from single: {worst:.1e}")
+    print("\n   bytes sent per step by each rank (the tracer; = costs() on every rank?)")
+    for label, metrics in runs.items():
+        sent = [sum(o["bytes_sent"] for lab, o in mine["operations"].items() if lab.startswith(("pp/", "dp/")))
+                / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+        exact = sent == metrics["costs"]["sent_per_step"]
+        bytes_ok = bytes_ok and exact
+        print(f"   {label:19s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+    say(
+        "The same steps, however the layers are spread: the pipeline runs each micro-batch through the same layers "
+        "and adds the M micro-batches' gradients, as one process accumulating M micro-batches does (to the last bit, "
+        "tests/test_pipeline.py checks). Each stage sends one activation per micro-batch forward and one gradient "
+        "back: bytes that grow with the batch and the width at the cut, not with the model."
+    )
+    results["training"] = curves
+checks.ok("every schedule and grid follows single's loss curve", training_ok)
+checks.ok("every rank's bytes per step equal Pipeline.costs()", bytes_ok)
+
+if args.json and rank == 0:
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nmeasurements written to {args.json}")
+checks.finish()

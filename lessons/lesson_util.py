@@ -1,0 +1,59 @@
+"""What the lessons on MPI ranks do the same way: explain, check a claim on every rank, and wait without spinning.
+
+A lesson prints on rank 0, but it checks its claims on every rank, so that every rank agrees on the verdict and the
+exit status (a rank that exits non-zero under ``python -m mpi4py`` aborts the whole job)::
+
+    checks = Checks(world)
+    checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)
+    ...
+    checks.finish()                                                          # "all checks passed: yes", or exit 1
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+from dtrain.comm import mpi
+
+
+def say(text: str) -> None:
+    """Print (on rank 0) a paragraph of explanation, wrapped and indented like the tables."""
+    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
+
+
+def everywhere(flag: bool, comm) -> bool:
+    """True on every rank iff ``flag`` is true on every rank."""
+    return comm.allreduce(int(bool(flag)), op=_min()) == 1
+
+
+def sleeping_barrier(comm) -> None:
+    """A barrier whose waiters sleep: a rank left out of a run must not spin on a core that the run needs."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.001)
+
+
+class Checks:
+    """The lesson's claims, each checked on every rank and printed as an OK line by rank 0."""
+
+    def __init__(self, comm):
+        self.comm, self.passed = comm, True
+
+    def ok(self, claim: str, flag: bool) -> bool:
+        flag = everywhere(flag, self.comm)
+        self.passed = self.passed and flag
+        mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
+        return flag
+
+    def finish(self) -> None:
+        mpi.print0(f"\nall checks passed: {'yes' if self.passed else 'NO'}")
+        if not self.passed:
+            self.comm.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
+            raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
+
+
+def _min():
+    from mpi4py import MPI
+
+    return MPI.MIN
