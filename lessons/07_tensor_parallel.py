@@ -3,7 +3,9 @@
 When a model's layers are too large for one device, split the *model*, not the data. Megatron-LM's tensor
 parallelism cuts a Linear layer's weight by columns (each rank computes a block of the output columns from the whole
 input) and the next layer's by rows (each rank multiplies its block and the partial products are summed by one
-all-reduce). dtrain/parallel/tensor_parallel.py; ``dtrain train --paradigm tp --tp T [--dp D]``:
+all-reduce). dtrain/parallel/tensor_parallel.py, with the rank grid in grid.py, each rank's pieces of the whole model
+in placement.py and what tensor and pipeline parallelism share in model_parallel.py;
+``dtrain train --paradigm tp --tp T [--dp D]``:
 
     dtrain launch -n 4 lessons/07_tensor_parallel.py
     dtrain launch -n 2 lessons/07_tensor_parallel.py --json tp.json

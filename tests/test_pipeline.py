@@ -19,10 +19,12 @@ import train_util
 from test_data_parallel import STEPS, batches, config, relative, run
 
 from dtrain import parallel
-from dtrain.comm import sim
+from dtrain.comm import sim, watchdog
+from dtrain.comm.prepare import prepare
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
+from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline, cut
 from dtrain.parallel.schedules import Instruction
@@ -344,3 +346,27 @@ def test_the_docstrings_picture_is_what_the_schedules_draw():
     for column, name in enumerate(("gpipe", "1f1b")):
         drawn = schedules.text(schedules.simulate(schedules.build(name, 4, 4), 1.0, 2.0), 4)
         assert [line.split()[column] for line in lines] == drawn
+
+
+def test_a_stage_that_never_sends_is_reported_by_the_watchdog_not_a_hang(capfd, data64):
+    """Stage 0 stalls (asleep in its first forward) for longer than the watchdog's limit: stage 1, waiting for the
+    activations, reports whom and what it waits for and the run is aborted, instead of hanging."""
+    cfg = pp(FOUR, pp=2)
+
+    def fn(comm):
+        pipeline = Pipeline(prepare(comm, timeout=1.0), cfg)
+        pipeline.build(model_of(FOUR), lambda model: make_optimizer("sgd", model, 0.1))
+        if comm.Get_rank() == 0:
+            pipeline.delay = (3.0, 3.0)  # a stalled stage
+        x, y = data64[0]
+        pipeline.step(x, y)
+
+    try:
+        with pytest.raises(sim.SimAbort) as info:
+            sim.SimWorld(2, timeout=60).run(fn)
+    finally:
+        watchdog.configure(None)
+    assert info.value.errorcode == watchdog.EXIT_CODE
+    err = capfd.readouterr().err
+    assert "pipeline stage 1: waiting for the activation of micro-batch 0 from rank 0" in err
+    assert "rank 1 waits for rank 0" in err

@@ -39,7 +39,9 @@ replicated paradigm shares, with three places to act::
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded
 data parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py; the
 server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip``
-(gossip.py).
+(gossip.py), ``tp`` (tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with its
+schedules in schedules.py: GPipe, 1F1B, interleaved); these two share model_parallel.py (a local model made of pieces
+of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.

@@ -61,6 +61,7 @@ from dtrain.parallel.tensor_parallel import (
     activations_sent,
     group_allreduce_bytes,
     local_parameters,
+    plan,
     shard,
 )
 
@@ -185,8 +186,9 @@ class Pipeline(ModelParallel):
         for v in range(self.stages):
             a, b = self.bounds[v], self.bounds[v + 1]
             n = parameter_count(self.sizes[a : b + 1])
+            split = f" ({', '.join(plan(b - a))} over {self.shape.tp} tensor ranks)" if self.shape.tp > 1 else ""
             parts.append(f"  stage {v} (pipeline rank {v % self.P}): layers {a}-{b - 1}, "
-                         f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters")  # fmt: skip
+                         f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters{split}")  # fmt: skip
         rule = "equal layers per chunk" if self.V > 1 else "balanced by parameter count"
         head = (f"pipeline: {self.stages} stages ({rule}), schedule {self.config.schedule}, {self.M} micro-batches "
                 f"of {self.config.batch_size // (self.shape.dp * self.M)}; bubble (P-1)/(VM+P-1) = "
