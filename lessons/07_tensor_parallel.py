@@ -41,7 +41,7 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, say, sleeping_barrier
+from lesson_util import Checks, against_single, say, sleeping_barrier
 
 from dtrain.autograd import Tensor
 from dtrain.comm import mpi, usable_cores
@@ -216,21 +216,7 @@ runs = {f"dp {dp} x tp {t}": train(TrainConfig(paradigm="tp", dp=dp, tp=t, **com
 training_ok = bytes_ok = True
 if rank == 0:
     steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
-    curves = {"single": [e["train_loss"] for e in single["epochs"]]}
-    curves.update({label: [e["train_loss"] for e in r["epochs"]] for label, r in runs.items()})
-    print(f"   {'epoch':>5s}" + "".join(f"{label:>19s}" for label in curves))
-    for e in range(args.epochs):
-        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:19.14f}" for label in curves))
-    worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
-    training_ok = worst < 1e-10
-    print(f"   largest relative difference from single: {worst:.1e}")
-    print("\n   bytes sent per step by each rank (the tracer; = costs() on every rank?)")
-    for label, metrics in runs.items():
-        sent = [sum(o["bytes_sent"] for lab, o in mine["operations"].items() if lab.startswith(("tp/", "dp/")))
-                / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
-        exact = sent == metrics["costs"]["sent_per_step"]
-        bytes_ok = bytes_ok and exact
-        print(f"   {label:14s}" + "".join(f"{s:12,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+    curves, training_ok, bytes_ok = against_single(single, runs, steps, ("tp/", "dp/"), args.epochs)
     say(
         "The same steps, however the model is held: tensor parallelism changes where each product is computed and "
         "the order in which the row-parallel partial products are summed, nothing else. The bytes grow with the "

@@ -34,7 +34,7 @@ import argparse
 import json
 
 import numpy as np
-from lesson_util import Checks, say, sleeping_barrier
+from lesson_util import Checks, against_single, say, sleeping_barrier
 
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
@@ -208,21 +208,7 @@ runs = {label: train(TrainConfig(paradigm="pp", **flags, **common), world) for l
 training_ok = bytes_ok = True
 if rank == 0:
     steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
-    curves = {"single": [e["train_loss"] for e in single["epochs"]]}
-    curves.update({label: [e["train_loss"] for e in r["epochs"]] for label, r in runs.items()})
-    print(f"   {'epoch':>5s}" + "".join(f"{label:>19s}" for label in curves))
-    for e in range(args.epochs):
-        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:19.14f}" for label in curves))
-    worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
-    training_ok = worst < 1e-10
-    print(f"   largest relative difference from single: {worst:.1e}")
-    print("\n   bytes sent per step by each rank (the tracer; = costs() on every rank?)")
-    for label, metrics in runs.items():
-        sent = [sum(o["bytes_sent"] for lab, o in mine["operations"].items() if lab.startswith(("pp/", "dp/")))
-                / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
-        exact = sent == metrics["costs"]["sent_per_step"]
-        bytes_ok = bytes_ok and exact
-        print(f"   {label:19s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+    curves, training_ok, bytes_ok = against_single(single, runs, steps, ("pp/", "dp/"), args.epochs)
     say(
         "The same steps, however the layers are spread: the pipeline runs each micro-batch through the same layers "
         "and adds the M micro-batches' gradients, as one process accumulating M micro-batches does (to the last bit, "

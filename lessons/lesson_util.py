@@ -53,6 +53,29 @@ class Checks:
             raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
 
 
+def against_single(single: dict, runs: dict, steps: int, prefixes: tuple, epochs: int) -> tuple[dict, bool, bool]:
+    """Print (on the rank holding the metrics) every run's loss curve beside ``single``'s and every rank's bytes per
+    step (the traffic labelled with ``prefixes``) beside the run's cost function. Returns the curves, whether every
+    curve is single's to 1e-10, and whether every rank's bytes equal ``costs()["sent_per_step"]``."""
+    curves = {"single": [e["train_loss"] for e in single["epochs"]]}
+    curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
+    width = max(19, *(len(label) + 2 for label in curves))
+    print(f"   {'epoch':>5s}" + "".join(f"{label:>{width}s}" for label in curves))
+    for e in range(epochs):
+        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:{width}.14f}" for label in curves))
+    worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
+    print(f"   largest relative difference from single: {worst:.1e}")
+    print("\n   bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank")
+    bytes_ok = True
+    for label, metrics in runs.items():
+        sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes)) / steps
+                for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+        exact = sent == metrics["costs"]["sent_per_step"]
+        bytes_ok = bytes_ok and exact
+        print(f"   {label:{width}s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+    return curves, worst < 1e-10, bytes_ok
+
+
 def _min():
     from mpi4py import MPI
 
