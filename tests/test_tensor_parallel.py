@@ -418,7 +418,7 @@ def _train(tmp_path, name, ranks, *flags):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("ranks", "flags"), [(2, ["--tp", "2"]), (4, ["--dp", "2", "--tp", "2"])])
+@pytest.mark.parametrize(("ranks", "flags"), [(2, ["--tp", "2"]), (4, ["--tp", "4"]), (4, ["--dp", "2", "--tp", "2"])])
 def test_under_mpiexec_tensor_parallel_follows_single(ranks, flags, tmp_path):
     """Real ranks, float64: each epoch's global train loss and the test loss are single's to rounding, every rank's
     traced bytes are the cost function's per step."""
@@ -432,5 +432,23 @@ def test_under_mpiexec_tensor_parallel_follows_single(ranks, flags, tmp_path):
         sent = sum(ops["bytes_sent"] for label, ops in mine["operations"].items() if label.startswith(("tp/", "dp/")))
         assert sent == steps * metrics["costs"]["sent_per_step"][rank]
         assert mine["paradigm"]["held_bytes"][rank]["parameters"] == metrics["costs"]["parameters"]
-    grid_of = metrics["communication"]["per_rank"][0]["paradigm"]["grid"]
-    assert grid_of == {"dp": ranks // 2, "tp": 2, "pp": 1}
+    tensor = int(flags[flags.index("--tp") + 1])
+    assert metrics["communication"]["per_rank"][0]["paradigm"]["grid"] == {"dp": ranks // tensor, "tp": tensor, "pp": 1}
+
+
+BAD_ON_THREE = [
+    ("tp", ["--tp", "3"], "--tp 3 does not divide the width 128 between layers 0 and 1"),
+    ("pp", ["--pp", "3", "--hidden", "none"], "3 pipeline stages but the model has 1 Linear layers"),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("paradigm", "flags", "message"), BAD_ON_THREE)
+def test_bad_flags_under_mpiexec_are_one_line_per_rank_and_no_hang(paradigm, flags, message, tmp_path):
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "3", "-m", "dtrain", "train", "--paradigm", paradigm,
+               *flags, "--batch-size", "48", "--no-progress", "--out", str(tmp_path / "out")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error")]
+    assert lines and all(line.endswith(message) or message in line for line in lines), result.stderr
+    assert not (tmp_path / "out").exists()
