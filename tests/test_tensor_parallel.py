@@ -452,3 +452,10 @@ def test_bad_flags_under_mpiexec_are_one_line_per_rank_and_no_hang(paradigm, fla
     lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error")]
     assert lines and all(line.endswith(message) or message in line for line in lines), result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_shard_refuses_a_width_the_group_does_not_divide():
+    """Called directly (as lessons do), not only through the paradigm's checks: no column may be dropped silently."""
+    group = type("Group", (), {"rank": 0, "size": 4})()
+    with pytest.raises(ConfigError, match="--tp 4 does not divide the width 30 between layers 0 and 1"):
+        shard(MLP([16, 30, 8], seed=0), 0, 2, group)

@@ -165,7 +165,9 @@ def check_splittable(sizes, tp: int, first: int = 0, stop: int | None = None) ->
 
 def shard(whole, first: int, stop: int, group: TensorGroup) -> tuple[list[Module], list]:
     """This rank's part of Linear layers [first, stop) of ``whole`` (an MLP), with the activations after them, and
-    its pieces of the whole flat buffer (in the modules' parameter order)."""
+    its pieces of the whole flat buffer (in the modules' parameter order). A width the group does not divide is a
+    ConfigError (its last columns would be dropped)."""
+    check_splittable(whole.sizes, group.size, first, stop)
     linear = [i for i, layer in enumerate(whole.layers) if isinstance(layer, Linear)]
     modules = []
     for number, kind in zip(range(first, stop), plan(stop - first)):
