@@ -144,10 +144,8 @@ def measured_bubble(pipeline, steps: int = 2) -> float:
     for _ in range(steps):
         world.Barrier()
         pipeline.step(x_batch[: 8 * pipeline.M, :32], y_batch[: 8 * pipeline.M])
-    lines = world.allgather(pipeline.timeline)
-    span = max(end for line in lines for *_, end in line) - min(start for line in lines for *_, start, _ in line)
-    busy = sum(end - start for line in lines for *_, start, end in line)
-    return 1 - busy / (len(lines) * span)
+    lines = world.allgather(pipeline.timeline)  # every rank's (op, stage, micro, start, end) of the last step
+    return schedules.idle_fraction((r, start, end) for r, line in enumerate(lines) for *_, start, end in line)
 
 
 bubbles = []

@@ -139,9 +139,10 @@ def tensor_parallel(args, scratch: Path) -> tuple[list, list, dict]:
 
 def measure(lines: list) -> tuple[float, float]:
     """(bubble, span in seconds) of one step from every rank's timeline [(op, stage, micro, start, end), ...]."""
+    from dtrain.parallel.schedules import idle_fraction
+
     span = max(e for line in lines for *_, e in line) - min(s for line in lines for *_, s, _ in line)
-    busy = sum(e - s for line in lines for *_, s, e in line)
-    return 1 - busy / (len(lines) * span), span
+    return idle_fraction((rank, s, e) for rank, line in enumerate(lines) for *_, s, e in line), span
 
 
 def worker(args) -> None:

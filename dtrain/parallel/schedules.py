@@ -255,12 +255,19 @@ def text(timeline, stages: int, unit: float = 1.0) -> list[str]:
     return ["".join(row) for row in rows]
 
 
+def idle_fraction(spans) -> float:
+    """The fraction of a step (first start to last end) the ranks spend idle, on average, from the ``(rank, start,
+    end)`` of every computation: the bubble, of a simulated timeline or of one measured on real ranks."""
+    spans = list(spans)
+    ranks = {rank for rank, _, _ in spans}
+    step = max(end for _, _, end in spans) - min(start for _, start, _ in spans)
+    busy = sum(end - start for _, start, end in spans)
+    return 1.0 - busy / (len(ranks) * step)
+
+
 def bubble(timeline) -> float:
-    """The fraction of the step (first start to last end) that the ranks spend idle, on average."""
-    ranks = {rank for rank, *_ in timeline}
-    span = max(end for *_, end in timeline) - min(start for _, _, start, _ in timeline)
-    busy = sum(end - start for _, _, start, end in timeline)
-    return 1.0 - busy / (len(ranks) * span)
+    """The idle fraction of :func:`simulate`'s timeline."""
+    return idle_fraction((rank, start, end) for rank, _, start, end in timeline)
 
 
 def bubble_formula(stages: int, microbatches: int, virtual: int = 1) -> float:
