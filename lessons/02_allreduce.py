@@ -39,6 +39,7 @@ import statistics
 import time
 
 import numpy as np
+from lesson_util import everywhere
 
 from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
 from dtrain.comm import mpi
@@ -105,11 +106,6 @@ def correct() -> bool:
     return bool(np.array_equal(buf, mpi_result) and np.array_equal(buf, expected))
 
 
-def everywhere(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank."""
-    return comm.allreduce(int(flag), op=MPI.MIN) == 1
-
-
 mpi.print0(
     f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), "
     f"median of {args.repeats} run(s), time = slowest rank"
@@ -155,7 +151,7 @@ for alg in algorithms:
     trace_events += tracer.events
 
     sent_by_rank = comm.gather((sent, formula), root=0)
-    ok = everywhere(ok)
+    ok = everywhere(ok, comm)
     if rank == 0:
         t = statistics.median(times)
         rows.append(

@@ -35,10 +35,10 @@ import argparse
 import itertools
 import json
 import statistics
-import textwrap
 import time
 
 import numpy as np
+from lesson_util import everywhere, say, sleeping_barrier
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -88,18 +88,6 @@ def name(sizes) -> str:
     return "-".join(map(str, sizes))
 
 
-def everywhere(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank."""
-    return world.allreduce(int(flag), op=MPI.MIN) == 1
-
-
-def sleeping_barrier(comm) -> None:
-    """A barrier whose waiters sleep: a rank left out of a run must not spin on a core that the run needs."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
-
-
 FIRST = {k: world.Split(0 if rank < k else MPI.UNDEFINED, rank) for k in RANKS}  # ranks 0..k-1; others: COMM_NULL
 
 
@@ -147,7 +135,7 @@ if rank == 0:
         "own_slice_difference": [own for own, _ in rows],
         "loss_difference": abs(mean_loss - full_loss),
     }
-gradient_ok = everywhere(error < 1e-12 and abs(mean_loss - full_loss) < 1e-12)
+gradient_ok = everywhere(error < 1e-12 and abs(mean_loss - full_loss) < 1e-12, world)
 mpi.print0(f"   OK: the average of the slice gradients is the whole batch's gradient: {'yes' if gradient_ok else 'NO'}")
 
 # ----------------------------------------------------------------------------- 2. one training run, 1, 2, 4 ranks
@@ -179,7 +167,7 @@ if rank == 0:
     }
     training_ok = spread < 1e-5
     print(f"   OK: the loss curves on {RANKS} ranks agree: {'yes' if training_ok else 'NO'}")
-training_ok = everywhere(training_ok)
+training_ok = everywhere(training_ok, world)
 
 
 # ------------------------------------------------------ the tool of sections 3-5: DataParallel driven by hand
@@ -229,11 +217,6 @@ class Run:
         return {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] == "span"}
 
 
-def say(text: str) -> None:
-    """Print a paragraph of explanation, wrapped and indented like the tables."""
-    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
-
-
 def mean_over_ranks(rows: list, key: str) -> float:
     return statistics.mean(row[key] for row in rows)
 
@@ -270,7 +253,7 @@ for bucket_mb in (0.0, args.bucket_mb):
 mpi.print0(
     f"   OK: bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank: {'yes' if bytes_ok else 'NO'}"
 )
-bytes_ok = everywhere(bytes_ok)
+bytes_ok = everywhere(bytes_ok, world)
 
 # --------------------------------------------------------------------------------- 4. buckets, overlap, timeline
 # Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its

@@ -34,9 +34,9 @@ import argparse
 import json
 import math
 import statistics
-import textwrap
 
 import numpy as np
+from lesson_util import everywhere, say
 
 from dtrain import parallel
 from dtrain.backend import weights_digest
@@ -95,18 +95,8 @@ PER_EPOCH = steps_per_epoch(train_samples, B)
 results = {"world": p, "sizes": SIZES, "n_bytes": N, "steps": STEPS, "steps_per_epoch": PER_EPOCH, "sync_every": HS}
 
 
-def say(text: str) -> None:
-    """Print (on rank 0) a paragraph of explanation, wrapped and indented like the tables."""
-    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
-
-
-def everywhere(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank."""
-    return world.allreduce(int(flag), op=MPI.MIN) == 1
-
-
 def ok(claim: str, flag: bool) -> bool:
-    flag = everywhere(flag)
+    flag = everywhere(flag, world)
     mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
     return flag
 
@@ -330,7 +320,7 @@ for h in DRIFT_HS:
     for _, paradigm in stepped(cfg):
         distances.append(consensus(paradigm.model.flat_params))
     paradigm.finish()
-    same_run = everywhere(weights_digest(paradigm.full_parameters()) == metrics["weights_sha256"])
+    same_run = everywhere(weights_digest(paradigm.full_parameters()) == metrics["weights_sha256"], world)
     at_average = [d for s, d in enumerate(distances, 1) if s % h == 0]  # right after an average
     between = [d for s, d in enumerate(distances, 1) if s % h]
     driver = metrics["communication"]["per_rank"][0]["paradigm"]["consensus_distance"]

@@ -35,10 +35,10 @@ import argparse
 import json
 import math
 import statistics
-import textwrap
 from fractions import Fraction
 
 import numpy as np
+from lesson_util import everywhere, say
 
 from dtrain.autograd import Tensor, no_grad
 from dtrain.backend import weights_digest
@@ -95,13 +95,8 @@ TOPOLOGIES = ["ring", "exponential", *(["torus"] if valid("torus", p) else []), 
 results = {"world": p, "sizes": SIZES, "n_bytes": N, "steps": STEPS, "topologies": TOPOLOGIES}
 
 
-def say(text: str) -> None:
-    """Print (on rank 0) a paragraph of explanation, wrapped and indented like the tables."""
-    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
-
-
 def ok(claim: str, flag: bool) -> bool:
-    flag = world.allreduce(int(flag), op=MPI.MIN) == 1  # true on every rank
+    flag = everywhere(flag, world)  # true on every rank
     mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
     return flag
 

@@ -38,10 +38,10 @@ import argparse
 import itertools
 import json
 import statistics
-import textwrap
 import time
 
 import numpy as np
+from lesson_util import everywhere, say, sleeping_barrier
 
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
@@ -96,22 +96,6 @@ def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:8.3f}"
 
 
-def say(text: str) -> None:
-    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
-
-
-def everywhere(flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank."""
-    return world.allreduce(int(flag), op=MPI.MIN) == 1
-
-
-def sleeping_barrier(comm) -> None:
-    """A barrier whose waiters sleep: a rank left out of a run must not spin on a core that the run needs."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
-
-
 def zero_config(stage: int, sizes, batch: int, **extra) -> TrainConfig:
     return TrainConfig(paradigm="zero", zero_stage=stage, hidden=tuple(sizes[1:-1]), batch_size=batch,
                        allreduce="ring", timeout=0, **extra)  # fmt: skip
@@ -152,7 +136,7 @@ for what, nbytes in state.items():
 cells = "".join(f"{mb(activations[b]):>10s}" for b in batches)
 mpi.print0(f"   {'activations (measured)':28s} {'the batch':>14s} {cells}   never")
 per_sample = [(activations[b] - 4) / b for b in batches]  # (the loss itself is one float32)
-linear_ok = everywhere(max(per_sample) - min(per_sample) < 1e-9)
+linear_ok = everywhere(max(per_sample) - min(per_sample) < 1e-9, world)
 say(
     f"Per sample, the forward keeps {per_sample[0] / 1e3:.1f} KB (every layer's x@W, +b and ReLU outputs). With "
     "Adam, the state that grows with the model is 4x the weights; ZeRO divides it by the ranks. Activations are the "
@@ -206,7 +190,7 @@ if rank == 0:
     peak = max(held["parameters"] for _, held in history)
     peak_ok = history[-1][1] == history[0][1] and peak == history[0][1]["parameters"] + largest
     results["history"] = history
-peak_ok = everywhere(peak_ok)
+peak_ok = everywhere(peak_ok, world)
 mpi.print0(f"   OK: every layer is freed after use; the peak is chunks + largest layer: {'yes' if peak_ok else 'NO'}")
 
 # ------------------------------------------------------------------------------ 3. training on real ranks
@@ -280,7 +264,7 @@ if rank == 0:
         "forward and before its backward): 1.5x."
     )
     results["training"] = curves
-training_ok, held_ok, bytes_ok = (everywhere(flag) for flag in (training_ok, held_ok, bytes_ok))
+training_ok, held_ok, bytes_ok = (everywhere(flag, world) for flag in (training_ok, held_ok, bytes_ok))
 mpi.print0(f"   OK: every stage follows single's loss curve: {'yes' if training_ok else 'NO'}")
 mpi.print0(f"   OK: the bytes held at the peak equal Zero.costs() on every rank: {'yes' if held_ok else 'NO'}")
 mpi.print0(f"   OK: bytes per step = Zero.costs(); stages 1-2 send ddp's, stage 3 1.5x: {'yes' if bytes_ok else 'NO'}")
