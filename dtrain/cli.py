@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="single: one process; ddp: data parallel, gradients all-reduced every step; zero: data parallel with "
         "the optimizer state, gradients and parameters sharded (ZeRO stages 1-3, FSDP); ps-sync, ps-async: "
         "parameter servers; central-storage: rank 0 holds the variables; local-sgd, gossip: decentralized; "
-        "tp: tensor parallel (every layer's matrices split over --tp ranks); pp: pipeline parallel (consecutive "
-        "layers on --pp ranks, micro-batches flowing through them) (default %(default)s)",
+        "tp: tensor parallel (pairs of Linear layers split by columns, then rows, over --tp ranks); pp: pipeline "
+        "parallel (consecutive layers on --pp ranks, micro-batches flowing through them) (default %(default)s)",
     )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
@@ -184,25 +184,31 @@ def build_parser() -> argparse.ArgumentParser:
         "all-reduce"
     )
     grid.add_argument(
-        "--dp", type=int, metavar="D", help="data-parallel replicas of the model (default: the ranks left)"
+        "--dp",
+        type=int,
+        metavar="D",
+        help="data-parallel replicas of the model-parallel model (default: what the other sizes leave; 1 when the "
+        "paradigm's own --tp or --pp is not given, which then takes every rank)",
     )
     grid.add_argument(
-        "--tp", type=int, metavar="T", help="ranks that split every layer (tensor parallel; tp default: the ranks left)"
+        "--tp",
+        type=int,
+        metavar="T",
+        help="ranks that split each column-then-row pair of Linear layers (tensor parallel; default for tp: the ranks "
+        "--dp leaves; for pp: 1)",
     )
-    grid.add_argument("--pp", type=int, metavar="P", help="pipeline stages (pp default: the ranks left)")
+    grid.add_argument("--pp", type=int, metavar="P", help="pipeline stages (default: the ranks --dp and --tp leave)")
     grid.add_argument(
         "--microbatches",
         type=int,
-        default=defaults.microbatches,
         metavar="M",
-        help="pp: micro-batches per step, each replica's slice of the batch cut into M (default %(default)s)",
+        help="pp: micro-batches per step, each replica's slice of the batch cut into M (default 4)",
     )
     grid.add_argument(
         "--schedule",
         choices=SCHEDULES,
-        default=defaults.schedule,
         help="pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward) or interleaved "
-        "(1f1b over --virtual-stages chunks per rank) (default %(default)s)",
+        "(1f1b over --virtual-stages chunks per rank) (default 1f1b)",
     )
     grid.add_argument(
         "--virtual-stages", type=int, metavar="V", help="pp, interleaved: model chunks per rank (default 2)"

@@ -77,8 +77,8 @@ class TrainConfig:
     dp: int | None = None  # data-parallel replicas of the model-parallel model
     tp: int | None = None  # tensor-parallel ranks that split every layer of a stage
     pp: int | None = None  # pipeline stages
-    microbatches: int = 4  # pp: micro-batches each replica's slice of the global batch is cut into
-    schedule: str = "1f1b"  # pp: gpipe, 1f1b or interleaved
+    microbatches: int | None = None  # pp: micro-batches each replica's slice of the batch is cut into (None: 4)
+    schedule: str | None = None  # pp: gpipe, 1f1b or interleaved (None: 1f1b)
     virtual_stages: int | None = None  # pp, interleaved: model chunks per rank (None: 2 when interleaved, else 1)
     # a straggler, for any paradigm
     slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
@@ -148,9 +148,9 @@ class TrainConfig:
         for name in ("dp", "tp", "pp", "virtual_stages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.microbatches < 1:
+        if self.microbatches is not None and self.microbatches < 1:
             raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r} is not one of: {', '.join(SCHEDULES)}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
@@ -237,6 +237,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             write_chrome_trace(config.trace, events)
     if config.out and rank == 0:
         report.write_metrics(config.out, metrics)
+    paradigm.close()
     return metrics
 
 
@@ -366,7 +367,7 @@ def resume(paradigm, comm, config, sizes) -> Position:
     if error is not None:
         raise checkpoint.CheckpointError(error)
     meta = state["meta"]
-    paradigm.load_full_parameters(backend.to_device(state["params"], backend.array_module(paradigm.full_parameters())))
+    paradigm.load_full_parameters(backend.to_device(state["params"], backend.get_xp(config.device)))
     paradigm.load_optimizer_state({**state["optimizer"], "lr": config.lr})
     if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
         print(

@@ -42,10 +42,9 @@ import math
 import os
 import shutil
 import tempfile
-import textwrap
-import time
 
 import numpy as np
+from lesson_util import say, sleeping_barrier
 
 from dtrain import checkpoint
 from dtrain.comm import mpi, usable_cores
@@ -88,21 +87,9 @@ BASE = dict(dataset="digits", hidden=(32,), batch_size=B, lr=0.05, momentum=0.9,
 results = {"world": p, "workers": W, "servers": SERVERS, "batch_size": B, "cores": usable_cores()}
 
 
-def say(text: str) -> None:
-    """Print a paragraph of explanation, wrapped and indented like the tables (rank 0 only)."""
-    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
-
-
 def everywhere(flag: bool) -> bool:
     """Rank 0's verdict, on every rank (the checks are made on rank 0, which holds the gathered metrics)."""
     return bool(world.bcast(flag, root=0))
-
-
-def sleeping_barrier() -> None:
-    """A barrier whose waiters sleep: while rank 0 works alone, the other ranks leave it the cores."""
-    request = world.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
 
 
 def shared_folder() -> str:
@@ -169,7 +156,7 @@ if rank == 0:
     sim.run(1, lambda comm: train(single, comm))
     reference = checkpoint.load(single_folder)["params"]
     shutil.rmtree(single_folder)
-sleeping_barrier()
+sleeping_barrier(world)
 
 protocol_ok = True
 if rank == 0:

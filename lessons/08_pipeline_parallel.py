@@ -157,9 +157,13 @@ for m in sorted({1, 2, 4, args.max_microbatches}):
         got, formula = measured_bubble(pipeline), schedules.bubble_formula(P, m)
         bubbles.append({"M": m, "schedule": name, "measured": got, "formula": formula})
         mpi.print0(f"   {m:3d} {name:>9s} {got:9.3f} {formula:8.3f}")
-close = all(abs(b["measured"] - b["formula"]) < 0.1 for b in bubbles) if args.sleep_ms >= 5 else True
-falls = P == 1 or all(a["measured"] > b["measured"] for a, b in zip(bubbles, bubbles[2:]))  # (gpipe, 1f1b alternate)
-checks.ok("the measured bubble is the formula's, within 0.1, and falls as M grows", close and falls)
+if args.sleep_ms >= 5:  # (shorter sleeps measure the interpreter's overhead more than the schedule: no claim then)
+    close = all(abs(b["measured"] - b["formula"]) < 0.1 for b in bubbles)
+    # (the rows alternate gpipe and 1f1b: each is compared with the same schedule's row at the next M)
+    falls = P == 1 or all(a["measured"] > b["measured"] for a, b in zip(bubbles, bubbles[2:]))
+    checks.ok("the measured bubble is the formula's, within 0.1, and falls as M grows", close and falls)
+else:
+    mpi.print0(f"   (not checked: with {args.sleep_ms:g} ms per layer the overhead between computations sets the time)")
 say(
     "Each stage waits P - 1 slots for the first micro-batch to reach it and P - 1 more for the last gradient to come "
     "back; the M micro-batches fill the rest. The measured fraction sits a little above the formula: every hop adds "

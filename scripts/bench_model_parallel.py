@@ -23,8 +23,8 @@ Four parts, each written to docs/bench/ (``model_parallel.txt`` and ``.json``; `
 
 Any exact check that fails prints FAIL and the script exits non-zero.
 
-    python scripts/bench_model_parallel.py                  # ~6 min on the 2-core VM
-    python scripts/bench_model_parallel.py --quick --out /tmp/mp   # one round, fewer sizes: ~2 min
+    python scripts/bench_model_parallel.py                  # about 2 min on the 2-core VM
+    python scripts/bench_model_parallel.py --quick --out /tmp/mp   # one round, fewer sizes: about 40 s
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
-from dtrain.parallel.pipeline import Pipeline, cut
+from dtrain.parallel.pipeline import Pipeline, cut, units
 from dtrain.parallel.schedules import Instruction
 from dtrain.train import TrainConfig
 
@@ -117,6 +117,21 @@ def test_the_cut_makes_the_largest_stage_smallest():
     assert cut(EIGHT, 4, equal=True) == [0, 2, 4, 6, 8]
 
 
+def test_with_tensor_parallelism_the_cut_falls_between_column_then_row_pairs():
+    """Every stage then starts with a column layer, so each stage's layers split as the whole model's do (one layer
+    left over joins the last pair); and the largest stage is again the smallest possible, against brute force."""
+    assert units(5, 2) == [0, 2, 5] and units(4, 2) == [0, 2, 4] and units(1, 2) == [0] and units(3, 1) == [0, 1, 2, 3]
+    sizes = [64, 512, 64, 64, 64, 64, 64, 10]  # 7 layers: pairs (0, 1), (2, 3), (4, 5, 6)
+    weights = [a * b + b for a, b in itertools.pairwise(sizes)]
+    for stages in (1, 2, 3):
+        bounds = cut(sizes, stages, tp=2)
+        assert set(bounds) <= {0, 2, 4, 7}
+        options = [(0, *inner, 7) for inner in itertools.combinations((2, 4), stages - 1)]
+        best = min(max(sum(weights[a:b]) for a, b in itertools.pairwise(o)) for o in options)
+        assert max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds)) == best
+    assert cut(EIGHT, 2, equal=True, tp=2) == [0, 4, 8]
+
+
 # --- training: the same steps as one process ----------------------------------------------------------------------
 
 
@@ -157,7 +172,7 @@ GRIDS = {
     "dp3xpp2": (6, dict(dp=3, pp=2, microbatches=2)),
     "tp2xpp2": (4, dict(tp=2, pp=2)),
     "dp2xtp2xpp2": (8, dict(dp=2, tp=2, pp=2, microbatches=2)),
-    "tp2xpp2-interleaved": (8, dict(tp=2, pp=2, schedule="interleaved")),
+    "tp2xpp2-interleaved": (8, dict(tp=2, pp=2, schedule="interleaved")),  # (on EIGHT: 4 pairs for 4 chunks)
     "dp2xpp4-gpipe": (8, dict(dp=2, pp=4, schedule="gpipe", microbatches=3)),
 }
 
@@ -168,7 +183,7 @@ def test_pipeline_grids_follow_one_process_with_the_same_global_batch(p, flags, 
     # As for ddp and tp: summing the replicas' gradients (dp) or the tensor ranks' partial products (tp) in another
     # order is ~1e-16 per step; Adam amplifies a rounding in a tiny gradient element, hence 1e-11.
     extra = {"optimizer": "adam", "lr": 0.01} if optimizer == "adam" else {}
-    sizes = FOUR
+    sizes = EIGHT if flags.get("schedule") == "interleaved" else FOUR
     expected = sim.run(1, run, config(paradigm="single", **extra), data64, model_of(sizes))[0][0]
     results = sim.SimWorld(p, eager_limit=0).run(run, pp(sizes, **flags, **extra), data64, model_of(sizes))
     for params, _, _ in results:
@@ -297,7 +312,10 @@ def test_one_stage_with_one_micro_batch_is_single_bit_for_bit():
         (dict(pp=2, virtual_stages=2), 2, "--virtual-stages 2 is for --schedule interleaved, not 1f1b"),
         (dict(pp=1, schedule="interleaved"), 1, "--schedule interleaved needs --virtual-stages >= 2 and --pp >= 2"),
         (dict(pp=2, accumulate=2), 2, "--accumulate is not for --paradigm pp"),
-        (dict(pp=2, tp=2, hidden=(32, 33, 16)), 4, "--tp 2 must divide every --hidden width in a pipeline, not 33"),
+        (dict(pp=2, tp=2, hidden=(33, 32, 16)), 4, "--tp 2 does not divide the width 33 between layers 0 and 1"),
+        (dict(pp=2, tp=2, hidden=(32,)), 4, "2 pipeline stages but the model has 1 column-then-row pair(s)"),
+        (dict(pp=2, tp=2, schedule="interleaved"), 4, "4 chunks do not divide the 2 column-then-row pair(s)"),
+        (dict(pp=1, tp=2, hidden=()), 2, "1 pipeline stages but the model has 0 column-then-row pair(s)"),
         (dict(pp=9), 4, "--pp 9 is more than the 4 rank"),
     ],
 )
@@ -399,3 +417,29 @@ def test_resuming_mid_epoch_after_a_crash_is_bit_identical(tmp_path, monkeypatch
     assert resumed["weights_sha256"] == whole["weights_sha256"]
     for ours, theirs in zip(resumed["epochs"], whole["epochs"]):
         assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12)
+
+
+def test_a_gradient_sent_later_than_its_backward_is_still_that_micro_batchs(data64):
+    """Schedules are data a learner may write: here stage 1 sends micro-batch 0's gradient only after micro-batch 1's
+    backward. check() and simulate() accept it, and the interpreter must send each micro-batch's own gradient."""
+    program = schedules.one_f_one_b(2, 2)
+    late = [list(p) for p in program]
+    send = next(i for i, ins in enumerate(late[1]) if ins.op == "send" and ins.kind == "gradient" and ins.micro == 0)
+    moved = late[1].pop(send)
+    b1 = next(i for i, ins in enumerate(late[1]) if ins.op == "backward" and ins.micro == 1)
+    late[1].insert(b1 + 1, moved)
+    schedules.check(late, 2)
+    schedules.simulate(late)
+    cfg = pp(FOUR, pp=2, microbatches=2)
+
+    def fn(comm, schedule):
+        pipeline = Pipeline(prepare(comm, timeout=0), cfg)
+        pipeline.build(model_of(FOUR), lambda model: make_optimizer("sgd", model, 0.1))
+        pipeline.program = schedule[pipeline.grid.pp_rank]
+        x, y = data64[0]
+        pipeline.step(x, y)
+        return pipeline.full_parameters().copy()
+
+    expected = sim.run(2, fn, program)[0]
+    for params in sim.run(2, fn, late):
+        assert np.array_equal(params, expected)

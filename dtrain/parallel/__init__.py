@@ -21,6 +21,7 @@ through these methods alone (no ``if paradigm == ...`` anywhere else)::
     p.optimizer_buffers()            the names of its flat buffers, without communication
     p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
     p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
+    p.close()                        after the last checkpoint: free what the paradigm made (sub-communicators)
     cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
 
 :class:`Paradigm` itself is a correct single-replica trainer, and its :meth:`Paradigm.step` is the loop every
@@ -43,6 +44,10 @@ server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``loca
 schedules in schedules.py: GPipe, 1F1B, interleaved); these two share model_parallel.py (a local model made of pieces
 of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py).
 
+Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
+digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled
+as evaluation's).
+
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
 """
@@ -56,6 +61,8 @@ import time
 import numpy as np
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
+from dtrain.backend import weights_digest
+from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 
 _REGISTRY: dict[str, type[Paradigm]] = {}
@@ -88,6 +95,33 @@ def _load_all() -> None:
     """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
     for module in MODULES:
         importlib.import_module(f"dtrain.parallel.{module}")
+
+
+class ReplicasDiverged(RuntimeError):
+    """Ranks that should hold identical weights do not."""
+
+
+def check_replicas(comm, flat, when: str) -> None:
+    """Every rank's ``flat`` must be bit-identical (a collective); else :class:`ReplicasDiverged` names the ranks."""
+    digests = comm.allgather(weights_digest(flat))
+    if len(set(digests)) > 1:
+        groups = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        listing = "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
+        raise ReplicasDiverged(f"replicas differ {when}: {listing}")
+
+
+class Evaluating:
+    """A model whose traffic while evaluating (a sharded model's gathers or all-reduces) is labelled evaluation's,
+    not training's."""
+
+    def __init__(self, model, tracer):
+        self.model, self.tracer = model, tracer
+
+    def __call__(self, x):
+        with self.tracer.operation(EVALUATION):
+            return self.model(x)
 
 
 def parameter_count(sizes) -> int:
@@ -172,7 +206,8 @@ class Paradigm:
             # each micro-batch's mean loss counts 1/k, so the gradient is that of the whole slice's mean loss
             loss.backward(np.full_like(loss.data, 1.0 / k) if k > 1 else None)
             total += float(loss.data)
-        if self.rank == self.config.slow_rank:  # a straggler: F times this step's compute (communication excluded)
+        # a straggler: F times this step's forward and backward (tensor parallelism's all-reduces inside them too)
+        if self.rank == self.config.slow_rank:
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
         self.after_backward()
         self.optimizer.step()
@@ -218,6 +253,9 @@ class Paradigm:
     def finish(self) -> dict:
         """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json."""
         return {}
+
+    def close(self) -> None:
+        """At the very end, after the final checkpoint (which may still gather over sub-communicators)."""
 
     def batches(self, loader, epoch: int):
         """The batches a trainer steps through in ``epoch``: this rank's slice of each global batch, once."""

@@ -71,19 +71,15 @@ from collections.abc import Generator
 import numpy as np
 
 from dtrain import collectives, kernels
-from dtrain.backend import array_module, is_device_array, weights_digest
+from dtrain.backend import array_module, is_device_array
 from dtrain.collectives import costmodel, hierarchical, ring
 from dtrain.comm import waitall, watchdog
 from dtrain.errors import ConfigError
-from dtrain.parallel import Paradigm, register
+from dtrain.parallel import Paradigm, check_replicas, register
 
 ALGORITHMS = collectives.ALGORITHMS
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
 NONBLOCKING = {"ring": ring.allreduce_steps}  # algorithms with a step-by-step (non-blocking) form
-
-
-class ReplicasDiverged(RuntimeError):
-    """Ranks that should hold identical weights do not."""
 
 
 def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int]]]:
@@ -105,17 +101,6 @@ def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int
     if members:
         buckets.append((parameters[members[-1]][0], stop, members))
     return buckets
-
-
-def check_replicas(comm, flat, when: str) -> None:
-    """Every rank's ``flat`` must be bit-identical (a collective); else :class:`ReplicasDiverged` names the ranks."""
-    digests = comm.allgather(weights_digest(flat))
-    if len(set(digests)) > 1:
-        groups = {}
-        for rank, digest in enumerate(digests):
-            groups.setdefault(digest, []).append(rank)
-        listing = "; ".join(f"ranks {ranks} hold {d[:12]}" for d, ranks in groups.items())
-        raise ReplicasDiverged(f"data-parallel replicas differ {when}: {listing}")
 
 
 @dataclasses.dataclass

@@ -107,10 +107,12 @@ def shape_of(world: int, dp=None, tp=None, pp=None, fill: str = "dp") -> Shape:
     if given[fill] is None:
         if world % fixed:
             named = " x ".join(f"--{a} {v}" for a, v in given.items() if v is not None)
-            raise ConfigError(
-                f"{named} = {fixed} rank(s) per {'replica' if fill == 'dp' else 'group'} does not divide the {world} "
-                f"ranks launched: launch a multiple of {fixed} ranks"
+            what = (
+                f"{named} = {fixed} rank(s) per replica"
+                if fill == "dp"
+                else f"{named} (the {fill} groups take the rest)"
             )
+            raise ConfigError(f"{what} does not divide the {world} ranks launched: launch a multiple of {fixed} ranks")
         given[fill] = world // fixed
     shape = Shape(**{a: v or 1 for a, v in given.items()})
     if shape.size != world:

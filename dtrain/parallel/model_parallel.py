@@ -30,9 +30,7 @@ from dtrain import collectives, kernels
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT
 from dtrain.errors import ConfigError
-from dtrain.parallel import Paradigm, grid, placement
-from dtrain.parallel.data_parallel import check_replicas
-from dtrain.parallel.zero_shards import Evaluating
+from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
 
 NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp flag
 
@@ -135,6 +133,9 @@ class ModelParallel(Paradigm):
         return Evaluating(self.model, self.tracer) if self.tracer is not None else self.model
 
     # --- the end ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.grid.free()
+
     def held_bytes(self) -> dict:
         """What this rank holds, read off its arrays: its pieces of the parameters, gradients and optimizer state."""
         buffers = sum(v.nbytes for v in self.optimizer.state_dict().values() if isinstance(v, np.ndarray))

@@ -23,8 +23,10 @@ chunks r, r + P, ... and the micro-batches cross the ranks V times.
 
 **Inside a stage, tensor parallelism** (``--tp T``): a stage's layers are split as tensor_parallel.py splits a
 model, over the stage's tensor group; each tensor rank sends the whole activation to the same tensor rank of the next
-stage. With ``--dp D`` every stage's ranks average their gradients with their replicas after the step. That is the
-3-D grid (grid.py): dp x tp x pp ranks.
+stage. So that every stage has layers to split, the cut then falls only between column-then-row pairs of layers (as
+Megatron cuts between transformer layers, each of which holds such pairs); the units above are pairs, not layers.
+With ``--dp D`` every stage's ranks average their gradients with their replicas before each optimizer step. That is
+the 3-D grid (grid.py): dp x tp x pp ranks.
 
 **Cost per step** (M micro-batches of m = B / (D M) samples, b bytes per number; w_in(s), w_out(s): the widths
 entering and leaving stage s)::
@@ -59,6 +61,7 @@ from dtrain.parallel.tensor_parallel import (
     TensorGroup,
     activation_elements,
     activations_sent,
+    check_splittable,
     group_allreduce_bytes,
     local_parameters,
     plan,
@@ -66,28 +69,40 @@ from dtrain.parallel.tensor_parallel import (
 )
 
 
-def cut(sizes, stages: int, equal: bool = False) -> list[int]:
+def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
     """Boundaries ``[0, b_1, ..., L]`` of ``stages`` contiguous stages of the L Linear layers of an MLP ``sizes``:
-    the cut whose largest stage (in parameters) is smallest, or (``equal``) L / stages layers each."""
-    weights = [a * b + b for a, b in itertools.pairwise(sizes)]
-    layers = len(weights)
+    the cut whose largest stage (in parameters) is smallest, or (``equal``) as many units each. A unit is a layer, or
+    with tensor parallelism (``tp`` > 1) a column-then-row pair (the last pair takes a layer left over)."""
+    allowed = units(len(sizes) - 1, tp)  # the layer boundaries a cut may fall on
+    prefix = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(sizes)), initial=0))
+    weights = [prefix[b] - prefix[a] for a, b in itertools.pairwise(allowed)]
+    n = len(weights)
     if equal:
-        return [k * layers // stages for k in range(stages + 1)]
-    prefix = list(itertools.accumulate(weights, initial=0))
-    # best[k][j]: the smallest possible largest stage when layers [0, j) make k stages; split[k][j]: where it cuts
-    best = [[float("inf")] * (layers + 1) for _ in range(stages + 1)]
-    split = [[0] * (layers + 1) for _ in range(stages + 1)]
+        return [allowed[k * n // stages] for k in range(stages + 1)]
+    total = list(itertools.accumulate(weights, initial=0))
+    # best[k][j]: the smallest possible largest stage when units [0, j) make k stages; split[k][j]: where it cuts
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    split = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0
     for k in range(1, stages + 1):
-        for j in range(k, layers + 1):
+        for j in range(k, n + 1):
             for i in range(k - 1, j):
-                load = max(best[k - 1][i], prefix[j] - prefix[i])
+                load = max(best[k - 1][i], total[j] - total[i])
                 if load < best[k][j]:
                     best[k][j], split[k][j] = load, i
-    bounds = [layers]
+    bounds = [n]
     for k in range(stages, 0, -1):
         bounds.append(split[k][bounds[-1]])
-    return bounds[::-1]
+    return [allowed[u] for u in reversed(bounds)]
+
+
+def units(layers: int, tp: int = 1) -> list[int]:
+    """The boundaries between the units a pipeline cuts into: every layer, or with tensor parallelism every
+    column-then-row pair of ``tensor_parallel.plan``, the last pair taking a leftover layer (5 layers: 0, 2, 5; one
+    layer has no pair: [0], no unit at all)."""
+    if tp == 1:
+        return list(range(layers + 1))
+    return [*range(0, layers - 1, 2), layers] if layers >= 2 else [0]
 
 
 class PipelineForward:
@@ -122,46 +137,48 @@ class Pipeline(ModelParallel):
     fill = "pp"
 
     @staticmethod
-    def virtual_of(config) -> int:
-        return config.virtual_stages or (2 if config.schedule == "interleaved" else 1)
+    def settings(config) -> tuple[str, int, int]:
+        """(schedule, micro-batches M, virtual stages V), the defaults filled in: 1f1b, 4, and V = 2 interleaved."""
+        schedule = config.schedule or "1f1b"
+        return schedule, config.microbatches or 4, config.virtual_stages or (2 if schedule == "interleaved" else 1)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         if config.accumulate != 1:
             raise ConfigError("--accumulate is not for --paradigm pp: its --microbatches accumulate the gradients")
         super().check(config, world)
-        shape, v, m = cls.shape_of(config, world), cls.virtual_of(config), config.microbatches
-        layers, stages = len(config.hidden) + 1, shape.pp * cls.virtual_of(config)
-        if config.schedule not in schedules.SCHEDULES:
-            raise ConfigError(f"--schedule {config.schedule!r} is not one of: {', '.join(schedules.SCHEDULES)}")
-        if config.schedule == "interleaved":
+        shape, (schedule, m, v) = cls.shape_of(config, world), cls.settings(config)
+        layers, stages = len(config.hidden) + 1, shape.pp * v
+        available = len(units(layers, shape.tp)) - 1
+        what = f"{layers} Linear layers" if shape.tp == 1 else (
+            f"{available} column-then-row pair(s) of Linear layers to split over --tp {shape.tp} (with tensor "
+            "parallelism a pipeline cuts between pairs, so that every stage has layers to split)")  # fmt: skip
+        hidden = f"--hidden {','.join(map(str, config.hidden)) or 'none'}"
+        if schedule == "interleaved":
             if v < 2 or shape.pp < 2:
                 raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2 and --pp >= 2, got {v} and "
                                   f"{shape.pp}")  # fmt: skip
-            if layers % stages:
+            if available % stages:
                 raise ConfigError(f"--pp {shape.pp} x --virtual-stages {v} = {stages} chunks do not divide the "
-                                  f"{layers} Linear layers: interleaving gives every chunk as many layers")  # fmt: skip
+                                  f"{what} ({hidden}): interleaving gives every chunk as many")  # fmt: skip
             if m % shape.pp:
                 raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --pp {shape.pp}, got {m}")
         elif v != 1:
-            raise ConfigError(f"--virtual-stages {v} is for --schedule interleaved, not {config.schedule}")
-        if stages > layers:
-            raise ConfigError(f"{stages} pipeline stages but the model has {layers} Linear layers (--hidden "
-                              f"{','.join(map(str, config.hidden)) or 'none'}): every stage needs one")  # fmt: skip
+            raise ConfigError(f"--virtual-stages {v} is for --schedule interleaved, not {schedule}")
+        if stages > available:
+            raise ConfigError(f"{stages} pipeline stages but the model has {what} ({hidden}): every stage needs one")
         replica = config.batch_size // shape.dp
-        if m < 1 or replica % m:
+        if replica % m:
             raise ConfigError(f"--microbatches {m} must divide each replica's slice of the batch ({replica} = "
                               f"{config.batch_size} / {shape.dp} replicas)")  # fmt: skip
-        odd = [h for h in config.hidden if h % shape.tp]
-        if odd:  # (a stage may start anywhere: every width may be split by columns)
-            raise ConfigError(f"--tp {shape.tp} must divide every --hidden width in a pipeline, not {odd[0]}")
+        check_splittable([1, *config.hidden, 1], shape.tp)  # the pairs' widths (the data's widths never split)
 
     def build(self, make_model, make_optimizer) -> None:
         whole = make_model()  # the whole model, from the seed: identical on every rank (then dropped)
         config, P = self.config, self.shape.pp
-        self.P, self.M, self.V = P, config.microbatches, self.virtual_of(config)
-        self.sizes, self.dtype, self.stages = list(whole.sizes), whole.flat_params.dtype, P * self.V
-        self.bounds = cut(self.sizes, self.stages, equal=config.schedule == "interleaved")
+        self.schedule, self.M, self.V = self.settings(config)
+        self.P, self.sizes, self.dtype, self.stages = P, list(whole.sizes), whole.flat_params.dtype, P * self.V
+        self.bounds = cut(self.sizes, self.stages, equal=self.schedule == "interleaved", tp=self.shape.tp)
         self.mine = [v for v in range(self.stages) if v % P == self.grid.pp_rank]  # my stages, in order
         group = TensorGroup(self.grid.tp_comm, config.allreduce)
         self.chunks, pieces = {}, []
@@ -173,7 +190,7 @@ class Pipeline(ModelParallel):
         local.flatten_(xp=array_module(whole.flat_params), dtype=self.dtype)  # one flat buffer for all my chunks
         starts = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(self.sizes)), initial=0))
         self.regions = [(v % P, starts[self.bounds[v]], starts[self.bounds[v + 1]]) for v in range(self.stages)]
-        self.program = schedules.build(config.schedule, P, self.M, self.V)[self.grid.pp_rank]
+        self.program = schedules.build(self.schedule, P, self.M, self.V)[self.grid.pp_rank]
         self.adopt(local, pieces, whole.flat_params.size, make_optimizer)
         self.delay = None  # (seconds per Linear layer forward, backward): a sleep-calibrated pipeline (benchmarks)
         self.held = self.peak = 0  # activation bytes kept for backward: now, and the most at once
@@ -190,7 +207,7 @@ class Pipeline(ModelParallel):
             parts.append(f"  stage {v} (pipeline rank {v % self.P}): layers {a}-{b - 1}, "
                          f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters{split}")  # fmt: skip
         rule = "equal layers per chunk" if self.V > 1 else "balanced by parameter count"
-        head = (f"pipeline: {self.stages} stages ({rule}), schedule {self.config.schedule}, {self.M} micro-batches "
+        head = (f"pipeline: {self.stages} stages ({rule}), schedule {self.schedule}, {self.M} micro-batches "
                 f"of {self.config.batch_size // (self.shape.dp * self.M)}; bubble (P-1)/(VM+P-1) = "
                 f"{schedules.bubble_formula(self.P, self.M, self.V):.3f}")  # fmt: skip
         return "\n".join([head, *parts])
@@ -212,7 +229,7 @@ class Pipeline(ModelParallel):
         step_start = time.perf_counter()
         self.model.zero_grad()
         self.x, self.y, self.rows = x, y, len(y) // self.M
-        self.inbox, self.saved, self.sending, self.losses, self.timeline = {}, {}, [], [], []
+        self.inbox, self.outbox, self.saved, self.sending, self.losses, self.timeline = {}, {}, {}, [], [], []
         for ins in self.program:
             started = time.perf_counter()
             getattr(self, "_" + ins.op)(ins)
@@ -246,10 +263,12 @@ class Pipeline(ModelParallel):
         else:
             out.backward(self.inbox.pop(("gradient", ins.stage, ins.micro)))
         self.held -= kept
-        self.sent_back = inputs.grad
+        if ins.stage > 0:  # the gradient of the received activations, for the send instruction that names it
+            self.outbox[ins.stage, ins.micro] = inputs.grad
 
     def _send(self, ins) -> None:
-        data = self.saved[ins.stage, ins.micro][1].data if ins.kind == "activation" else self.sent_back
+        key = (ins.stage, ins.micro)
+        data = self.saved[key][1].data if ins.kind == "activation" else self.outbox.pop(key)
         with self.label(f"pp/{ins.kind}s"):
             request = self.grid.pp_comm.Isend(data, dest=ins.peer, tag=schedules.tag(ins.message(), self.M))
         self.sending.append((request, data))  # (the array must live until the message has left)
@@ -274,7 +293,7 @@ class Pipeline(ModelParallel):
         if self.delay is not None:
             layers = self.bounds[ins.stage + 1] - self.bounds[ins.stage]
             time.sleep(layers * self.delay[ins.op == "backward"])
-        if self.rank == self.config.slow_rank:
+        if self.rank == self.config.slow_rank:  # (with --tp, the computation's all-reduces are part of its time)
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
         ended = time.perf_counter()
         self.busy_s += ended - started
@@ -295,7 +314,7 @@ class Pipeline(ModelParallel):
             "peak_activation_bytes": self.peak,
             "idle_fraction": 1 - self.busy_s / self.step_s if self.step_s else 0,
         }
-        return {**figures, "stages": self.bounds, "schedule": self.config.schedule, "microbatches": self.M,
+        return {**figures, "stages": self.bounds, "schedule": self.schedule, "microbatches": self.M,
                 "virtual_stages": self.V, "per_rank": self.comm.allgather(mine)}  # fmt: skip
 
     @classmethod
@@ -303,10 +322,10 @@ class Pipeline(ModelParallel):
         """Per rank (lists): bytes sent per step, the bytes held of parameters, gradients and optimizer state, and
         the peak bytes of activations kept for backward (from the schedule)."""
         shape, b = cls.shape_of(config, world), resolve_dtype(config.dtype).itemsize
-        P, M, V = shape.pp, config.microbatches, cls.virtual_of(config)
+        (schedule, M, V), P = cls.settings(config), shape.pp
         stages, rows = P * V, config.batch_size // (shape.dp * M)
-        bounds = cut(sizes, stages, equal=config.schedule == "interleaved")
-        program = schedules.build(config.schedule, P, M, V)
+        bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
+        program = schedules.build(schedule, P, M, V)
         buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
 
         def kept(v):  # one micro-batch's activations on stage v: its received input and its intermediate results

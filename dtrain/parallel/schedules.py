@@ -105,6 +105,8 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int) -> list[list[
     forwards (all of them when M = P). M must be a multiple of P.
     """
     _check_sizes(stages, microbatches, virtual)
+    if stages < 2:
+        raise ValueError("interleaving needs at least 2 stages: on one, every chunk would be on the same rank")
     if microbatches % stages:
         raise ValueError(f"interleaving needs the micro-batches ({microbatches}) to be a multiple of the stages "
                          f"({stages})")  # fmt: skip

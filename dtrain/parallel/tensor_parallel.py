@@ -240,16 +240,29 @@ class TensorParallel(ModelParallel):
     def check(cls, config, world: int) -> None:
         super().check(config, world)
         shape = cls.shape_of(config, world)
-        sizes = [1, *config.hidden, 1]  # the hidden widths decide what splits (the data's widths never do)
-        check_splittable(sizes, shape.tp)
+        if shape.tp > 1 and not config.hidden:
+            raise ConfigError(f"--tp {shape.tp} splits pairs of Linear layers (by columns, then by rows), but a model "
+                              "with no hidden layer (--hidden none) has one: give it a hidden layer")  # fmt: skip
+        check_splittable([1, *config.hidden, 1], shape.tp)  # the hidden widths decide (the data's widths never split)
 
     def build(self, make_model, make_optimizer) -> None:
         whole = make_model()  # the whole model, from the seed: identical on every rank (then dropped)
-        check_splittable(whole.sizes, self.shape.tp)
         self.group = TensorGroup(self.grid.tp_comm, self.config.allreduce)
         modules, pieces = shard(whole, 0, len(whole.sizes) - 1, self.group)
         self.sizes = list(whole.sizes)
         self.adopt(flattened(modules, whole), pieces, whole.flat_params.size, make_optimizer)
+        if self.rank == 0 and not self.config.quiet:
+            print(self.describe(), flush=True)
+
+    def describe(self) -> str:
+        """How each Linear layer is split over the tensor group, and what one rank holds of it."""
+        t, lines = self.shape.tp, [f"tensor parallel over {self.shape.tp} rank(s): each rank holds"]
+        for j, kind in enumerate(plan(len(self.sizes) - 1)):
+            rows, cols = self.sizes[j], self.sizes[j + 1]
+            part = {"column": f"{cols // t} of its {cols} columns", "row": f"{rows // t} of its {rows} rows, the bias "
+                    "whole", "replicated": "all of it"}[kind]  # fmt: skip
+            lines.append(f"  layer {j} ({rows} -> {cols}), {kind}: {part}")
+        return "\n".join(lines)
 
     def finish(self) -> dict:
         return {**super().finish(), "layers": plan(len(self.sizes) - 1)}

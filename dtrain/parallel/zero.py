@@ -84,9 +84,8 @@ from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.comm.trace import CHECKPOINT
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
-from dtrain.parallel import Paradigm, register
-from dtrain.parallel.data_parallel import check_replicas
-from dtrain.parallel.zero_shards import KINDS, Evaluating, Ledger, Unit, UnitOptimizers, units_of
+from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
+from dtrain.parallel.zero_shards import KINDS, Ledger, Unit, UnitOptimizers, units_of
 
 STAGES = (1, 2, 3)
 DEFAULT_STAGE = 3  # full sharding, FSDP's default

@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 
 from dtrain.collectives import chunk_bounds
-from dtrain.comm.trace import EVALUATION
 
 KINDS = ("parameters", "gradients", "optimizer")
 
@@ -100,14 +99,3 @@ class UnitOptimizers:
     def step(self) -> None:
         for part in self.parts:
             part.step()
-
-
-class Evaluating:
-    """A model whose traffic (stage 3 gathers each layer for the forward) is labelled as evaluation's."""
-
-    def __init__(self, model, tracer):
-        self.model, self.tracer = model, tracer
-
-    def __call__(self, x):
-        with self.tracer.operation(EVALUATION):
-            return self.model(x)
