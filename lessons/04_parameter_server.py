@@ -2,7 +2,8 @@
 
 The last S ranks are servers, each owning a slice (shard) of the flat parameter buffer and its optimizer state; the
 first W = p - S ranks are workers, which hold the whole model for forward and backward but no optimizer state. Each
-step a worker pushes its gradient to the servers and gets the new weights back (dtrain/parallel/parameter_server.py):
+step a worker pushes its gradient to the servers and gets the new weights back (dtrain/parallel/parameter_server.py;
+the server's loop, one method per message, in ps_server.py):
 
     dtrain launch -n 4 lessons/04_parameter_server.py          # 3 workers and 1 server (2 and 2 in the S=2 runs)
     dtrain launch -n 3 lessons/04_parameter_server.py          # the least: 2 workers and a server

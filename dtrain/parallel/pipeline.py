@@ -15,11 +15,11 @@ stage, its list of instructions (forward/backward of micro-batch i, send/receive
 step), and :meth:`Pipeline.step` is a small interpreter that executes its rank's list. The gradients of the M
 micro-batches accumulate, so the step is exactly one step on the whole batch: ``pp`` follows ``single``.
 
-**The cut** (printed at start): contiguous stages *balanced by parameter count*, the cut that makes the largest stage
-smallest. For a Linear layer forward and backward cost 2 and 4 times batch x its weights in FLOPs, so balancing the
-parameters balances the compute, up to the biases and activations. Interleaving (``--virtual-stages V``) cuts the
-model into P V chunks of equal numbers of layers (Megatron's rule), so P V must divide the layers; rank r holds
-chunks r, r + P, ... and the micro-batches cross the ranks V times.
+**The cut** (printed at start; stages.py): contiguous stages *balanced by parameter count*, the cut that makes the
+largest stage smallest. For a Linear layer forward and backward cost 2 and 4 times batch x its weights in FLOPs, so
+balancing the parameters balances the compute, up to the biases and activations. Interleaving (``--virtual-stages
+V``) cuts the model into P V chunks of equal numbers of layers (Megatron's rule), so P V must divide the layers; rank
+r holds chunks r, r + P, ... and the micro-batches cross the ranks V times.
 
 **Inside a stage, tensor parallelism** (``--tp T``): a stage's layers are split as tensor_parallel.py splits a
 model, over the stage's tensor group; each tensor rank sends the whole activation to the same tensor rank of the next
@@ -57,6 +57,7 @@ from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
 from dtrain.parallel import parameter_count, register, schedules
 from dtrain.parallel.model_parallel import ModelParallel
+from dtrain.parallel.stages import cut, units
 from dtrain.parallel.tensor_parallel import (
     TensorGroup,
     activation_elements,
@@ -67,42 +68,6 @@ from dtrain.parallel.tensor_parallel import (
     plan,
     shard,
 )
-
-
-def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
-    """Boundaries ``[0, b_1, ..., L]`` of ``stages`` contiguous stages of the L Linear layers of an MLP ``sizes``:
-    the cut whose largest stage (in parameters) is smallest, or (``equal``) as many units each. A unit is a layer, or
-    with tensor parallelism (``tp`` > 1) a column-then-row pair (the last pair takes a layer left over)."""
-    allowed = units(len(sizes) - 1, tp)  # the layer boundaries a cut may fall on
-    prefix = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(sizes)), initial=0))
-    weights = [prefix[b] - prefix[a] for a, b in itertools.pairwise(allowed)]
-    n = len(weights)
-    if equal:
-        return [allowed[k * n // stages] for k in range(stages + 1)]
-    total = list(itertools.accumulate(weights, initial=0))
-    # best[k][j]: the smallest possible largest stage when units [0, j) make k stages; split[k][j]: where it cuts
-    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
-    split = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                load = max(best[k - 1][i], total[j] - total[i])
-                if load < best[k][j]:
-                    best[k][j], split[k][j] = load, i
-    bounds = [n]
-    for k in range(stages, 0, -1):
-        bounds.append(split[k][bounds[-1]])
-    return [allowed[u] for u in reversed(bounds)]
-
-
-def units(layers: int, tp: int = 1) -> list[int]:
-    """The boundaries between the units a pipeline cuts into: every layer, or with tensor parallelism every
-    column-then-row pair of ``tensor_parallel.plan``, the last pair taking a leftover layer (5 layers: 0, 2, 5; one
-    layer has no pair: [0], no unit at all)."""
-    if tp == 1:
-        return list(range(layers + 1))
-    return [*range(0, layers - 1, 2), layers] if layers >= 2 else [0]
 
 
 class PipelineForward:

@@ -1,0 +1,55 @@
+"""Where a pipeline cuts a model: contiguous stages of Linear layers, balanced by parameter count.
+
+Every micro-batch passes through every stage, so a pipeline moves at the pace of its slowest stage, and the cut
+should make the largest stage as small as it can be. For a Linear layer of a x b weights, forward costs about
+2 rows a b floating-point operations and backward 4 rows a b, so a stage's compute is proportional to its parameters
+(up to the biases and the element-wise work): :func:`cut` finds, by dynamic programming over the layers, the
+contiguous cut whose largest stage holds the fewest parameters::
+
+    784-512-256-256-128-64-10 on 3 stages     layer 0: 401,920   1: 131,328   2: 65,792   3: 32,896   4: 8,256   5: 650
+    cut [0, 1, 2, 6]                          stage 0: layer 0 (401,920)  1: layer 1 (131,328)  2: layers 2-5 (107,594)
+
+(The first layer is over half the model: no cut makes a stage smaller than it.) Interleaving cuts into equal numbers
+of units instead, Megatron's rule. With tensor parallelism a unit is a column-then-row *pair* of layers
+(:func:`units`), so that every stage holds layers its tensor group can split.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+
+def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
+    """Boundaries ``[0, b_1, ..., L]`` of ``stages`` contiguous stages of the L Linear layers of an MLP ``sizes``:
+    the cut whose largest stage (in parameters) is smallest, or (``equal``) as many units each. A unit is a layer, or
+    with tensor parallelism (``tp`` > 1) a column-then-row pair (the last pair takes a layer left over)."""
+    allowed = units(len(sizes) - 1, tp)  # the layer boundaries a cut may fall on
+    prefix = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(sizes)), initial=0))
+    weights = [prefix[b] - prefix[a] for a, b in itertools.pairwise(allowed)]
+    n = len(weights)
+    if equal:
+        return [allowed[k * n // stages] for k in range(stages + 1)]
+    total = list(itertools.accumulate(weights, initial=0))
+    # best[k][j]: the smallest possible largest stage when units [0, j) make k stages; split[k][j]: where it cuts
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    split = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                load = max(best[k - 1][i], total[j] - total[i])
+                if load < best[k][j]:
+                    best[k][j], split[k][j] = load, i
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(split[k][bounds[-1]])
+    return [allowed[u] for u in reversed(bounds)]
+
+
+def units(layers: int, tp: int = 1) -> list[int]:
+    """The boundaries between the units a pipeline cuts into: every layer, or with tensor parallelism every
+    column-then-row pair of ``tensor_parallel.plan``, the last pair taking a leftover layer (5 layers: 0, 2, 5; one
+    layer has no pair: [0], no unit at all)."""
+    if tp == 1:
+        return list(range(layers + 1))
+    return [*range(0, layers - 1, 2), layers] if layers >= 2 else [0]
