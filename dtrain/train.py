@@ -75,7 +75,7 @@ class TrainConfig:
     topology: str = "ring"  # gossip: whom each rank averages with: ring, torus, exponential, random
     # model parallelism (tp, pp): the rank grid dp x tp x pp; a missing size takes what the others leave
     dp: int | None = None  # data-parallel replicas of the model-parallel model
-    tp: int | None = None  # tensor-parallel ranks that split every layer of a stage
+    tp: int | None = None  # tensor-parallel ranks that split the layers of a stage (column-then-row pairs)
     pp: int | None = None  # pipeline stages
     microbatches: int | None = None  # pp: micro-batches each replica's slice of the batch is cut into (None: 4)
     schedule: str | None = None  # pp: gpipe, 1f1b or interleaved (None: 1f1b)

@@ -75,7 +75,7 @@ def test_the_grid_of_8_ranks_is_the_docstrings_picture():
     assert shape.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert all(shape.rank_of(**shape.coordinates(r)) == r for r in range(8))
     text = shape.describe()
-    assert "tp groups (split every layer of a stage; all-reduce activations): [0 1] [2 3] [4 5] [6 7]" in text
+    assert "tp groups (split the layers of a stage; all-reduce activations): [0 1] [2 3] [4 5] [6 7]" in text
     assert "  pp    0  0  0  0  1  1  1  1" in text
 
 

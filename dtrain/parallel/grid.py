@@ -37,7 +37,7 @@ from dtrain.errors import ConfigError
 
 AXES = ("dp", "tp", "pp")
 ROLES = {  # what the ranks of one group share, and what they send each other
-    "tp": "split every layer of a stage; all-reduce activations",
+    "tp": "split the layers of a stage; all-reduce activations",
     "dp": "hold the same shard; average gradients",
     "pp": "hold consecutive stages; send activations and gradients",
 }
