@@ -5,8 +5,9 @@
     dtrain plot runs/single/metrics.json -o runs/single/curves.png
 
 A mistake in what was asked for (a bad flag value, a missing data file, a diverging loss) is one line on stderr
-and a non-zero exit, never a traceback. Under several ranks the failing rank aborts the whole job, so no rank is
-left waiting for it.
+and exit status 2, never a traceback. Under several ranks it is still one line: a mistake every rank finds is said
+by rank 0 and every rank exits 2; one that only some ranks find ends the job through ``MPI_Abort``, naming the rank
+(:func:`dtrain.comm.mpi.end_job`). Ctrl-C exits 130 and, under ``dtrain launch``, stops every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from dtrain.errors import UserError
 
@@ -24,11 +24,19 @@ EXIT_USER_ERROR = 2
 DEFAULT_TIMEOUT_S = 300.0
 
 
+class UsageError(UserError):
+    """A command line argparse cannot parse; ``prog`` is the (sub)command it belongs to."""
+
+    def __init__(self, message: str, prog: str):
+        super().__init__(message)
+        self.prog = prog
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that points at --help."""
+    """argparse, but a usage error is one line that points at --help (said once however many ranks parse it)."""
 
     def error(self, message):
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
 
 
 def _hidden_sizes(text: str) -> tuple[int, ...]:
@@ -257,8 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    from dtrain.comm import mpi
+    from dtrain.comm.launcher import JobInterrupted
+
+    if mpi.launched_size() > 1:  # a rank of a job: first set up how a failure ends the job (before any mistake)
+        mpi.install_excepthook()
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "train":
             return _train(args)
         if args.command == "launch":
@@ -268,9 +281,17 @@ def main(argv=None) -> int:
 
             print(plot_metrics(args.metrics, args.output))
             return 0
+    except UsageError as exc:
+        return _fail(str(exc), exc.prog)
     except UserError as exc:
         return _fail(str(exc))
-    except (OSError, KeyboardInterrupt) as exc:  # a missing input, an --out that is a file, Ctrl-C
+    except JobInterrupted as exc:  # dtrain launch: the launcher has stopped the job and said so
+        return exc.exit_status
+    except KeyboardInterrupt:  # Ctrl-C in a rank (dtrain train): the launcher or mpiexec stops the others
+        mpi.leave_interrupted()  # (returns only in a world of one rank)
+        sys.stderr.write("dtrain: interrupted\n")
+        return mpi.EXIT_INTERRUPTED
+    except OSError as exc:  # a missing input, an --out that is a file
         return _fail(str(exc) or type(exc).__name__)
     return 0
 
@@ -285,7 +306,7 @@ def _train(args) -> int:
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     if config.timeout is None and not os.environ.get(watchdog.ENV_VAR, "").strip():
         config.timeout = DEFAULT_TIMEOUT_S
-    config.validate()  # before MPI starts: a bad flag never reaches communication
+    config.validate()  # before any communication: a bad flag never reaches it
     comm = mpi.world()
     mpi.install_excepthook()
     # Overflow on the way to a NaN loss is reported once, by train(), as TrainingDiverged: no NumPy warnings first.
@@ -299,7 +320,7 @@ def _train(args) -> int:
 
 
 def _launch(args) -> int:
-    from dtrain.comm import mpi, watchdog
+    from dtrain.comm import launcher, watchdog
 
     target = args.target[1:] if args.target[:1] == ["--"] else args.target  # "launch -n 2 -- -c CODE"
     if args.module:
@@ -313,23 +334,16 @@ def _launch(args) -> int:
         env[watchdog.ENV_VAR] = f"{args.timeout:g}"
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
-    return mpi.launch(args.ranks, target, env=env).returncode
+    return launcher.launch(args.ranks, target, env=env).returncode
 
 
-def _fail(message: str) -> int:
-    """Print one line. Under several ranks, abort the job so no other rank waits for this one."""
-    mpi4py = sys.modules.get("mpi4py.MPI")
-    if mpi4py is not None and mpi4py.Is_initialized() and mpi4py.COMM_WORLD.Get_size() > 1:
-        comm = mpi4py.COMM_WORLD
-        sys.stderr.write(f"dtrain: error (rank {comm.Get_rank()}): {message}\n")
-        sys.stderr.flush()
-        from dtrain.comm.mpi import FORWARD_S
+def _fail(message: str, prog: str = "dtrain") -> int:
+    """One line on stderr, said once for the whole job (under several ranks, rank 0 says it if every rank failed
+    alike; else the failing rank says it, naming itself, and aborts the job)."""
+    from dtrain.comm import mpi
 
-        time.sleep(FORWARD_S)  # mpiexec forwards the line before the Abort ends the job
-        comm.Abort(EXIT_USER_ERROR)
-        return EXIT_USER_ERROR  # MPICH's Abort can return before the process manager ends this rank
-    sys.stderr.write(f"dtrain: error: {message}\n")
-    return EXIT_USER_ERROR
+    mpi.end_job(message, EXIT_USER_ERROR, template=f"{prog}: error{{who}}: {{message}}")
+    return EXIT_USER_ERROR  # (also when MPICH's Abort returns before the process manager has ended this rank)
 
 
 if __name__ == "__main__":

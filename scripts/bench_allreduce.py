@@ -157,7 +157,7 @@ def main() -> None:
         return
 
     from dtrain.collectives import ALGORITHMS
-    from dtrain.comm import mpi
+    from dtrain.comm import launcher
 
     unknown = set(args.algorithms.split(",")) - set(ALGORITHMS)
     if unknown:
@@ -168,7 +168,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp) / "rows.json"
                 forwarded = [a for a in sys.argv[1:] if a != "--worker"]
-                rc = mpi.launch(p, [__file__, *forwarded, "--worker", "--result", str(result)]).returncode
+                rc = launcher.launch(p, [__file__, *forwarded, "--worker", "--result", str(result)]).returncode
                 if rc != 0:
                     raise SystemExit(f"benchmark on {p} ranks failed (exit {rc})")
                 all_rows += [{**row, "run": run} for row in json.loads(result.read_text())]

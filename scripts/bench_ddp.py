@@ -384,11 +384,11 @@ CLI = (
 )
 
 
-def run_job(mpi, n: int, worker_args: list[str]) -> dict:
+def run_job(launcher, n: int, worker_args: list[str]) -> dict:
     """Run this script's worker on ``n`` ranks; what rank 0 wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        rc = mpi.launch(n, [__file__, "--worker", "--result", str(result), *worker_args]).returncode
+        rc = launcher.launch(n, [__file__, "--worker", "--result", str(result), *worker_args]).returncode
         if rc != 0:
             raise SystemExit(f"benchmark on {n} ranks failed (exit {rc})")
         return json.loads(result.read_text())
@@ -438,7 +438,7 @@ def main() -> None:
         return
     cli_flags = [] if args.no_cli else (args.cli_flags or [""])
 
-    from dtrain.comm import mpi
+    from dtrain.comm import launcher
 
     lines = []
 
@@ -463,7 +463,7 @@ def main() -> None:
         for job in range(args.jobs):
             worker = ["--rounds", str(per_job), "--steps", str(args.steps), "--warmup", str(args.warmup)]
             worker += ["--variants", ",".join(variants)] + (["--no-torch"] if args.no_torch else [])
-            got = run_job(mpi, n, worker)
+            got = run_job(launcher, n, worker)
             if got["note"] and got["note"] not in notes:
                 notes.append(got["note"])
                 say(f"({got['note']})")
@@ -477,7 +477,7 @@ def main() -> None:
                 runs.append(None)  # torch
             for flags in runs[:: 1 if job % 2 == 0 else -1]:
                 if flags is None:
-                    value = run_job(mpi, n, ["--torch-training"])["samples_per_s"]
+                    value = run_job(launcher, n, ["--torch-training"])["samples_per_s"]
                 else:
                     value = cli_run(n, flags)
                 (torch_training if flags is None else cli[flags]).append(value)

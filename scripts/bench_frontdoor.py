@@ -186,12 +186,12 @@ def main() -> None:
         run_ranks(args)
         return
 
-    from dtrain.comm import mpi
+    from dtrain.comm import launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         forwarded = [a for a in sys.argv[1:] if a != "--worker"]
-        rc = mpi.launch(args.ranks, [__file__, *forwarded, "--worker", "--result", str(out)]).returncode
+        rc = launcher.launch(args.ranks, [__file__, *forwarded, "--worker", "--result", str(out)]).returncode
         if rc != 0:
             raise SystemExit(f"benchmark on {args.ranks} ranks failed (exit {rc})")
         result = json.loads(out.read_text())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from dtrain.comm.mpi import THREAD_VARIABLES
+from dtrain.comm.launcher import THREAD_VARIABLES
 
 for _name in THREAD_VARIABLES:  # before NumPy and Numba load: gamma below is measured on one thread, as a rank runs
     os.environ.setdefault(_name, "1")
@@ -137,11 +137,11 @@ def worker(result_path: str, mode: str) -> None:
 
 
 def measure(nranks: int, mode: str):
-    from dtrain.comm import mpi
+    from dtrain.comm import launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        rc = mpi.launch(nranks, [__file__, "--worker", str(result), "--mode", mode]).returncode
+        rc = launcher.launch(nranks, [__file__, "--worker", str(result), "--mode", mode]).returncode
         if rc != 0:
             raise SystemExit(f"{mode} on {nranks} ranks failed (exit {rc})")
         return json.loads(result.read_text())

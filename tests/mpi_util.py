@@ -1,7 +1,7 @@
 """Run code on N MPI ranks from a test, with a timeout, through dtrain's own launcher.
 
 The launcher sets one BLAS/Numba thread per rank and MPICH's yielding wait when ranks outnumber cores, runs the
-target under ``python -m mpi4py`` (an exception on any rank aborts the job), and kills the whole process group on
+target under ``python -m dtrain.comm.run`` (a failure on any rank ends the job), and kills the whole process group on
 timeout: a bug is a failed test, never a hung suite.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from dtrain.comm import mpi
+from dtrain.comm import launcher
 
 
 def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = True, cwd=None):
@@ -19,7 +19,7 @@ def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = 
     With ``check`` a non-zero exit fails the test and shows both output streams.
     """
     try:
-        result = mpi.launch(nranks, target, timeout=timeout, capture=True, cwd=cwd)
+        result = launcher.launch(nranks, target, timeout=timeout, capture=True, cwd=cwd)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(
             f"{nranks} ranks did not finish within {timeout} s (a hang?)\nstdout:\n{exc.output}\nstderr:\n{exc.stderr}"

@@ -17,6 +17,7 @@ object all-gather per collective, which is why it is off by default. Calls are n
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 
@@ -137,21 +138,35 @@ def signature(collective, algorithm, op, buf, root, seq, error, ranks_per_node=N
 def agree(comm, mine: dict) -> None:
     """Gather every rank's signature; if they differ, raise the same CollectiveMismatchError on every rank.
 
-    (If they agree, argument errors included, each rank goes on to raise its own argument error, if any.)
+    (If they agree, argument errors included, each rank goes on to raise its own argument error, if any.) The
+    report names where each rank made its call, the one line of each rank's traceback that matters.
     """
-    signatures = comm.allgather(mine)
-    if all(s == signatures[0] for s in signatures):
-        return
+    signatures = comm.allgather({**mine, "where": _call_site()})
     fields = [k for k in mine if k != "error"]
+    if all(isinstance(s, dict) and all(s.get(k) == signatures[0].get(k) for k in mine) for s in signatures):
+        return
     lines = ["the ranks are not making the same collective call (seq: calls made before on this communicator):"]
     for rank, sig in enumerate(signatures):
         if not isinstance(sig, dict):  # the rank is in some other object collective (a stray comm.allgather?)
             lines.append(f"  rank {rank}: not a collective's signature: {sig!r}")
             continue
         text = ", ".join(f"{k}={sig[k]!r}" for k in fields)
-        lines.append(f"  rank {rank}: {text}" + (f"  <- {sig['error']}" if sig["error"] else ""))
+        lines.append(f"  rank {rank}: {text}  at {sig['where']}" + (f"  <- {sig['error']}" if sig["error"] else ""))
     dicts = [s for s in signatures if isinstance(s, dict)]
     bad = [k for k in fields if len({repr(s[k]) for s in dicts}) > 1]
     if bad:
         lines.append(f"  differing: {', '.join(bad)}")
     raise CollectiveMismatchError("\n".join(lines), signatures)
+
+
+_INSIDE = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), folder) for folder in ("collectives", "comm"))
+
+
+def _call_site() -> str:
+    """``file:line in function`` of the program's call: the first frame outside dtrain's collectives and comm."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -9,7 +9,8 @@ Which file does what:
 
 ============== ==========================================================================================
 ``names``       MPI's constants and ops (``ANY_SOURCE``, ``IN_PLACE``, ``SUM`` ...), shared by every communicator
-``mpi``         the real world under ``mpiexec``: fail-fast excepthook, the right ``mpiexec``, the launcher
+``mpi``         inside a rank: the real world under ``mpiexec``; a failing rank ends the job, saying so once
+``launcher``    outside the ranks: ``mpiexec`` with the machine's settings; the job stopped whole (Ctrl-C, timeout)
 ``sim``         a simulated world of N ranks as threads, with exact deadlock detection (notebooks, fast tests)
 ``simcomm``     the simulated world's communicator: mpi4py's buffer API over shared queues
 ``wrapper``     the base of every communicator wrapper (calls as records, wrapped sub-communicators, innermost)

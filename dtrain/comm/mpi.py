@@ -1,42 +1,40 @@
-"""The real world of ranks: MPI under ``mpiexec``, fail-fast on errors, and a launcher that sets the machine up.
+"""Inside a rank: the real world of ranks under ``mpiexec``, and how a rank that fails ends the job, saying so once.
 
-Three things a learner trips over in their first MPI hour are handled here once:
+(Starting and stopping a job from outside is :mod:`dtrain.comm.launcher`'s.)
 
-1. **A crash on one rank hangs the others.** Rank 2 raises, rank 0 waits forever in ``Recv`` for a message rank 2
-   will never send. :func:`install_excepthook` makes an uncaught exception print that rank's traceback and then call
-   ``MPI.COMM_WORLD.Abort``, which ends every rank of the job at once. (``python -m mpi4py script.py`` does the same;
-   the launcher below runs scripts that way.)
-2. **More ranks than cores crawl.** MPICH waits for messages by busy-polling; with 4 ranks on 2 cores the waiting
-   ranks steal the CPU from the working ones. ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` makes waiters yield (which alone
-   barely helps: the scheduler hands a yielding waiter its core straight back, so dtrain's own waits also sleep
-   between polls, see :func:`dtrain.comm.waitall`). Likewise each rank must use one BLAS/Numba thread, or 4 ranks x
-   2 threads fight over 2 cores.
-3. **The wrong ``mpiexec``.** An ``mpiexec`` from another MPI on PATH starts N independent singletons, each of size
-   1. :func:`mpiexec_path` takes the one installed beside this Python (the ``mpich`` wheel puts it there).
+A crash on one rank hangs the others: rank 2 raises, rank 0 waits forever in ``Recv`` for a message rank 2 will never
+send. So a rank that fails must end the job, and say why, once, not once per rank:
 
-``python -m dtrain launch -n 4 lessons/02_allreduce.py`` uses all three.
+* **A mistake every rank finds** (a bad flag, checked before any message) ends every rank with the mistake's status
+  and one line from rank 0, through ``MPI_Finalize``: there is no one left to abort.
+* **An error only some ranks see** ends the job through ``MPI_Abort``, with the traceback or message of the ranks
+  that saw it, each naming its rank.
+
+:func:`end_job` tells the two apart (every failing rank asks whether all ranks are failing), and
+:func:`install_excepthook` routes uncaught exceptions through it; ``python -m dtrain.comm.run`` (what the launcher
+runs on every rank) installs it before the program starts. (``python -m mpi4py`` aborts on any exception too, but
+prints every rank's traceback.)
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
-from dtrain.comm import usable_cores
+EXIT_BAD_ARGUMENTS = 2  # what argparse and the dtrain command exit with for a mistake in what was asked
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+# How long a failing rank waits to learn whether every rank is failing too (end_job). Ranks that find the same bad
+# flag find it within milliseconds of each other, even four to a core; a rank that fails alone pays this before the
+# Abort.
+AGREE_S = 2.0
+_channel = None  # the world's duplicate on which failing ranks ask each other (install_excepthook sets it up)
 
 # Output a rank writes goes to mpiexec through a pipe; an Abort can end the job before mpiexec has read the last
 # lines (suspected in rare test failures where no rank's message arrived). A rank about to end the job waits this
 # long first: nothing else is left to do, and a fifth of a second is nothing next to a lost error message.
 FORWARD_S = 0.2
-
-# One thread per rank for every threaded library a rank may load: BLAS (OpenBLAS, MKL), OpenMP, Numba.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def world():
@@ -54,101 +52,135 @@ def size(comm=None) -> int:
     return (comm or world()).Get_size()
 
 
+def launched_size() -> int:
+    """How many ranks the process manager says it started (MPICH's ``PMI_SIZE``, Open MPI's ``OMPI_COMM_WORLD_SIZE``),
+    read from the environment without starting MPI; 1 when none says."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
 def print0(*args, comm=None, **kwargs) -> None:
     """``print`` on rank 0 only (flushed, so lines are not lost when another rank aborts the job)."""
     if rank(comm) == 0:
         print(*args, **kwargs, flush=True)
 
 
-def refuse_arguments(message: str, comm=None) -> None:
-    """Exit every rank with status 2 after writing ``message`` (bad arguments, found the same way on every rank).
-
-    Every rank writes it, not only rank 0: under ``python -m mpi4py`` a non-zero exit aborts the whole job, so the
-    first rank to leave can kill rank 0 before rank 0 has printed anything. Whichever rank leaves first has said why.
-    """
-    several = (comm or world()).Get_size() > 1
+def refuse_arguments(message: str) -> None:
+    """Leave with status 2 after ``message``: bad arguments, which every rank finds the same way. Said once."""
     sys.stdout.flush()
-    sys.stderr.write((f"[rank {rank(comm)}] {message}" if several else message) + "\n")
-    sys.stderr.flush()
-    if several:
-        time.sleep(FORWARD_S)  # let mpiexec forward the line before the first exit aborts the job
-    raise SystemExit(2)
+    end_job(message, EXIT_BAD_ARGUMENTS)
+    raise SystemExit(EXIT_BAD_ARGUMENTS)
 
 
 def install_excepthook() -> None:
-    """Make an uncaught exception on any rank print its traceback and abort the whole job.
+    """Make an uncaught exception on any rank end the whole job, saying once what happened (see :func:`end_job`).
 
-    In a world of one rank nothing can hang, so the usual Python behaviour is kept. Otherwise the traceback is
-    prefixed with the rank (so a learner sees *which* rank failed) and ``Abort`` tears every rank down.
+    Call it on every rank at the start, before any communication: it sets up the channel that :func:`end_job` asks
+    on (a duplicate of the world, a collective call). In a world of one rank nothing can hang, so the usual Python
+    behaviour is kept. Ctrl-C (KeyboardInterrupt) ends a rank quietly: whoever sent it stops the job.
     """
+    global _channel
     comm = world()
     if comm.Get_size() == 1:
         return
+    if _channel is None:
+        _channel = comm.Dup()
 
-    def abort_on_exception(exc_type, exc, tb):
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception, aborting all ranks:\n{text}")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(FORWARD_S)
-        comm.Abort(1)
+    def end_on_exception(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            leave_interrupted()
+            return
+        while tb is not None and _is_runner(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next  # the runner's frames (runpy, dtrain.comm.run, mpi4py's): in every traceback, none yours
+        text = "".join(traceback.format_exception(exc_type, exc, tb)).rstrip("\n")
+        same = "".join(traceback.format_exception_only(exc_type, exc))  # ranks that raised this raised the same
+        end_job(text, 1, template="uncaught exception{who}, ending the job:\n{message}", everyone=" on every rank",
+                key=same)  # fmt: skip
 
-    sys.excepthook = abort_on_exception
-
-
-def mpiexec_path() -> Path:
-    """The ``mpiexec`` that belongs to this Python's environment, else the first on PATH; an error if neither."""
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return local
-    found = shutil.which("mpiexec")
-    if found:
-        return Path(found)
-    raise FileNotFoundError(
-        "no mpiexec found beside this Python or on PATH: install dtrain into a virtualenv "
-        "(pip install -e .), which brings the mpich wheel and its mpiexec"
-    )
+    sys.excepthook = end_on_exception
 
 
-def launch_env(nranks: int, base: dict | None = None) -> dict:
-    """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed.
+def end_job(message: str, status: int, template: str = "{message}", everyone: str = "", key: str | None = None) -> None:
+    """Say why this rank fails, once for the whole job, and leave the job in the way that fits.
 
-    Values already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
+    Two kinds of failure need two ends:
+
+    * **Every rank fails** (a bad flag, checked the same way everywhere; a checkpoint rank 0 read and broadcast;
+      a collective that debug mode found mismatched on all ranks). Nothing is left to abort: rank 0 writes each
+      different message once, naming the ranks when they differ, and every rank leaves through ``MPI_Finalize``;
+      the caller then exits with ``status``.
+    * **Some ranks fail** and the others wait for them forever. This rank writes its message, naming itself, and
+      calls ``MPI_Abort``, which ends every rank of the job.
+
+    Which one it is, a rank cannot know alone, so it asks: a non-blocking barrier on a channel of its own (set up by
+    :func:`install_excepthook`), which completes only if every rank gets here within :data:`AGREE_S` seconds. (A
+    blocking one would hang when a rank is not failing; one on the world would be mismatched with a collective a
+    rank may be blocked in.) ``template`` places the ranks and the message: ``{who}`` is empty when every rank says
+    the same (``everyone`` then), else `` (rank 1)`` or `` (ranks 0, 2)``. Ranks whose ``key`` (default: the
+    message) is the same say the same thing: the message of the first of them is shown.
     """
-    env = dict(os.environ if base is None else base)
-    for name in THREAD_VARIABLES:
-        env.setdefault(name, "1")
-    if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
-        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    return env
+    sys.stdout.flush()
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        _write(template.format(who="", message=message))  # alone: nothing to agree on, nothing to abort
+        return
+    comm = MPI.COMM_WORLD
+    if _channel is not None and _everyone_failing(_channel):
+        said = _channel.gather((message if key is None else key, message), root=0)
+        if _channel.Get_rank() == 0:
+            groups: dict[str, list[int]] = {}
+            for r, (same, _) in enumerate(said):
+                groups.setdefault(same, []).append(r)
+            for ranks in groups.values():
+                who = everyone if len(groups) == 1 else f" ({_ranks_named(ranks)})"
+                _write(template.format(who=who, message=said[ranks[0]][1]))
+        _channel.Barrier()  # rank 0 has written before any rank leaves
+        MPI.Finalize()  # (mpi4py's runner then does not abort: there is nothing left to abort)
+        return
+    _write(template.format(who=f" (rank {comm.Get_rank()})", message=message))
+    time.sleep(FORWARD_S)  # mpiexec forwards the line before the Abort ends the job
+    comm.Abort(status)
 
 
-def mpiexec_command(nranks: int, target: list[str]) -> list[str]:
-    """The command line that runs ``target`` (a script and its args, or ``-m module ...``) on ``nranks`` ranks.
+def leave_interrupted() -> None:
+    """Ctrl-C reached this rank of several (the launcher or mpiexec passes it to every rank): leave at once, with
+    130, quietly. In a world of one rank (or before MPI starts) it returns, and the caller says what it likes.
 
-    The target runs under ``python -m mpi4py``, so an uncaught exception on any rank aborts the whole job.
+    No ``MPI_Abort`` and no traceback: whoever sent the signal is stopping the job, and four ranks' tracebacks would
+    hide the one line that says so. (``os._exit``, since mpi4py's runner would abort on a normal exit.)
     """
-    if nranks < 1:
-        raise ValueError(f"the number of ranks must be >= 1, got {nranks}")
-    if not target:
-        raise ValueError("nothing to launch: give a script path or -m module")
-    return [str(mpiexec_path()), "-n", str(nranks), sys.executable, "-m", "mpi4py", *target]
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
-def launch(nranks: int, target: list[str], timeout: float | None = None, capture: bool = False, **kwargs):
-    """Run ``target`` on ``nranks`` ranks and return the ``subprocess.CompletedProcess``.
+def _everyone_failing(channel) -> bool:
+    request = channel.Ibarrier()
+    deadline = time.monotonic() + AGREE_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False  # (the barrier stays pending: the Abort that follows ends every rank anyway)
+        time.sleep(0.005)
+    return True
 
-    ``timeout`` (seconds) kills the whole job if it has not finished, so a bug is a failure, not a hang: mpiexec and
-    every rank run in their own process group, and the group is killed (killing mpiexec alone can orphan ranks).
-    """
-    cmd = mpiexec_command(nranks, target)
-    env = launch_env(nranks, kwargs.pop("env", None))
-    pipe = subprocess.PIPE if capture else None
-    with subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **kwargs) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+def _is_runner(filename: str) -> bool:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return "runpy" in filename or f"{os.sep}mpi4py{os.sep}" in filename or filename == os.path.join(here, "run.py")
+
+
+def _ranks_named(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _write(text: str) -> None:
+    if not text:
+        return
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

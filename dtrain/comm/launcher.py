@@ -1,0 +1,273 @@
+"""Starting a job on N ranks, and stopping it: every process of it, whatever ends the launcher.
+
+What ``mpiexec -n 3 python -m dtrain.comm.run script.py`` starts (MPICH's hydra; Open MPI's prterun looks alike)::
+
+    dtrain launch ── mpiexec ── hydra_pmi_proxy ─┬─ rank 0     each box below the launcher is a session of its own
+                    (session)   (session)        ├─ rank 1     (setsid): no one signal, and no process group,
+                                                 └─ rank 2     reaches them all
+
+Three things a learner meets here, handled once:
+
+1. **The machine.** One BLAS/Numba thread per rank, MPICH's yielding wait when ranks outnumber cores, and the
+   ``mpiexec`` installed beside this Python (:func:`mpiexec_path`): one from another MPI on PATH would start N
+   independent worlds of one rank each.
+2. **Ctrl-C must stop every rank.** The terminal's Ctrl-C reaches the launcher only. The launcher forwards the
+   signal (SIGINT, SIGTERM, SIGHUP) to mpiexec, which passes it on to the ranks; a rank stuck inside an MPI call
+   cannot act on it, and hydra's mpiexec exits at once without waiting for its ranks, so after a grace period the
+   launcher kills every process of the job it can still find: it keeps the job's process tree (by PID and start
+   time, never by name) from the moment the signal came. It then exits as shells expect, 128 + the signal's number
+   (130 for Ctrl-C). The same happens on any other way out of :func:`launch` (its timeout, an exception), and on
+   Linux mpiexec is told when the launcher itself dies (``PR_SET_PDEATHSIG``), even by SIGKILL, which nothing can
+   catch.
+3. **A crash on one rank hangs the others.** The target runs under ``python -m dtrain.comm.run``: a failure on any
+   rank ends the whole job, and says why once (see :mod:`dtrain.comm.run` and :mod:`dtrain.comm.mpi`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dtrain.comm import usable_cores
+from dtrain.errors import UserError
+
+# One thread per rank for every threaded library a rank may load: BLAS (OpenBLAS, MKL), OpenMP, Numba.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+# How long the ranks have to end on their own after the signal is forwarded, before they are killed. Long enough for
+# a rank to write its last lines; short enough that a person at the terminal never wonders whether Ctrl-C worked.
+GRACE_S = 3.0
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """The launcher was sent ``signum`` and has stopped the whole job; a shell's exit status for it is 128 + signum.
+
+    A KeyboardInterrupt, so a notebook cell or a script that launched the job is interrupted as by Ctrl-C.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+def mpiexec_path() -> Path:
+    """The ``mpiexec`` that belongs to this Python's environment, else the first on PATH; an error if neither."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return local
+    found = shutil.which("mpiexec")
+    if found:
+        return Path(found)
+    raise FileNotFoundError(
+        "no mpiexec found beside this Python or on PATH: install dtrain into a virtualenv "
+        "(pip install -e .), which brings the mpich wheel and its mpiexec"
+    )
+
+
+def launch_env(nranks: int, base: dict | None = None) -> dict:
+    """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed.
+
+    Values already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
+    """
+    env = dict(os.environ if base is None else base)
+    for name in THREAD_VARIABLES:
+        env.setdefault(name, "1")
+    if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
+        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    return env
+
+
+def mpiexec_command(nranks: int, target: list[str]) -> list[str]:
+    """The command line that runs ``target`` (a script and its args, or ``-m module ...``) on ``nranks`` ranks.
+
+    The target runs under ``python -m dtrain.comm.run`` (:mod:`dtrain.comm.run`), so a failure on any rank ends the
+    whole job, said once. A script that does not exist is refused here, in one line, before mpiexec starts N Pythons
+    to say so N times.
+    """
+    if nranks < 1:
+        raise ValueError(f"the number of ranks must be >= 1, got {nranks}")
+    if not target:
+        raise ValueError("nothing to launch: give a script path or -m module")
+    script = target[0]
+    if not script.startswith("-") and not Path(script).is_file():
+        what = "is a folder" if Path(script).is_dir() else "does not exist"
+        raise UserError(f"{script} {what}: give a Python script, or -m MODULE to run a module")
+    return [str(mpiexec_path()), "-n", str(nranks), sys.executable, "-m", "dtrain.comm.run", *target]
+
+
+def launch(nranks: int, target: list[str], timeout: float | None = None, capture: bool = False, **kwargs):
+    """Run ``target`` on ``nranks`` ranks and return the ``subprocess.CompletedProcess``.
+
+    ``timeout`` (seconds) kills the whole job if it has not finished, so a bug is a failure, not a hang. SIGINT,
+    SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`.
+    """
+    cmd = mpiexec_command(nranks, target)
+    env = launch_env(nranks, kwargs.pop("env", None))
+    pipe = subprocess.PIPE if capture else None
+    with Job(cmd, env=env, stdout=pipe, stderr=pipe, text=True, **kwargs) as job:
+        try:
+            out, err = job.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.stop(signal.SIGKILL)
+            out, err = job.process.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, job.process.returncode, out, err)
+
+
+class Job:
+    """``mpiexec`` started as a job that always ends whole: a context manager around ``subprocess.Popen``.
+
+    While it runs (in the main thread), SIGINT, SIGTERM and SIGHUP stop the job and raise :class:`JobInterrupted`;
+    leaving the ``with`` block any other way stops whatever is left of it. :meth:`stop` is the one way it ends.
+    """
+
+    def __init__(self, cmd: list[str], **popen_kwargs):
+        self.process = subprocess.Popen(
+            cmd, start_new_session=True, preexec_fn=_die_with_parent(), **popen_kwargs
+        )  # its own session: a Ctrl-C at the terminal reaches the launcher only, which decides what the job gets
+        self._known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
+        self._hurry = False
+        self._previous = {}
+        self.received: int | None = None  # the signal that interrupted the job, if one did
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # (Python lets only the main thread catch signals)
+            for signum in FORWARDED:
+                self._previous[signum] = signal.signal(signum, self._interrupted)
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            if self.received is not None:
+                sys.stderr.write(
+                    f"{signal.Signals(self.received).name}: stopping the job: mpiexec and every rank (what is left "
+                    f"after {GRACE_S:g} s is killed)\n"
+                )
+                sys.stderr.flush()
+            if self.process.poll() is None or self._alive():
+                self.stop(self.received or signal.SIGTERM)
+        finally:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self.process.__exit__(*exc_info)
+
+    def _interrupted(self, signum, frame):
+        self.received = signum
+        raise JobInterrupted(signum)  # unwinds communicate(); __exit__ (or the caller) stops the job
+
+    def stop(self, signum: int) -> None:
+        """Send ``signum`` to mpiexec, give the job :data:`GRACE_S` to end, then SIGKILL every process left of it.
+
+        A second signal during the grace period means: now.
+        """
+        for forwarded in self._previous:  # a second Ctrl-C cuts the grace period short instead of the cleanup
+            signal.signal(forwarded, self._now)
+        self._known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signum)  # mpiexec's process group (its own session: itself, at least)
+            except OSError:  # it ended in between
+                pass
+        deadline = time.monotonic() + (0 if signum == signal.SIGKILL else GRACE_S)
+        while not self._hurry and time.monotonic() < deadline and self._alive():
+            self.process.poll()  # reap mpiexec as soon as it ends (a zombie would count as alive)
+            time.sleep(0.02)
+        for pid, started in self._known.items():
+            _signal(pid, started, signal.SIGKILL)
+        self.process.wait()
+
+    def _now(self, signum, frame):
+        self._hurry = True
+
+    def _alive(self) -> bool:
+        if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
+            self._known.update(_tree(self.process.pid))
+        return any(_running(pid, started) for pid, started in self._known.items())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The job's processes, by PID and start time. Linux's /proc gives both; elsewhere `ps` gives the tree (no start times,
+# so a PID reused within the grace period would be mistaken for the job's: a risk of seconds, on systems without /proc).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of ``pid`` from /proc, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (command name)", which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[1]), int(fields[19])
+
+
+def _tree(root: int) -> dict[int, int]:
+    """``root`` and all its descendants now: pid -> start time (0 where unknown)."""
+    children: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+                children.setdefault(stat[1], []).append(int(entry))
+                started[int(entry)] = stat[2]
+    else:
+        try:
+            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            listing = ""
+        for line in listing.splitlines():
+            pid, ppid = map(int, line.split())
+            children.setdefault(ppid, []).append(pid)
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        tree[pid] = started.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _running(pid: int, started: int) -> bool:
+    if not os.path.isdir("/proc"):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[2] == started  # a zombie has ended; another start: reused PID
+
+
+def _signal(pid: int, started: int | None, signum: int) -> None:
+    if started is not None and _running(pid, started):
+        try:
+            os.kill(pid, signum)
+        except OSError:  # it ended in between
+            pass
+
+
+def _die_with_parent():
+    """A preexec_fn asking Linux to send mpiexec SIGTERM if the launcher dies, even by SIGKILL (None elsewhere).
+
+    The libc function is looked up here, in the parent, so the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec():
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+    return preexec

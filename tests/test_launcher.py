@@ -1,0 +1,161 @@
+"""``dtrain launch`` stops the whole job: Ctrl-C, SIGTERM or SIGHUP to the launcher leave no process of it behind.
+
+Each test starts the launcher as a user does, waits until the job is really running (every rank started, and for a
+training run its first epoch printed), records every process of the job by PID and start time (read from /proc:
+never by name, which would also match other jobs), signals the launcher only, and then checks that each of those
+processes has ended within a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dtrain.comm import launcher
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc"),
+]
+
+RANKS = 4
+# mpiexec and hydra's proxy, then the ranks
+JOB_PROCESSES = RANKS + 2
+ENDED_WITHIN_S = launcher.GRACE_S + 5
+
+TRAIN = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "1000", "--no-progress"]
+HUNG = """
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+print("ready", comm.Get_rank(), flush=True)
+comm.Recv(np.zeros(1), source=(comm.Get_rank() + 1) % comm.Get_size())  # never sent: every rank waits forever
+"""
+
+
+class Started:
+    """The launcher running ``args``, with its output read as it comes (so a full pipe never blocks the job)."""
+
+    def __init__(self, args, cwd):
+        command = [sys.executable, "-m", "dtrain", "launch", "-n", str(RANKS), *map(str, args)]
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout, self.stderr = [], []
+        self._readers = [
+            threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+            for s, into in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def wait_until(self, ready, limit: float = 120) -> dict[int, int]:
+        """Wait until ``ready(stdout text)`` and every process of the job is up; return the job's processes."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the job ended early:\n{''.join(self.stdout)}{''.join(self.stderr)}"
+            tree = launcher._tree(self.process.pid)
+            if len(tree) >= 1 + JOB_PROCESSES and ready("".join(self.stdout)):
+                return tree
+            time.sleep(0.2)
+        self.process.kill()
+        raise AssertionError(f"the job did not start within {limit} s:\n{''.join(self.stdout)}{''.join(self.stderr)}")
+
+    def finish(self, limit: float) -> int:
+        status = self.process.wait(limit)
+        for reader in self._readers:
+            reader.join(5)
+        return status
+
+
+def left_of(tree: dict[int, int], within: float) -> list[int]:
+    """The processes of ``tree`` still running after waiting up to ``within`` seconds for them to end."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [pid for pid, started in tree.items() if launcher._running(pid, started)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def kill_all(tree):
+    for pid, started in tree.items():
+        launcher._signal(pid, started, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("job", "signum"),
+    [("training", signal.SIGINT), ("training", signal.SIGTERM), ("hung", signal.SIGINT), ("hung", signal.SIGTERM),
+     ("hung", signal.SIGHUP)],
+    ids=["training-SIGINT", "training-SIGTERM", "hung-SIGINT", "hung-SIGTERM", "hung-SIGHUP"],
+)  # fmt: skip
+def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path, job, signum):
+    if job == "training":
+        args, ready = TRAIN, lambda out: "epoch   1/1000" in out
+    else:  # ranks blocked inside MPI_Recv, which no signal handler of Python's can interrupt; no watchdog either
+        (tmp_path / "hung.py").write_text(HUNG)
+        args, ready = ["--timeout", "0", tmp_path / "hung.py"], lambda out: out.count("ready") == RANKS
+    started = Started(args, tmp_path)
+    tree = started.wait_until(ready)
+    try:
+        started.process.send_signal(signum)
+        status = started.finish(ENDED_WITHIN_S)
+        assert status == 128 + signum, "".join(started.stderr)
+        assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
+        assert f"{signal.Signals(signum).name}: stopping the job" in "".join(started.stderr)
+        assert "Traceback" not in "".join(started.stderr), "".join(started.stderr)
+    finally:
+        kill_all(tree)
+
+
+def test_a_launcher_killed_outright_still_takes_its_job_down(tmp_path):
+    """SIGKILL cannot be caught: Linux tells mpiexec instead (PR_SET_PDEATHSIG), and mpiexec ends its ranks."""
+    (tmp_path / "hung.py").write_text(HUNG)
+    started = Started(["--timeout", "0", tmp_path / "hung.py"], tmp_path)
+    tree = started.wait_until(lambda out: out.count("ready") == RANKS)
+    try:
+        started.process.kill()
+        started.finish(10)
+        assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
+    finally:
+        kill_all(tree)
+
+
+def test_the_launchers_timeout_stops_every_process_of_the_job(tmp_path):
+    (tmp_path / "hung.py").write_text(HUNG)
+    seen = {}
+
+    def watch():  # the tree as it is while the job runs (the launcher holds the main thread)
+        while not seen.get("done"):
+            tree = {pid: t for pid, t in launcher._tree(os.getpid()).items() if pid != os.getpid()}
+            if len(tree) >= JOB_PROCESSES:
+                seen.setdefault("tree", tree)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            env = {**os.environ, "DTRAIN_TIMEOUT": "0"}
+            launcher.launch(RANKS, [str(tmp_path / "hung.py")], timeout=15, capture=True, env=env)
+    finally:
+        seen["done"] = True
+        watcher.join(5)
+    assert "tree" in seen, "the job never had all its processes running"
+    try:
+        assert not left_of(seen["tree"], 2), "the timeout left processes of the job running"
+    finally:
+        kill_all(seen["tree"])
+
+
+def test_a_missing_script_is_one_line_before_anything_starts(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "dtrain", "launch", "-n", "4", "nowhere.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "dtrain: error: nowhere.py does not exist: give a Python script, or -m MODULE to run a module"
+    ], result.stderr
