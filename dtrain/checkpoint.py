@@ -34,6 +34,12 @@ FORMAT = "dtrain.checkpoint/1"
 FILENAME = "checkpoint.npz"
 
 
+_DAMAGED = (
+    "--resume: {path} is damaged or not a dtrain checkpoint: give --checkpoint-dir a folder with a checkpoint "
+    "written by dtrain, or train without --resume to start afresh"
+)
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that is missing, damaged, or written for another model, dtype or optimizer."""
 
@@ -82,8 +88,14 @@ def load(folder) -> dict:
             params = data["params"]
             optimizer = {k.split(".", 1)[1]: data[k] for k in data.files if k.startswith("optimizer.")}
             optimizer.update(header.pop("optimizer_scalars"))
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"--resume: {path} is damaged or not a dtrain checkpoint ({exc})") from None
+    except OSError as exc:
+        if exc.errno is not None:  # the disk or the permissions, not the content
+            raise CheckpointError(f"--resume: cannot read {path}: {exc.strerror}") from None
+        raise CheckpointError(_DAMAGED.format(path=path)) from None
+    except (ValueError, KeyError, zipfile.BadZipFile, EOFError, UnicodeDecodeError):
+        # Not NumPy's own message: for a file holding pickled objects it advises loading them, which would run
+        # whatever code the file carries. A checkpoint never holds pickles, so this one is simply not ours.
+        raise CheckpointError(_DAMAGED.format(path=path)) from None
     if header.get("format") != FORMAT:
         raise CheckpointError(f"--resume: {path} is not a {FORMAT} file (format {header.get('format')!r})")
     return {"meta": header, "params": params, "optimizer": optimizer}

@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.data import DATASETS
     from dtrain.optim import OPTIMIZERS
     from dtrain.parallel.schedules import SCHEDULES
-    from dtrain.train import TrainConfig
+    from dtrain.train import DEFAULT_BATCH, TrainConfig
 
-    defaults = TrainConfig()
+    defaults = TrainConfig(batch_size=None)
     parser = _Parser(prog="dtrain", description="Distributed training from scratch on NumPy and MPI.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -100,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--batch-size",
         type=int,
-        default=defaults.batch_size,
         help="the global batch, split into equal slices over the ranks; it must be divisible by the number of "
         "ranks (no uneven split: a rank with a smaller slice would weigh its samples more; the error suggests a "
-        "size that divides) (default %(default)s)",
+        f"size that divides) (default {DEFAULT_BATCH}, or the nearest size that the paradigm's trainers divide, "
+        "which the run's first line then names)",
     )
     t.add_argument(
         "--accumulate",

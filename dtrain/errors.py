@@ -11,3 +11,7 @@ class ConfigError(UserError, ValueError):
 
 class TrainingDiverged(UserError, RuntimeError):
     """The loss became NaN or infinite."""
+
+
+class MissingPackage(UserError, ImportError):
+    """An optional package that what was asked for needs is not installed: the message names the extra to install."""

@@ -69,6 +69,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dtrain.backend import is_device_array
+from dtrain.errors import ConfigError, MissingPackage
 
 ENV_VAR = "DTRAIN_KERNELS"
 CHOICES = ("auto", "numba", "numpy")
@@ -320,7 +321,9 @@ def use(name: str) -> str:
     """
     global _active, _why, _numba_module
     if name not in CHOICES:
-        raise ValueError(f"unknown kernel backend {name!r} (from {ENV_VAR} or kernels.use): choose one of {CHOICES}")
+        raise ConfigError(
+            f"unknown kernel backend {name!r} (from {ENV_VAR} or kernels.use): choose one of {', '.join(CHOICES)}"
+        )
     if name == "numpy":
         _active, _why = "numpy", "chosen"
         return _active
@@ -328,9 +331,10 @@ def use(name: str) -> str:
         import numba
     except Exception as exc:  # usually ImportError; a broken install can raise anything, and "auto" must survive it
         if name == "numba":
-            raise ImportError(
-                f"kernel backend 'numba' needs the numba package, which cannot be imported ({exc}): "
-                f"pip install numba, or set {ENV_VAR}=numpy"
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise MissingPackage(
+                f"{ENV_VAR}=numba needs Numba, which cannot be imported ({first_line}): install the numba extra "
+                f"(pip install -e '.[numba]'), or unset {ENV_VAR}"
             ) from exc
         _active, _why = "numpy", f"numba cannot be imported: {exc}"
         return _active
@@ -340,7 +344,18 @@ def use(name: str) -> str:
 
 
 def _resolve() -> str:
-    return _active if _active is not None else use(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+    return _active if _active is not None else use(_asked())
+
+
+def _asked() -> str:
+    return os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+
+
+def check_environment() -> None:
+    """Refuse a ``DTRAIN_KERNELS`` that cannot be honoured now, not at the first kernel call, deep in a run. (Only
+    an explicit ``numba`` imports Numba here: ``auto`` waits for the first call, as before.)"""
+    if _active is None and _asked() != "auto":
+        use(_asked())
 
 
 def backend_name() -> str:

@@ -18,7 +18,7 @@ import dtrain
 
 # weights_digest lives with the model stack (paradigms use it too); the driver's callers find it here as before
 from dtrain.backend import weights_digest  # noqa: F401
-from dtrain.errors import UserError
+from dtrain.errors import MissingPackage, UserError
 
 SCHEMA = "dtrain.metrics/1"
 
@@ -67,15 +67,25 @@ def load_metrics(path) -> dict:
     return metrics
 
 
-def plot_metrics(paths, out_png, labels=None) -> Path:
-    """Training loss and test accuracy per epoch for one or more runs, side by side, saved as a PNG."""
+def pyplot():
+    """matplotlib's pyplot, drawing to files (Agg), or a one-line error saying how to install it. Call it before
+    the work whose results are to be drawn, so that a missing matplotlib is said before, not after."""
     try:
         import matplotlib
     except ImportError as exc:  # not a core dependency: `pip install -e .` does not bring it
-        raise UserError("plotting needs matplotlib, which is not installed: pip install matplotlib") from exc
-
+        raise MissingPackage(
+            "plotting needs matplotlib, which is not installed: pip install -e '.[course]' (everything the course "
+            "uses), or pip install matplotlib"
+        ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_metrics(paths, out_png, labels=None) -> Path:
+    """Training loss and test accuracy per epoch for one or more runs, side by side, saved as a PNG."""
+    plt = pyplot()
 
     runs = [load_metrics(p) for p in paths]
     labels = labels or [_label(run, p) for run, p in zip(runs, paths)]

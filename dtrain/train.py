@@ -20,12 +20,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from dtrain import backend, checkpoint, parallel, report
+from dtrain import backend, checkpoint, kernels, parallel, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
 from dtrain.comm.prepare import layers, prepare
 from dtrain.comm.trace import NOT_TRAINING, gather_events, write_chrome_trace
@@ -34,6 +34,8 @@ from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
 from dtrain.optim import OPTIMIZERS, make_optimizer
 from dtrain.parallel.schedules import SCHEDULES
+
+DEFAULT_BATCH = 64  # the global batch when --batch-size is not given (see default_batch)
 
 
 @dataclass
@@ -45,7 +47,9 @@ class TrainConfig:
     features: int = 784  # synthetic only
     classes: int = 10  # synthetic/spirals only
     epochs: int = 20
-    batch_size: int = 64  # the global batch, split evenly over the ranks
+    # the global batch, split evenly over the ranks; None: DEFAULT_BATCH, or the size nearest it that the paradigm's
+    # trainers split evenly (what `dtrain train` does when --batch-size is not given)
+    batch_size: int | None = 64
     lr: float = 0.05
     optimizer: str = "sgd"
     momentum: float = 0.9
@@ -104,7 +108,7 @@ class TrainConfig:
                 raise ConfigError(f"--{name} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
         positive = {
             "epochs": self.epochs,
-            "batch-size": self.batch_size,
+            "batch-size": DEFAULT_BATCH if self.batch_size is None else self.batch_size,
             "samples": self.samples,
             "features": self.features,
             "classes": self.classes,
@@ -164,11 +168,20 @@ def train(config: TrainConfig, comm=None) -> dict:
     """
     started = time.perf_counter()
     config.validate()
+    kernels.check_environment()  # DTRAIN_KERNELS=numba without Numba: refused before any message, not mid-run
     kind = parallel.get(config.paradigm)
     xp = backend.get_xp(config.device)  # (a missing CuPy is reported before anything else happens)
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
     comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
     world, rank = comm.Get_size(), comm.Get_rank()
+    if config.batch_size is None:
+        config = replace(config, batch_size=default_batch(kind, config, world))
+        if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:
+            print(
+                f"--batch-size {config.batch_size}: the size nearest the default {DEFAULT_BATCH} that --paradigm "
+                f"{config.paradigm} splits evenly on {world} ranks (give --batch-size to choose another)",
+                flush=True,
+            )
     kind.check(config, world)  # the paradigm's own flags, before any rank talks to another
     check_same_config(comm, config)
     dtype = backend.resolve_dtype(config.dtype)
@@ -239,6 +252,19 @@ def train(config: TrainConfig, comm=None) -> dict:
         report.write_metrics(config.out, metrics)
     paradigm.close()
     return metrics
+
+
+def default_batch(kind, config: TrainConfig, world: int) -> int:
+    """The global batch when none is given: :data:`DEFAULT_BATCH`, or the size nearest it (the smaller of two as near)
+    that the paradigm accepts on ``world`` ranks. Only the paradigm's own check decides, so a paradigm added later
+    gets its default the same way. If no size near it passes, the default stays, and the check says why."""
+    for size in sorted(range(1, 4 * DEFAULT_BATCH + 1), key=lambda b: (abs(b - DEFAULT_BATCH), b)):
+        try:
+            kind.check(replace(config, batch_size=size), world)
+        except ConfigError:
+            continue
+        return size
+    return DEFAULT_BATCH
 
 
 def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:

@@ -31,9 +31,10 @@ import numpy as np
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.comm import mpi
 from dtrain.data import ShardedLoader, load_dataset
+from dtrain.errors import MissingPackage
 from dtrain.nn import MLP
 from dtrain.optim import SGD
-from dtrain.report import load_metrics, plot_metrics, weights_digest
+from dtrain.report import load_metrics, plot_metrics, pyplot, weights_digest
 from dtrain.train import TrainConfig, evaluate, train
 
 parser = argparse.ArgumentParser(description="Lesson 1: single-device training")
@@ -43,6 +44,11 @@ args = parser.parse_args()
 
 if mpi.size() > 1:
     raise SystemExit("lesson 1 is about one device: run it with python, or dtrain launch -n 1")
+if args.plot:
+    try:
+        pyplot()  # now, not after training: a missing matplotlib is one line before anything runs
+    except MissingPackage as exc:
+        mpi.refuse_arguments(f"--plot: {exc}")
 
 # ---------------------------------------------------------------------------------------------- 1. autograd
 print("1. Autograd: y = sum(relu(w * x + b)), gradients by the chain rule vs by finite differences")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -216,6 +217,54 @@ def test_bad_input_is_one_line_on_stderr(case, tmp_path, fake_mnist_dir):
     assert lines[0].startswith("dtrain"), lines[0]
     assert phrase in lines[0], lines[0]
     assert "\r" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+ENVIRONMENT_MISTAKES = {
+    "unknown kernel backend": ({"DTRAIN_KERNELS": "fortran"}, False, "unknown kernel backend 'fortran'"),
+    "numba asked for, not installed": ({"DTRAIN_KERNELS": "numba"}, True, "install the numba extra"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENVIRONMENT_MISTAKES))
+def test_an_environment_that_cannot_be_honoured_is_one_line_before_training(case, tmp_path):
+    env, hide_numba, phrase = ENVIRONMENT_MISTAKES[case]
+    if hide_numba:  # python -m puts the working folder first: this numba.py is found before the real one
+        (tmp_path / "numba.py").write_text("raise ImportError('No module named numba')\n")
+    result = subprocess.run([sys.executable, "-m", "dtrain", "train", "--epochs", "1"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, **env})  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith("dtrain: error: "), result.stderr
+    assert phrase in result.stderr
+
+
+# Under mpiexec every rank finds the same mistake: one line (rank 0's), exit 2 on every rank, nothing aborted. The
+# data-file cases need a batch that 4 ranks split and the 20 fake training images hold.
+UNDER_MPIEXEC = {**BAD_INPUTS, **{f"env: {name}": ([], None, case[2]) for name, case in ENVIRONMENT_MISTAKES.items()}}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", list(UNDER_MPIEXEC))
+def test_bad_input_under_mpiexec_is_one_line_exit_2_and_no_abort(case, tmp_path, fake_mnist_dir):
+    args, damage, phrase = UNDER_MPIEXEC[case]
+    env = dict(os.environ)
+    if case.startswith("env: "):
+        mistake, hide_numba, _ = ENVIRONMENT_MISTAKES[case[5:]]
+        env.update(mistake)
+        if hide_numba:
+            (tmp_path / "numba.py").write_text("raise ImportError('No module named numba')\n")
+    if damage is not None:
+        damage(fake_mnist_dir)
+        args = [*args, "--data-dir", fake_mnist_dir, "--batch-size", "8"]
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "4", "-m", "dtrain", "train", "--paradigm", "ddp",
+               *map(str, args), "--out", str(tmp_path / "run")]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    mine = [line for line in result.stderr.splitlines() if line.startswith("dtrain")]
+    assert len(mine) == 1 and phrase in mine[0], result.stderr
+    assert "(rank" not in mine[0]  # every rank found it: nobody is singled out
+    assert result.stderr.strip() == mine[0], result.stderr  # nothing else on stderr: no traceback, no abort banner
+    assert "Abort" not in result.stdout and "BAD TERMINATION" not in result.stdout, result.stdout
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 

@@ -100,6 +100,15 @@ def test_synthetic_has_the_requested_shape(samples, features, classes):
     assert not np.array_equal(other.x_train, ds.x_train)
 
 
+def test_synthetic_classes_are_learnable():
+    """A nearest-centre rule, fitted on the training split, labels the test split almost perfectly: the clusters
+    are separated well enough that a model has something to learn and its test loss can fall."""
+    ds = load_dataset("synthetic", samples=3000, features=784, classes=10, seed=0, dtype=np.float64)
+    centres = np.stack([ds.x_train[ds.y_train == c].mean(axis=0) for c in range(10)])
+    distances = ((ds.x_test[:, None, :] - centres[None]) ** 2).sum(axis=2)
+    assert (distances.argmin(axis=1) == ds.y_test).mean() >= 0.98
+
+
 @pytest.mark.parametrize(("samples", "features", "classes"), [(1, 5, 2), (10, 0, 2), (10, 5, 1)])
 def test_synthetic_rejects_impossible_sizes(samples, features, classes):
     with pytest.raises(DataError, match="synthetic data needs"):

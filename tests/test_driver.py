@@ -116,6 +116,7 @@ BAD_CHECKPOINTS = {
     "none there": (lambda folder: None, "no checkpoint in"),
     "truncated": (lambda folder: _truncate(folder), "damaged or not a dtrain checkpoint"),
     "not a checkpoint": (lambda folder: (folder / checkpoint.FILENAME).write_bytes(b"hello"), "damaged"),
+    "pickled objects": (lambda folder: _pickled(folder), "damaged or not a dtrain checkpoint"),
     "another model": (lambda folder: _write(folder, hidden=(16,)), "model sizes [64, 16, 10], this run has [64, 32"),
     "no momentum state": (lambda folder: _write(folder, momentum=0.0), "optimizer state (--momentum 0 keeps none)"),
     "more epochs than asked": (lambda folder: _write(folder, epochs=3), "has trained 3 epoch(s), more than --epochs 2"),
@@ -124,6 +125,11 @@ BAD_CHECKPOINTS = {
 
 def _write(folder, p=2, **overrides):
     on_sim(p, TrainConfig(**{**FAST, "paradigm": "ddp", "epochs": 1, "checkpoint_dir": str(folder), **overrides}))
+
+
+def _pickled(folder):
+    """An .npz whose arrays hold Python objects: loading them would unpickle, which can run code."""
+    np.savez(folder / checkpoint.FILENAME, header=np.array([{"format": "x"}], dtype=object), params=np.zeros(3))
 
 
 def _truncate(folder):
@@ -150,6 +156,7 @@ def test_a_bad_checkpoint_is_one_clear_error_on_every_rank_and_nothing_is_overwr
     sim.SimWorld(2, timeout=60).run(fn)
     assert sorted(rank for rank, _ in errors) == [0, 1]
     assert all(phrase in message and "\n" not in message for _, message in errors), errors
+    assert not any("pickle" in message for _, message in errors), errors  # never advise loading pickled objects
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no metrics, no new checkpoint
 
 
@@ -167,6 +174,41 @@ def test_more_ranks_than_samples_per_step_is_one_clear_error_on_every_rank():
 
     sim.run(3, fn)
     assert len(errors) == 3 and all("--batch-size 2 is smaller than the 3 ranks" in e for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("flags", "world", "expected"),
+    [
+        (dict(paradigm="ddp"), 4, 64),
+        (dict(paradigm="ddp"), 3, 63),  # 63 and 66 both split over 3: the nearer
+        (dict(paradigm="ps-sync"), 4, 63),  # 3 workers
+        (dict(paradigm="ps-async", servers=2), 7, 65),  # 5 workers: 65 is nearer than 60
+        (dict(paradigm="pp", dp=2, pp=2, hidden=(8, 8, 8), microbatches=3), 4, 66),  # 2 replicas x 3 micro-batches
+        (dict(paradigm="ddp", accumulate=5), 2, 60),  # 2 ranks x 5 micro-batches: 60 and 70, the nearer
+    ],
+)
+def test_without_a_batch_size_the_default_is_the_nearest_to_64_that_the_paradigm_splits(flags, world, expected):
+    from dtrain import parallel
+    from dtrain.train import default_batch
+
+    config = TrainConfig(**{**FAST, **flags, "batch_size": None})
+    kind = parallel.get(config.paradigm)
+    assert default_batch(kind, config, world) == expected
+    for size in range(1, 4 * 64 + 1):  # the oracle: every size nearer 64 is refused by the paradigm's own check
+        if abs(size - 64) < abs(expected - 64) or (abs(size - 64) == abs(expected - 64) and size < expected):
+            with pytest.raises(ConfigError):
+                kind.check(TrainConfig(**{**FAST, **flags, "batch_size": size}), world)
+
+
+def test_a_run_without_a_batch_size_says_which_it_took_and_records_it(capsys):
+    config = TrainConfig(**{**FAST, "paradigm": "ps-sync", "batch_size": None, "epochs": 1, "quiet": False})
+    metrics = on_sim(4, config)[0]
+    assert metrics["config"]["batch_size"] == 63
+    assert "--batch-size 63: the size nearest the default 64 that --paradigm ps-sync splits evenly on 4 ranks" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(sim.SimRankError, match="must split evenly over the 3 workers"):
+        on_sim(4, TrainConfig(**{**FAST, "paradigm": "ps-sync", "batch_size": 64}))  # given: never changed
 
 
 def test_ranks_started_with_different_flags_get_one_clear_error():

@@ -8,6 +8,7 @@ when a check fails, so a failure shows up here with the lesson's whole output.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,6 +33,20 @@ def test_lesson_01_single_device_trains():
     assert accuracy, result.stdout
     assert float(accuracy.group(1)) > 80, result.stdout  # two epochs on digits already reach ~95%
     assert "bit-identical to the weights of the loop in section 3: yes" in result.stdout, result.stdout
+
+
+def test_lesson_01_plot_without_matplotlib_is_one_line_before_training(tmp_path):
+    (tmp_path / "matplotlib.py").write_text("raise ImportError('No module named matplotlib')\n")
+    result = subprocess.run(
+        [sys.executable, str(LESSONS / "01_single_device.py"), "--plot", str(tmp_path / "c.png")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "--plot: plotting needs matplotlib, which is not installed: pip install -e '.[course]' (everything the "
+        "course uses), or pip install matplotlib"
+    ], result.stderr
+    assert result.stdout == ""  # refused before section 1, not after training
 
 
 @pytest.mark.mpi

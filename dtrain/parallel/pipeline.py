@@ -57,7 +57,7 @@ from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
 from dtrain.parallel import parameter_count, register, schedules
 from dtrain.parallel.model_parallel import ModelParallel
-from dtrain.parallel.stages import cut, units
+from dtrain.parallel.stages import cut, hidden_for, units
 from dtrain.parallel.tensor_parallel import (
     TensorGroup,
     activation_elements,
@@ -125,13 +125,17 @@ class Pipeline(ModelParallel):
                                   f"{shape.pp}")  # fmt: skip
             if available % stages:
                 raise ConfigError(f"--pp {shape.pp} x --virtual-stages {v} = {stages} chunks do not divide the "
-                                  f"{what} ({hidden}): interleaving gives every chunk as many")  # fmt: skip
+                                  f"{what} ({hidden}): interleaving gives every chunk the same number; give "
+                                  f"{hidden_for(-(-available // stages) * stages, shape.tp, config.hidden)} or another "
+                                  "--virtual-stages")  # fmt: skip
             if m % shape.pp:
                 raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --pp {shape.pp}, got {m}")
         elif v != 1:
             raise ConfigError(f"--virtual-stages {v} is for --schedule interleaved, not {schedule}")
         if stages > available:
-            raise ConfigError(f"{stages} pipeline stages but the model has {what} ({hidden}): every stage needs one")
+            fewer = "--pp" if v == 1 else "--pp or --virtual-stages"
+            raise ConfigError(f"{stages} pipeline stages but the model has {what} ({hidden}): every stage needs one; "
+                              f"give {hidden_for(stages, shape.tp, config.hidden)}, or a smaller {fewer}")  # fmt: skip
         replica = config.batch_size // shape.dp
         if replica % m:
             raise ConfigError(f"--microbatches {m} must divide each replica's slice of the batch ({replica} = "

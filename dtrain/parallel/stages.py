@@ -53,3 +53,11 @@ def units(layers: int, tp: int = 1) -> list[int]:
     if tp == 1:
         return list(range(layers + 1))
     return [*range(0, layers - 1, 2), layers] if layers >= 2 else [0]
+
+
+def hidden_for(count: int, tp: int, hidden) -> str:
+    """The ``--hidden`` flag of a model with ``count`` units (:func:`units`), its widths those of ``hidden``'s first
+    (64 when there is none): what a refusal suggests when a pipeline has more stages than the model has units."""
+    layers = count if tp == 1 else 2 * count
+    width = hidden[0] if hidden else 64
+    return "--hidden " + ",".join([str(width)] * (layers - 1))
