@@ -60,7 +60,7 @@ parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto tra
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
-mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
 from mpi4py import MPI  # after argparse, so --help works without starting MPI
 
 comm = MPI.COMM_WORLD

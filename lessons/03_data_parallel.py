@@ -63,7 +63,7 @@ parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto tra
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
 args = parser.parse_args()
 
-mpi.install_excepthook()  # under `python -m mpi4py` (what dtrain launch runs) an exception aborts every rank anyway
+mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
 from mpi4py import MPI  # after argparse, so --help works without starting MPI
 
 world = MPI.COMM_WORLD

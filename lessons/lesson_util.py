@@ -1,7 +1,7 @@
 """What the lessons on MPI ranks do the same way: explain, check a claim on every rank, and wait without spinning.
 
 A lesson prints on rank 0, but it checks its claims on every rank, so that every rank agrees on the verdict and the
-exit status (a rank that exits non-zero under ``python -m mpi4py`` aborts the whole job)::
+exit status (a rank that exits non-zero alone aborts the whole job; all of them alike just exit, see dtrain.comm.run)::
 
     checks = Checks(world)
     checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)

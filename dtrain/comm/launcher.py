@@ -84,20 +84,21 @@ def launch_env(nranks: int, base: dict | None = None) -> dict:
     return env
 
 
-def mpiexec_command(nranks: int, target: list[str]) -> list[str]:
+def mpiexec_command(nranks: int, target: list[str], cwd=None) -> list[str]:
     """The command line that runs ``target`` (a script and its args, or ``-m module ...``) on ``nranks`` ranks.
 
     The target runs under ``python -m dtrain.comm.run`` (:mod:`dtrain.comm.run`), so a failure on any rank ends the
     whole job, said once. A script that does not exist is refused here, in one line, before mpiexec starts N Pythons
-    to say so N times.
+    to say so N times (``cwd``: the folder the ranks start in, where a relative path is looked up).
     """
     if nranks < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {nranks}")
     if not target:
         raise ValueError("nothing to launch: give a script path or -m module")
     script = target[0]
-    if not script.startswith("-") and not Path(script).is_file():
-        what = "is a folder" if Path(script).is_dir() else "does not exist"
+    path = Path(cwd or ".") / script
+    if not script.startswith("-") and not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
         raise UserError(f"{script} {what}: give a Python script, or -m MODULE to run a module")
     return [str(mpiexec_path()), "-n", str(nranks), sys.executable, "-m", "dtrain.comm.run", *target]
 
@@ -108,7 +109,7 @@ def launch(nranks: int, target: list[str], timeout: float | None = None, capture
     ``timeout`` (seconds) kills the whole job if it has not finished, so a bug is a failure, not a hang. SIGINT,
     SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`.
     """
-    cmd = mpiexec_command(nranks, target)
+    cmd = mpiexec_command(nranks, target, kwargs.get("cwd"))
     env = launch_env(nranks, kwargs.pop("env", None))
     pipe = subprocess.PIPE if capture else None
     with Job(cmd, env=env, stdout=pipe, stderr=pipe, text=True, **kwargs) as job:
