@@ -7,18 +7,19 @@
 A mistake in what was asked for (a bad flag value, a missing data file, a diverging loss) is one line on stderr
 and exit status 2, never a traceback. Under several ranks it is still one line: a mistake every rank finds is said
 by rank 0 and every rank exits 2; one that only some ranks find ends the job through ``MPI_Abort``, naming the rank
-(:func:`dtrain.comm.mpi.end_job`). Ctrl-C exits 130 and, under ``dtrain launch``, stops every rank.
+(:func:`dtrain.comm.mpi.end_job`). Ctrl-C ends the command as a shell expects (status 130) and,
+under ``dtrain launch``, stops every rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from dtrain.errors import UserError
+from dtrain.errors import EXIT_USER_ERROR, UserError
 
-EXIT_USER_ERROR = 2
 # The watchdog's timeout when neither --timeout nor DTRAIN_TIMEOUT says otherwise: generous, so a slow step on a
 # busy machine never trips it, yet a hung job ends within minutes with a report instead of never.
 DEFAULT_TIMEOUT_S = 300.0
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     except UserError as exc:
         return _fail(str(exc))
     except JobInterrupted as exc:  # dtrain launch: the launcher has stopped the job and said so
-        return exc.exit_status
+        return _die_by(exc.signum)
     except KeyboardInterrupt:  # Ctrl-C in a rank (dtrain train): the launcher or mpiexec stops the others
         mpi.leave_interrupted()  # (returns only in a world of one rank)
         sys.stderr.write("dtrain: interrupted\n")
@@ -308,7 +309,7 @@ def _train(args) -> int:
         config.timeout = DEFAULT_TIMEOUT_S
     config.validate()  # before any communication: a bad flag never reaches it
     comm = mpi.world()
-    mpi.install_excepthook()
+    mpi.install_excepthook()  # (main did already, where its launcher's environment names the ranks; else here)
     # Overflow on the way to a NaN loss is reported once, by train(), as TrainingDiverged: no NumPy warnings first.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         train(config, comm)
@@ -335,6 +336,16 @@ def _launch(args) -> int:
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
     return launcher.launch(args.ranks, target, env=env).returncode
+
+
+def _die_by(signum: int) -> int:
+    """End this process by ``signum`` itself, its default action restored, as shells expect of a program that was
+    interrupted: a shell then reports 128 + signum and stops a script or a loop, which an exit with 130 would not."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum  # (only if the signal did not end the process)
 
 
 def _fail(message: str, prog: str = "dtrain") -> int:

@@ -1,5 +1,7 @@
 """Errors in what the user asked for. The CLI prints their message as one line and exits non-zero (no traceback)."""
 
+EXIT_USER_ERROR = 2  # the exit status of a mistake in what was asked for (as argparse's usage errors)
+
 
 class UserError(Exception):
     """Bad input: the message says what is wrong and what to do about it."""

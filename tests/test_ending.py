@@ -97,3 +97,40 @@ def test_debug_mode_mismatch_is_one_report_with_every_ranks_call_and_where(tmp_p
                                           (3, "allreduce", 10, 11)):  # fmt: skip
         assert f"rank {rank}: collective='{collective}'" in err and f"count={count}" in err, err
         assert f"at job.py:{line} in <module>" in err.split(f"rank {rank}: collective=")[1].splitlines()[0], err
+
+
+def test_sys_exit_with_a_message_on_every_rank_says_it_once_and_exits_1(tmp_path):
+    result, _ = run(tmp_path, """
+        import sys
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+        sys.exit("the data folder is empty")
+    """)  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.count("the data folder is empty") == 1, result.stderr
+    assert "Abort" not in result.stderr + result.stdout and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_module_that_does_not_exist_is_one_line(tmp_path):
+    result = run_mpi(4, ["-m", "no_such_module_here"], timeout=120, check=False, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"dtrain: error: no module named 'no_such_module_here' (from {tmp_path}): check -m MODULE"], (
+        result.stderr
+    )
+
+
+def test_a_module_in_the_folder_the_ranks_start_in_is_found(tmp_path):
+    """As ``python -m``: the current folder comes first on the path."""
+    (tmp_path / "local_job.py").write_text("from mpi4py import MPI\nprint('ran', MPI.COMM_WORLD.Get_rank())\n")
+    result = run_mpi(2, ["-m", "local_job"], timeout=120, cwd=tmp_path)
+    assert sorted(result.stdout.split("\n")[:2]) == ["ran 0", "ran 1"], result.stdout
+
+
+def test_kernels_that_cannot_be_honoured_are_one_line_before_the_program(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_KERNELS", "fortran")
+    (tmp_path / "job.py").write_text("print('the program started')\n")
+    result = run_mpi(4, ["job.py"], timeout=120, check=False, cwd=tmp_path)
+    assert result.returncode == 2 and "the program started" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtrain: error: ") and "DTRAIN_KERNELS" in lines[0], result.stderr

@@ -40,15 +40,32 @@ comm.Recv(np.zeros(1), source=(comm.Get_rank() + 1) % comm.Get_size())  # never 
 
 
 class Started:
-    """The launcher running ``args``, with its output read as it comes (so a full pipe never blocks the job)."""
+    """The launcher running ``args``, with its output read as it comes (so a full pipe never blocks the job).
 
-    def __init__(self, args, cwd):
+    ``shell``: started by a bash script that goes on after it (``"$@"; echo continued``), in a session of its own,
+    as a terminal runs a script. ``ignore``: signals the launcher inherits as ignored, as under ``nohup``.
+    ``stderr_gone``: its stderr is a pipe nobody reads any more (writing to it fails), as after a terminal closed.
+    """
+
+    def __init__(self, args, cwd, shell: bool = False, ignore=(), stderr_gone: bool = False):
         command = [sys.executable, "-m", "dtrain", "launch", "-n", str(RANKS), *map(str, args)]
-        self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if shell:
+            command = ["bash", "-c", '"$@"; echo continued', "script", *command]
+
+        def ignoring():
+            for signum in ignore:
+                signal.signal(signum, signal.SIG_IGN)
+
+        unread, stderr = os.pipe() if stderr_gone else (None, subprocess.PIPE)
+        self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                        start_new_session=shell, preexec_fn=ignoring if ignore else None)  # fmt: skip
+        if stderr_gone:
+            os.close(unread)
+            os.close(stderr)
         self.stdout, self.stderr = [], []
+        streams = [(self.process.stdout, self.stdout)] + [(self.process.stderr, self.stderr)] * (not stderr_gone)
         self._readers = [
-            threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
-            for s, into in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))
+            threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True) for s, into in streams
         ]
         for reader in self._readers:
             reader.start()
@@ -104,10 +121,53 @@ def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path, job, 
     try:
         started.process.send_signal(signum)
         status = started.finish(ENDED_WITHIN_S)
-        assert status == 128 + signum, "".join(started.stderr)
+        assert status == -signum, "".join(started.stderr)  # it ends by the signal: a shell says 128 + signum
         assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
         assert f"{signal.Signals(signum).name}: stopping the job" in "".join(started.stderr)
         assert "Traceback" not in "".join(started.stderr), "".join(started.stderr)
+    finally:
+        kill_all(tree)
+
+
+def test_ctrl_c_in_a_script_stops_the_job_and_the_script(tmp_path):
+    """A terminal's Ctrl-C goes to the script and the launcher (their process group). The launcher ends by the
+    signal, not with exit 130, so bash stops the script too instead of going on to its next line."""
+    (tmp_path / "hung.py").write_text(HUNG)
+    started = Started(["--timeout", "0", tmp_path / "hung.py"], tmp_path, shell=True)
+    tree = started.wait_until(lambda out: out.count("ready") == RANKS)
+    try:
+        os.killpg(started.process.pid, signal.SIGINT)
+        started.finish(ENDED_WITHIN_S)
+        assert "continued" not in "".join(started.stdout), "".join(started.stdout)
+        assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
+    finally:
+        kill_all(tree)
+
+
+def test_under_nohup_a_hangup_leaves_the_job_running(tmp_path):
+    (tmp_path / "hung.py").write_text(HUNG)
+    started = Started(["--timeout", "0", tmp_path / "hung.py"], tmp_path, ignore=[signal.SIGHUP])
+    tree = started.wait_until(lambda out: out.count("ready") == RANKS)
+    try:
+        started.process.send_signal(signal.SIGHUP)
+        time.sleep(2)
+        assert started.process.poll() is None and len(left_of(tree, 0)) == len(tree), "SIGHUP was not ignored"
+        started.process.send_signal(signal.SIGINT)
+        assert started.finish(ENDED_WITHIN_S) == -signal.SIGINT
+        assert not left_of(tree, ENDED_WITHIN_S)
+    finally:
+        kill_all(tree)
+
+
+def test_a_hangup_with_stderr_gone_still_stops_the_job(tmp_path):
+    """When the terminal or the pipe behind stderr is gone, the launcher cannot say what it does, but still does it."""
+    (tmp_path / "hung.py").write_text(HUNG)
+    started = Started(["--timeout", "0", tmp_path / "hung.py"], tmp_path, stderr_gone=True)
+    tree = started.wait_until(lambda out: out.count("ready") == RANKS)
+    try:
+        started.process.send_signal(signal.SIGHUP)
+        assert started.process.wait(ENDED_WITHIN_S) == -signal.SIGHUP
+        assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
     finally:
         kill_all(tree)
 

@@ -11,14 +11,14 @@ Three things a learner meets here, handled once:
 1. **The machine.** One BLAS/Numba thread per rank, MPICH's yielding wait when ranks outnumber cores, and the
    ``mpiexec`` installed beside this Python (:func:`mpiexec_path`): one from another MPI on PATH would start N
    independent worlds of one rank each.
-2. **Ctrl-C must stop every rank.** The terminal's Ctrl-C reaches the launcher only. The launcher forwards the
-   signal (SIGINT, SIGTERM, SIGHUP) to mpiexec, which passes it on to the ranks; a rank stuck inside an MPI call
-   cannot act on it, and hydra's mpiexec exits at once without waiting for its ranks, so after a grace period the
-   launcher kills every process of the job it can still find: it keeps the job's process tree (by PID and start
-   time, never by name) from the moment the signal came. It then exits as shells expect, 128 + the signal's number
-   (130 for Ctrl-C). The same happens on any other way out of :func:`launch` (its timeout, an exception), and on
-   Linux mpiexec is told when the launcher itself dies (``PR_SET_PDEATHSIG``), even by SIGKILL, which nothing can
-   catch.
+2. **Ctrl-C must stop every rank.** The terminal's Ctrl-C reaches the launcher only. The launcher forwards the signal
+   (SIGINT, SIGTERM, SIGHUP) to mpiexec, which passes it on to the ranks; a rank stuck inside an MPI call cannot act on
+   it, and hydra's mpiexec exits at once without waiting for its ranks, so after a grace period the launcher kills every
+   process of the job it can still find: it keeps the job's process tree (by PID and start time, never by name) from the
+   moment the signal came. ``dtrain launch`` then ends by that same signal, so the shell reports 128 + its number (130
+   for Ctrl-C) and a script that ran it stops as well. The same happens on any other way out of :func:`launch` (its
+   timeout, an exception), and on Linux mpiexec is told when the launcher itself dies (``PR_SET_PDEATHSIG``), even by
+   SIGKILL, which nothing can catch.
 3. **A crash on one rank hangs the others.** The target runs under ``python -m dtrain.comm.run``: a failure on any
    rank ends the whole job, and says why once (see :mod:`dtrain.comm.run` and :mod:`dtrain.comm.mpi`).
 """
@@ -107,7 +107,8 @@ def launch(nranks: int, target: list[str], timeout: float | None = None, capture
     """Run ``target`` on ``nranks`` ranks and return the ``subprocess.CompletedProcess``.
 
     ``timeout`` (seconds) kills the whole job if it has not finished, so a bug is a failure, not a hang. SIGINT,
-    SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`.
+    SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`,
+    which carries what the job wrote (``output``, ``stderr``) when ``capture`` is on.
     """
     cmd = mpiexec_command(nranks, target, kwargs.get("cwd"))
     env = launch_env(nranks, kwargs.pop("env", None))
@@ -119,20 +120,24 @@ def launch(nranks: int, target: list[str], timeout: float | None = None, capture
             job.stop(signal.SIGKILL)
             out, err = job.process.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        except JobInterrupted as interrupted:
+            job.stop(interrupted.signum)
+            interrupted.output, interrupted.stderr = job.process.communicate()  # what it wrote before it ended
+            raise
     return subprocess.CompletedProcess(cmd, job.process.returncode, out, err)
 
 
 class Job:
     """``mpiexec`` started as a job that always ends whole: a context manager around ``subprocess.Popen``.
 
-    While it runs (in the main thread), SIGINT, SIGTERM and SIGHUP stop the job and raise :class:`JobInterrupted`;
-    leaving the ``with`` block any other way stops whatever is left of it. :meth:`stop` is the one way it ends.
+    Inside the ``with`` block (in the main thread), SIGINT, SIGTERM and SIGHUP raise :class:`JobInterrupted`, and
+    leaving the block that way or any other stops whatever is left of the job. :meth:`stop` is the one way it ends.
+    A signal this process ignores (``nohup`` ignores SIGHUP) stays ignored.
     """
 
     def __init__(self, cmd: list[str], **popen_kwargs):
-        self.process = subprocess.Popen(
-            cmd, start_new_session=True, preexec_fn=_die_with_parent(), **popen_kwargs
-        )  # its own session: a Ctrl-C at the terminal reaches the launcher only, which decides what the job gets
+        self._cmd, self._popen_kwargs = cmd, popen_kwargs
+        self.process: subprocess.Popen | None = None
         self._known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
         self._hurry = False
         self._previous = {}
@@ -140,36 +145,39 @@ class Job:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # (Python lets only the main thread catch signals)
-            for signum in FORWARDED:
-                self._previous[signum] = signal.signal(signum, self._interrupted)
+            for signum in FORWARDED:  # before mpiexec starts: no moment when a signal finds the job unguarded
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._interrupted)
+        try:
+            self.process = subprocess.Popen(  # its own session: a Ctrl-C at the terminal reaches the launcher only
+                self._cmd, start_new_session=True, preexec_fn=_die_with_parent(), **self._popen_kwargs
+            )
+        except BaseException:
+            self._restore()
+            raise
         return self
 
     def __exit__(self, *exc_info):
         try:
-            if self.received is not None:
-                sys.stderr.write(
-                    f"{signal.Signals(self.received).name}: stopping the job: mpiexec and every rank (what is left "
-                    f"after {GRACE_S:g} s is killed)\n"
-                )
-                sys.stderr.flush()
             if self.process.poll() is None or self._alive():
                 self.stop(self.received or signal.SIGTERM)
         finally:
-            for signum, handler in self._previous.items():
-                signal.signal(signum, handler)
+            self._restore()
             self.process.__exit__(*exc_info)
 
     def _interrupted(self, signum, frame):
         self.received = signum
-        raise JobInterrupted(signum)  # unwinds communicate(); __exit__ (or the caller) stops the job
+        self._hurry_on_next_signal()  # from here on, a second signal cuts the grace short: it never skips the cleanup
+        _say(f"{signal.Signals(signum).name}: stopping the job: mpiexec and every rank ({GRACE_S:g} s to end, then "
+             "killed; Ctrl-C again: killed now)")  # fmt: skip
+        raise JobInterrupted(signum)  # unwinds communicate(); the caller or __exit__ stops the job
 
     def stop(self, signum: int) -> None:
         """Send ``signum`` to mpiexec, give the job :data:`GRACE_S` to end, then SIGKILL every process left of it.
 
         A second signal during the grace period means: now.
         """
-        for forwarded in self._previous:  # a second Ctrl-C cuts the grace period short instead of the cleanup
-            signal.signal(forwarded, self._now)
+        self._hurry_on_next_signal()
         self._known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
         if self.process.poll() is None:
             try:
@@ -184,13 +192,31 @@ class Job:
             _signal(pid, started, signal.SIGKILL)
         self.process.wait()
 
+    def _hurry_on_next_signal(self) -> None:
+        for signum in self._previous:
+            signal.signal(signum, self._now)
+
     def _now(self, signum, frame):
         self._hurry = True
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def _alive(self) -> bool:
         if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
             self._known.update(_tree(self.process.pid))
         return any(_running(pid, started) for pid, started in self._known.items())
+
+
+def _say(text: str) -> None:
+    """One line on stderr, if stderr can still take it (a closed terminal or pipe must not stop the cleanup)."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,8 +271,8 @@ def _running(pid: int, started: int) -> bool:
     return stat is not None and stat[0] != "Z" and stat[2] == started  # a zombie has ended; another start: reused PID
 
 
-def _signal(pid: int, started: int | None, signum: int) -> None:
-    if started is not None and _running(pid, started):
+def _signal(pid: int, started: int, signum: int) -> None:
+    if _running(pid, started):
         try:
             os.kill(pid, signum)
         except OSError:  # it ended in between
@@ -254,11 +280,13 @@ def _signal(pid: int, started: int | None, signum: int) -> None:
 
 
 def _die_with_parent():
-    """A preexec_fn asking Linux to send mpiexec SIGTERM if the launcher dies, even by SIGKILL (None elsewhere).
+    """A preexec_fn asking Linux to send mpiexec SIGTERM if the launcher dies, even by SIGKILL; None elsewhere, and
+    None in a process with threads (a notebook's kernel), where Python warns that a preexec_fn may deadlock.
 
-    The libc function is looked up here, in the parent, so the child only calls it.
+    The libc function is looked up here, in the parent, so the child only calls it. A launcher that died before the
+    call was made is caught by comparing the parent's PID after it.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
         return None
     try:
         import ctypes
@@ -266,9 +294,11 @@ def _die_with_parent():
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    pr_set_pdeathsig = 1
+    pr_set_pdeathsig, launcher = 1, os.getpid()
 
     def preexec():
         prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher:  # it died already: the request came too late to be honoured
+            os._exit(1)
 
     return preexec

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 
-EXIT_BAD_ARGUMENTS = 2  # what argparse and the dtrain command exit with for a mistake in what was asked
+from dtrain.errors import EXIT_USER_ERROR
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 # How long a failing rank waits to learn whether every rank is failing too (end_job). Ranks that find the same bad
 # flag find it within milliseconds of each other, even four to a core; a rank that fails alone pays this before the
 # Abort.
 AGREE_S = 2.0
+FINALIZE_S = 10.0  # the most that leaving through MPI_Finalize may take once every rank has agreed
 _channel = None  # the world's duplicate on which failing ranks ask each other (install_excepthook sets it up)
 
 # Output a rank writes goes to mpiexec through a pipe; an Abort can end the job before mpiexec has read the last
@@ -71,8 +74,8 @@ def print0(*args, comm=None, **kwargs) -> None:
 def refuse_arguments(message: str) -> None:
     """Leave with status 2 after ``message``: bad arguments, which every rank finds the same way. Said once."""
     sys.stdout.flush()
-    end_job(message, EXIT_BAD_ARGUMENTS)
-    raise SystemExit(EXIT_BAD_ARGUMENTS)
+    end_job(message, EXIT_USER_ERROR)
+    raise SystemExit(EXIT_USER_ERROR)
 
 
 def install_excepthook() -> None:
@@ -118,9 +121,11 @@ def end_job(message: str, status: int, template: str = "{message}", everyone: st
     Which one it is, a rank cannot know alone, so it asks: a non-blocking barrier on a channel of its own (set up by
     :func:`install_excepthook`), which completes only if every rank gets here within :data:`AGREE_S` seconds. (A
     blocking one would hang when a rank is not failing; one on the world would be mismatched with a collective a
-    rank may be blocked in.) ``template`` places the ranks and the message: ``{who}`` is empty when every rank says
-    the same (``everyone`` then), else `` (rank 1)`` or `` (ranks 0, 2)``. Ranks whose ``key`` (default: the
-    message) is the same say the same thing: the message of the first of them is shown.
+    rank may be blocked in.) Ranks that arrive just as the first one's time runs out may answer differently: the
+    job then ends through ``MPI_Abort``, still promptly, with MPI's banner. ``template`` places the ranks and the
+    message: ``{who}`` is empty when every rank says the same (``everyone`` then), else `` (rank 1)`` or
+    `` (ranks 0, 2)``. Ranks whose ``key`` (default: the message) is the same say the same thing: the message of
+    the first of them is shown.
     """
     sys.stdout.flush()
     MPI = sys.modules.get("mpi4py.MPI")
@@ -129,6 +134,11 @@ def end_job(message: str, status: int, template: str = "{message}", everyone: st
         return
     comm = MPI.COMM_WORLD
     if _channel is not None and _everyone_failing(_channel):
+        # Every rank is here, so what follows completes at once; should MPI_Finalize wait on something a rank left
+        # pending, the job still ends, with the same status.
+        deadline = threading.Timer(FINALIZE_S, os._exit, args=(status,))
+        deadline.daemon = True  # (it must not keep the process alive once it has left)
+        deadline.start()
         said = _channel.gather((message if key is None else key, message), root=0)
         if _channel.Get_rank() == 0:
             groups: dict[str, list[int]] = {}
@@ -138,7 +148,7 @@ def end_job(message: str, status: int, template: str = "{message}", everyone: st
                 who = everyone if len(groups) == 1 else f" ({_ranks_named(ranks)})"
                 _write(template.format(who=who, message=said[ranks[0]][1]))
         _channel.Barrier()  # rank 0 has written before any rank leaves
-        MPI.Finalize()  # (mpi4py's runner then does not abort: there is nothing left to abort)
+        MPI.Finalize()
         return
     _write(template.format(who=f" (rank {comm.Get_rank()})", message=message))
     time.sleep(FORWARD_S)  # mpiexec forwards the line before the Abort ends the job
@@ -150,7 +160,8 @@ def leave_interrupted() -> None:
     130, quietly. In a world of one rank (or before MPI starts) it returns, and the caller says what it likes.
 
     No ``MPI_Abort`` and no traceback: whoever sent the signal is stopping the job, and four ranks' tracebacks would
-    hide the one line that says so. (``os._exit``, since mpi4py's runner would abort on a normal exit.)
+    hide the one line that says so. (``os._exit``: a normal exit would pass through the runner's handling of a
+    failed program, which asks the other ranks.)
     """
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
