@@ -71,10 +71,8 @@ TIMEOUT_HELP = (
 def build_parser() -> argparse.ArgumentParser:
     from dtrain import parallel
     from dtrain.backend import DEVICES, DTYPES
-    from dtrain.collectives import ALGORITHMS
     from dtrain.data import DATASETS
     from dtrain.optim import OPTIMIZERS
-    from dtrain.parallel.schedules import SCHEDULES
     from dtrain.train import DEFAULT_BATCH, TrainConfig
 
     defaults = TrainConfig(batch_size=None)
@@ -86,11 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--paradigm",
         choices=parallel.names(),
         default=defaults.paradigm,
-        help="single: one process; ddp: data parallel, gradients all-reduced every step; zero: data parallel with "
-        "the optimizer state, gradients and parameters sharded (ZeRO stages 1-3, FSDP); ps-sync, ps-async: "
-        "parameter servers; central-storage: rank 0 holds the variables; local-sgd, gossip: decentralized; "
-        "tp: tensor parallel (pairs of Linear layers split by columns, then rows, over --tp ranks); pp: pipeline "
-        "parallel (consecutive layers on --pp ranks, micro-batches flowing through them) (default %(default)s)",
+        help="; ".join(f"{name}: {parallel.get(name).summary}" for name in parallel.names())
+        + " (default %(default)s; each paradigm's own flags are below)",
     )
     t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
     t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
@@ -126,102 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument("--device", choices=DEVICES, default=defaults.device)
     t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
-    ddp = t.add_argument_group("data parallelism (--paradigm ddp; --allreduce also zero, local-sgd, gossip)")
-    ddp.add_argument(
-        "--allreduce",
-        choices=ALGORITHMS,
-        default=defaults.allreduce,
-        help="the all-reduce algorithm (zero: the reduce-scatter/all-gather pair, ring or rabenseifner)",
-    )
-    ddp.add_argument(
-        "--ranks-per-node", type=int, metavar="K", help="emulate nodes of K ranks for the hierarchical all-reduces"
-    )
-    ddp.add_argument(
-        "--overlap",
-        action="store_true",
-        help="all-reduce each gradient bucket during backward, as soon as it is complete, as PyTorch DDP does "
-        "(off by default: on a CPU it measured slower, see docs/benchmarks.md)",
-    )
-    ddp.add_argument(
-        "--bucket-mb",
-        type=float,
-        metavar="MB",
-        help="gradient bucket size in MiB; 0: one all-reduce of the whole gradient (default: 1 with --overlap, else 0)",
-    )
-    ps = t.add_argument_group("parameter servers (--paradigm ps-sync, ps-async)")
-    ps.add_argument(
-        "--servers", type=int, default=defaults.servers, help="the last S ranks serve (default %(default)s)"
-    )
-    ps.add_argument(
-        "--staleness",
-        type=int,
-        metavar="K",
-        help="ps-async: a worker more than K steps ahead of the slowest waits (stale-synchronous; default: unbounded)",
-    )
-    zero = t.add_argument_group("ZeRO, sharded data parallelism (--paradigm zero; --allreduce: ring or rabenseifner)")
-    zero.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=(1, 2, 3),
-        help="shard the optimizer state (1), and the gradients (2), and the parameters (3; the default, as FSDP)",
-    )
-    local = t.add_argument_group("local SGD and gossip (--paradigm local-sgd, gossip)")
-    local.add_argument(
-        "--sync-every", type=int, default=defaults.sync_every, metavar="H", help="local-sgd: average every H steps"
-    )
-    local.add_argument(
-        "--average-via",
-        choices=("allreduce", "master"),
-        default=defaults.average_via,
-        help="local-sgd: all-reduce the weights (--allreduce), or gather them on rank 0 and send back",
-    )
-    local.add_argument(
-        "--warmup-sync-steps",
-        type=int,
-        default=defaults.warmup_sync_steps,
-        metavar="W",
-        help="local-sgd: the first W steps average gradients, as ddp (post-local SGD)",
-    )
-    local.add_argument(
-        "--topology",
-        choices=("ring", "torus", "exponential", "random"),
-        default=defaults.topology,
-        help="gossip: the graph each rank averages over (default %(default)s)",
-    )
-    grid = t.add_argument_group(
-        "model parallelism (--paradigm tp, pp): the rank grid dp x tp x pp; --allreduce: the tensor and dp groups' "
-        "all-reduce"
-    )
-    grid.add_argument(
-        "--dp",
-        type=int,
-        metavar="D",
-        help="data-parallel replicas of the model-parallel model (default: what the other sizes leave; 1 when the "
-        "paradigm's own --tp or --pp is not given, which then takes every rank)",
-    )
-    grid.add_argument(
-        "--tp",
-        type=int,
-        metavar="T",
-        help="ranks that split each column-then-row pair of Linear layers (tensor parallel; default for tp: the ranks "
-        "--dp leaves; for pp: 1)",
-    )
-    grid.add_argument("--pp", type=int, metavar="P", help="pipeline stages (default: the ranks --dp and --tp leave)")
-    grid.add_argument(
-        "--microbatches",
-        type=int,
-        metavar="M",
-        help="pp: micro-batches per step, each replica's slice of the batch cut into M (default 4)",
-    )
-    grid.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        help="pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward) or interleaved "
-        "(1f1b over --virtual-stages chunks per rank) (default 1f1b)",
-    )
-    grid.add_argument(
-        "--virtual-stages", type=int, metavar="V", help="pp, interleaved: model chunks per rank (default 2)"
-    )
+    _add_paradigm_flags(t, parallel)
     slow = t.add_argument_group("a straggler (any paradigm)")
     slow.add_argument("--slow-rank", type=int, metavar="R", help="make rank R slower than the others")
     slow.add_argument(
@@ -265,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_paradigm_flags(train_parser, parallel) -> None:
+    """One group of flags per paradigm, from what each declares (dtrain.parallel.flags): a flag several paradigms
+    read is in the group of the first (in the lessons' order), and names them all."""
+    placed = set()
+    for name in parallel.names():
+        kind = parallel.get(name)
+        own = [flag for flag in kind.flags if flag.name not in placed]
+        if not own:
+            continue
+        group = train_parser.add_argument_group(f"--paradigm {name}: {kind.summary}")
+        for flag in own:
+            flag.add_to(group, parallel.readers(flag.name))
+            placed.add(flag.name)
+
+
 def main(argv=None) -> int:
     from dtrain.comm import mpi
     from dtrain.comm.launcher import JobInterrupted
@@ -303,8 +218,7 @@ def _train(args) -> int:
     from dtrain.comm import mpi, watchdog
     from dtrain.train import TrainConfig, train
 
-    fields = TrainConfig.__dataclass_fields__
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
     if config.timeout is None and not os.environ.get(watchdog.ENV_VAR, "").strip():
         config.timeout = DEFAULT_TIMEOUT_S
     config.validate()  # before any communication: a bad flag never reaches it

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +33,19 @@ from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
 from dtrain.optim import OPTIMIZERS, make_optimizer
-from dtrain.parallel.schedules import SCHEDULES
 
 DEFAULT_BATCH = 64  # the global batch when --batch-size is not given (see default_batch)
 
 
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
+    """What a run is asked to do: the fields every run shares, and the chosen paradigm's own flags in ``options``.
+
+    A paradigm declares its flags itself (``flags`` in its file; see :mod:`dtrain.parallel.flags`), and they are
+    given and read as if they were fields: ``TrainConfig(paradigm="ps-sync", servers=2).servers == 2``, and a flag
+    not given reads as its default. A name that is neither a field nor a registered flag is a ``TypeError``.
+    """
+
     paradigm: str = "single"
     dataset: str = "digits"
     data_dir: str | None = None
@@ -62,28 +68,6 @@ class TrainConfig:
     trace: str | None = None  # write a Chrome/Perfetto trace of every rank's communication here
     timeout: float | None = None  # watchdog: end the job after this many seconds stalled in a wait (0: off)
     accumulate: int = 1  # micro-batches per step; gradients are communicated once, after the last
-    # data parallelism (ddp)
-    allreduce: str = "auto"  # the all-reduce algorithm for the gradients
-    ranks_per_node: int | None = None  # emulated node size for the hierarchical all-reduces (None: real nodes)
-    overlap: bool = False  # start each bucket's all-reduce during backward, as soon as its gradients are complete
-    bucket_mb: float | None = None  # gradient bucket size (MiB); 0: one bucket; None: 1 with overlap, else 0
-    # parameter servers (ps-sync, ps-async)
-    servers: int = 1  # the last S ranks are servers, each owning a slice of the parameters
-    staleness: int | None = None  # ps-async: how many steps a worker may run ahead of the slowest (None: unbounded)
-    # ZeRO (zero): which training state is sharded over the ranks
-    zero_stage: int | None = None  # 1: optimizer state; 2: and gradients; 3: and parameters (None: 3)
-    # local SGD and gossip
-    sync_every: int = 1  # local-sgd: optimizer steps between averages of the weights (H)
-    average_via: str = "allreduce"  # local-sgd: "allreduce" (--allreduce) or "master" (to rank 0 and back)
-    warmup_sync_steps: int = 0  # local-sgd: the first W steps are ddp steps (post-local SGD)
-    topology: str = "ring"  # gossip: whom each rank averages with: ring, torus, exponential, random
-    # model parallelism (tp, pp): the rank grid dp x tp x pp; a missing size takes what the others leave
-    dp: int | None = None  # data-parallel replicas of the model-parallel model
-    tp: int | None = None  # tensor-parallel ranks that split the layers of a stage (column-then-row pairs)
-    pp: int | None = None  # pipeline stages
-    microbatches: int | None = None  # pp: micro-batches each replica's slice of the batch is cut into (None: 4)
-    schedule: str | None = None  # pp: gpipe, 1f1b or interleaved (None: 1f1b)
-    virtual_stages: int | None = None  # pp, interleaved: model chunks per rank (None: 2 when interleaved, else 1)
     # a straggler, for any paradigm
     slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
     slow_factor: float = 1.0
@@ -93,9 +77,41 @@ class TrainConfig:
     resume: bool = False  # go on from checkpoint_dir's checkpoint
     progress: bool = True  # rank 0's progress bar
     quiet: bool = False  # no per-epoch summary lines
+    options: dict = field(default_factory=dict)  # the paradigms' flags that were given: name -> value
+
+    def __init__(self, **given):
+        flags = parallel.all_flags()
+        options = dict(given.pop("options", {}))
+        for f in fields(self):
+            if f.name == "options":
+                continue
+            default = f.default_factory() if f.default is MISSING else f.default
+            object.__setattr__(self, f.name, given.pop(f.name, default))
+        for name in given:
+            if name not in flags:
+                raise TypeError(f"TrainConfig got an unexpected keyword argument {name!r}")
+        object.__setattr__(self, "options", {**options, **given})
+
+    def __getattr__(self, name):  # (only for names that are not fields: the paradigms' flags)
+        flag = parallel.all_flags().get(name) if name != "options" else None
+        if flag is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.options.get(name, flag.default)
+
+    def __setattr__(self, name, value):
+        if name in parallel.all_flags():
+            self.options[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def as_dict(self) -> dict:
+        """Every field and every registered paradigm flag (given or default), flat: metrics.json's "config"."""
+        shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        return {**shared, **{name: getattr(self, name) for name in parallel.all_flags()}, "hidden": list(self.hidden)}
 
     def validate(self) -> None:
-        """Check every value before any data is read or any rank talks to another."""
+        """Check every shared value before any data is read or any rank talks to another (the paradigm's own flags,
+        and what they mean on a given number of ranks, the paradigm checks: ``train`` asks it before any message)."""
         parallel.get(self.paradigm)  # an unknown paradigm: the error lists the registered ones
         choices = {
             "dataset": DATASETS,
@@ -139,23 +155,10 @@ class TrainConfig:
             raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR (where checkpoints live)")
         if self.checkpoint_dir is not None and Path(self.checkpoint_dir).is_file():
             raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is a file; give a folder")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ConfigError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
-        if self.servers < 1:
-            raise ConfigError(f"--servers must be >= 1, got {self.servers}")
-        if self.staleness is not None and self.staleness < 0:
-            raise ConfigError(f"--staleness must be >= 0 (steps a worker may run ahead), got {self.staleness}")
         if not 1 <= self.slow_factor < math.inf:
             raise ConfigError(f"--slow-factor must be a number >= 1 (times slower), got {self.slow_factor}")
         if self.slow_rank is not None and self.slow_rank < 0:
             raise ConfigError(f"--slow-rank must be a rank (>= 0), got {self.slow_rank}")
-        for name in ("dp", "tp", "pp", "virtual_stages"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ConfigError(f"--microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule {self.schedule!r} is not one of: {', '.join(SCHEDULES)}")
         if any(h < 1 for h in self.hidden):
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 
@@ -217,7 +220,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     wall = time.perf_counter() - started
     train_time = sum(e["train_time_s"] for e in epochs)
     metrics = {
-        "config": {**asdict(config), "hidden": list(config.hidden)},
+        "config": config.as_dict(),
         "world_size": world,
         "model": {"sizes": sizes, "parameters": int(paradigm.full_parameters().size)},
         "dataset": data.describe(),
@@ -336,7 +339,7 @@ class Position:
 
 def check_same_config(comm, config: TrainConfig) -> None:
     """Every rank hashes its configuration; ranks started with different flags get one clear error, on every rank."""
-    mine = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode()).hexdigest()
+    mine = hashlib.sha256(json.dumps(config.as_dict(), sort_keys=True, default=str).encode()).hexdigest()
     digests = comm.allgather(mine)
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]

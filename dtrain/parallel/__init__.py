@@ -1,12 +1,15 @@
 """Paradigms: the ways of spreading one training run over ranks, one file each, behind one seam.
 
 The driver (:mod:`dtrain.train`) owns what every paradigm shares: the config, the data, the epoch loop, evaluation,
-metrics.json, checkpoints, the trace. A paradigm owns only what makes it different. It is a subclass of
-:class:`Paradigm`, registered under its ``--paradigm`` name with :func:`register`, and the driver talks to it
-through these methods alone (no ``if paradigm == ...`` anywhere else)::
+metrics.json, checkpoints, the trace. A paradigm owns only what makes it different, its flags included. It is a
+subclass of :class:`Paradigm` in a file of this package (or of a module named by ``$DTRAIN_PARADIGMS``), registered
+under its ``--paradigm`` name with :func:`register`; the registry imports every such file itself, and the CLI builds
+its flags from what each declares. Adding a paradigm is one new file. The driver talks to it through these methods
+alone (no ``if paradigm == ...`` anywhere else)::
 
+    cls.flags, cls.summary           its own flags (flags.py: parsed, defaulted, range-checked) and what it is
     cls.check(config, world)         before any communication: are the paradigm's flags usable on this many ranks?
-                                     (cls.uses names its own flags; another paradigm's flag is refused)
+                                     (another paradigm's flag is refused)
     p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); build groups
     p.data_shard()                   (index, count): which slice of every global batch this rank trains on
     p.build(make_model, make_opt)    a full replica, sharded layers, or this rank's pipeline stage
@@ -54,8 +57,12 @@ tests hold them against the tracer's counts, and a planner can rank paradigms wi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
+import math
+import os
+import pkgutil
 import time
 
 import numpy as np
@@ -64,12 +71,12 @@ from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.backend import weights_digest
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
+from dtrain.parallel.flags import Flag
 
 _REGISTRY: dict[str, type[Paradigm]] = {}
-MODULES = (
-    "single", "data_parallel", "zero", "parameter_server", "central_storage", "local_sgd", "gossip", "tensor_parallel",
-    "pipeline",
-)  # fmt: skip
+# Modules outside this package that register paradigms too (a course exercise, an experiment): their import names,
+# separated by commas, as PYTHONPATH finds them.
+MODULES_VAR = "DTRAIN_PARADIGMS"
 
 
 def register(cls: type[Paradigm]) -> type[Paradigm]:
@@ -79,22 +86,57 @@ def register(cls: type[Paradigm]) -> type[Paradigm]:
 
 
 def names() -> tuple[str, ...]:
-    _load_all()
-    return tuple(_REGISTRY)
+    """The registered paradigms, in the order the lessons teach them."""
+    return tuple(_registry())
 
 
 def get(name: str) -> type[Paradigm]:
     """The paradigm class registered as ``name``, or a :class:`ConfigError` listing the choices."""
-    _load_all()
-    if name not in _REGISTRY:
-        raise ConfigError(f"--paradigm {name!r} is not one of: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    registry = _registry()
+    if name not in registry:
+        raise ConfigError(f"--paradigm {name!r} is not one of: {', '.join(registry)}")
+    return registry[name]
 
 
-def _load_all() -> None:
-    """Import every paradigm module once, so each registers itself (the registry is the list of files)."""
-    for module in MODULES:
-        importlib.import_module(f"dtrain.parallel.{module}")
+def all_flags() -> dict[str, Flag]:
+    """Every registered paradigm's flags, by name (a flag several paradigms read is there once)."""
+    return _flags_of(tuple(_registry().values()))
+
+
+@functools.cache
+def _flags_of(kinds: tuple) -> dict[str, Flag]:
+    return {flag.name: flag for kind in kinds for flag in kind.flags}
+
+
+def readers(flag: str) -> list[str]:
+    """The paradigms that read ``flag`` (a name), in the lessons' order."""
+    return [name for name, kind in _registry().items() if any(f.name == flag for f in kind.flags)]
+
+
+def _registry() -> dict[str, type[Paradigm]]:
+    """Import every module of this package once, and those named by ``$DTRAIN_PARADIGMS``, so each paradigm
+    registers itself: the registry is the list of files. Sorted by the lesson that teaches it (added ones last)."""
+    added = [name.strip() for name in os.environ.get(MODULES_VAR, "").split(",") if name.strip()]
+    for module in _package_modules() + added:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if module not in added or exc.name != module:
+                raise
+            raise ConfigError(f"{MODULES_VAR} names {module!r}, which Python cannot find (is its folder on "
+                              "PYTHONPATH?)") from None  # fmt: skip
+    return _sorted(tuple(_REGISTRY.items()))
+
+
+@functools.cache
+def _package_modules() -> list[str]:
+    return [f"{__name__}.{module.name}" for module in pkgutil.iter_modules(__path__)]
+
+
+@functools.cache
+def _sorted(registered: tuple) -> dict[str, type[Paradigm]]:
+    order = [name for name, _kind in registered]
+    return dict(sorted(registered, key=lambda item: (item[1].lesson or math.inf, order.index(item[0]))))
 
 
 class ReplicasDiverged(RuntimeError):
@@ -133,8 +175,10 @@ class Paradigm:
     """One rank's share of a training run (see the package docstring for the protocol)."""
 
     name = "base"
+    summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
+    lesson: int | None = None  # the lesson that teaches it: the registry's order
+    flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
     role = "trainer"
-    uses: frozenset[str] = frozenset()  # the TrainConfig fields of this paradigm's own flags (others refuse them)
     epoch_over = False  # asynchronous workers share an epoch's steps: the paradigm says when it is over
     sharers = "workers"  # what the ranks that split the global batch are called, when they are not all the ranks
 
@@ -147,7 +191,7 @@ class Paradigm:
     @classmethod
     def check(cls, config, world: int) -> None:
         """Raise a :class:`ConfigError` for flags this paradigm cannot use on ``world`` ranks (no communication)."""
-        cls.check_flags_are_mine(config)
+        cls.check_flags(config)
         _index, count = cls.shard_of(0, world, config)
         local = config.batch_size // count if config.batch_size % count == 0 else None
         if config.batch_size < count:
@@ -170,13 +214,17 @@ class Paradigm:
             )
 
     @classmethod
-    def check_flags_are_mine(cls, config) -> None:
-        """A flag of another paradigm (``--servers`` with ``ddp``) is an error, not silently ignored."""
-        defaults = type(config)()
-        for field in sorted(set().union(*(k.uses for k in _REGISTRY.values())) - cls.uses):
-            if getattr(config, field) != getattr(defaults, field):
-                owners = ", ".join(n for n, k in _REGISTRY.items() if field in k.uses)
-                raise ConfigError(f"--{field.replace('_', '-')} is a flag of --paradigm {owners}, not of {cls.name}")
+    def check_flags(cls, config) -> None:
+        """This paradigm's flags hold values it can take; a flag of another paradigm (``--servers`` with ``ddp``) was
+        not given (it is an error, not silently ignored). The first of :meth:`check`'s checks."""
+        mine = {flag.name for flag in cls.flags}
+        for name, flag in sorted(all_flags().items()):
+            value = getattr(config, name)
+            if name in mine:
+                flag.check(value)
+            elif value != flag.default:
+                raise ConfigError(f"{flag.option} is a flag of --paradigm {', '.join(readers(name))}, not of "
+                                  f"{cls.name}")  # fmt: skip
 
     @classmethod
     def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:

@@ -52,6 +52,8 @@ class NoOptimizer:
 @register
 class CentralStorage(Paradigm):
     name = "central-storage"
+    summary = "rank 0 holds the variables; every rank computes gradients on its slice"
+    lesson = 4
 
     def build(self, make_model, make_optimizer) -> None:
         self.model = make_model()

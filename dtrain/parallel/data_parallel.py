@@ -76,6 +76,7 @@ from dtrain.collectives import costmodel, hierarchical, ring
 from dtrain.comm import waitall, watchdog
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, check_replicas, register
+from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 
 ALGORITHMS = collectives.ALGORITHMS
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
@@ -114,18 +115,23 @@ class _InFlight:
     finished: float | None = None
 
 
+OVERLAP = Flag("overlap", False, "all-reduce each gradient bucket during backward, as soon as it is complete, as "
+               "PyTorch DDP does (off by default: on a CPU it measured slower, see docs/benchmarks.md)")  # fmt: skip
+BUCKET_MB = Flag("bucket_mb", None, "gradient bucket size in MiB; 0: one all-reduce of the whole gradient (default: 1 "
+                 "with --overlap, else 0)", type=float, metavar="MB", at_least=0,
+                 meaning="(0: one bucket)")  # fmt: skip
+
+
 @register
 class DataParallel(Paradigm):
     name = "ddp"
-    uses = frozenset({"allreduce", "ranks_per_node", "overlap", "bucket_mb"})
+    summary = "data parallel, gradients all-reduced every step"
+    lesson = 3
+    flags = (ALLREDUCE, RANKS_PER_NODE, OVERLAP, BUCKET_MB)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
-        if config.allreduce not in ALGORITHMS:
-            raise ConfigError(f"--allreduce {config.allreduce!r} is not one of: {', '.join(ALGORITHMS)}")
-        if config.bucket_mb is not None and not 0 <= config.bucket_mb < float("inf"):
-            raise ConfigError(f"--bucket-mb must be >= 0 (0: one bucket), got {config.bucket_mb}")
         k = config.ranks_per_node
         if config.allreduce == "hierarchical_rs" and k is not None and world % k:
             sizes = list(hierarchical.node_sizes(world, k))

@@ -46,9 +46,11 @@ from dtrain.backend import array_module
 from dtrain.comm import waitall, watchdog
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
+from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 from dtrain.parallel.local_sgd import LocalSGD
 
 TOPOLOGIES = ("ring", "torus", "exponential", "random")
+TOPOLOGY = Flag("topology", "ring", "the graph each rank averages over", choices=TOPOLOGIES)
 TAG = 7
 
 
@@ -112,7 +114,9 @@ def spectral_gap(w: np.ndarray) -> float:
 @register
 class Gossip(LocalSGD):
     name = "gossip"
-    uses = frozenset({"allreduce", "ranks_per_node", "topology"})
+    summary = "decentralized: every rank averages its weights with its neighbours' every step"
+    lesson = 6
+    flags = (ALLREDUCE, RANKS_PER_NODE, TOPOLOGY)
 
     @classmethod
     def check(cls, config, world: int) -> None:

@@ -34,8 +34,16 @@ from __future__ import annotations
 import dataclasses
 
 from dtrain.errors import ConfigError
+from dtrain.parallel.flags import Flag
 
 AXES = ("dp", "tp", "pp")
+# The grid's flags (shape_of checks them against the world; the paradigm whose own axis is left out fills it).
+DP = Flag("dp", None, "data-parallel replicas of the model-parallel model (default: what the other sizes leave; 1 "
+          "when the paradigm's own --tp or --pp is not given, which then takes every rank)", type=int,
+          metavar="D")  # fmt: skip
+TP = Flag("tp", None, "ranks that split each column-then-row pair of Linear layers (tensor parallel; default for tp: "
+          "the ranks --dp leaves; for pp: 1)", type=int, metavar="T")  # fmt: skip
+PP = Flag("pp", None, "pipeline stages (default: the ranks --dp and --tp leave)", type=int, metavar="P")
 ROLES = {  # what the ranks of one group share, and what they send each other
     "tp": "split the layers of a stage; all-reduce activations",
     "dp": "hold the same shard; average gradients",

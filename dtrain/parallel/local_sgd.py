@@ -53,25 +53,28 @@ from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
-from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
+from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 
 AVERAGE_VIA = ("allreduce", "master")
+SYNC_EVERY = Flag("sync_every", 1, "average every H steps", type=int, metavar="H", at_least=1,
+                  meaning="(local steps between averages)")  # fmt: skip
+AVERAGE_VIA_FLAG = Flag("average_via", "allreduce", "all-reduce the weights (--allreduce), or gather them on rank 0 "
+                        "and send them back", choices=AVERAGE_VIA)  # fmt: skip
+WARMUP_SYNC_STEPS = Flag("warmup_sync_steps", 0, "the first W steps average gradients, as ddp (post-local SGD)",
+                         type=int, metavar="W", at_least=0)  # fmt: skip
 
 
 @register
 class LocalSGD(DataParallel):
     name = "local-sgd"
-    uses = frozenset({"allreduce", "ranks_per_node", "bucket_mb", "sync_every", "average_via", "warmup_sync_steps"})
+    summary = "decentralized: every rank trains alone, and the weights are averaged every H steps"
+    lesson = 5
+    flags = (ALLREDUCE, RANKS_PER_NODE, BUCKET_MB, SYNC_EVERY, AVERAGE_VIA_FLAG, WARMUP_SYNC_STEPS)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
-        if config.sync_every < 1:
-            raise ConfigError(f"--sync-every must be >= 1 (local steps between averages), got {config.sync_every}")
-        if config.average_via not in AVERAGE_VIA:
-            raise ConfigError(f"--average-via {config.average_via!r} is not one of: {', '.join(AVERAGE_VIA)}")
-        if config.warmup_sync_steps < 0:
-            raise ConfigError(f"--warmup-sync-steps must be >= 0, got {config.warmup_sync_steps}")
         if config.checkpoint_every:
             raise ConfigError(
                 f"--paradigm {cls.name} writes its checkpoint at the end of training only (between averages every "

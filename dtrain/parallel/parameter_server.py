@@ -88,6 +88,7 @@ from dtrain.comm.names import ANY_TAG
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, parameter_count, register
+from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, ServerLoop
 
 
@@ -133,10 +134,19 @@ def shards(n: int, servers: int) -> list[tuple[int, int]]:
     return chunk_bounds(n, servers)
 
 
+SERVERS = Flag("servers", 1, "the last S ranks serve, each owning a slice of the parameters", type=int, metavar="S",
+               at_least=1)  # fmt: skip
+STALENESS = Flag("staleness", None, "ps-async: a worker more than K steps ahead of the slowest waits "
+                 "(stale-synchronous; default: unbounded)", type=int, metavar="K", at_least=0,
+                 meaning="(steps a worker may run ahead)")  # fmt: skip
+
+
 @register
 class ParameterServer(Paradigm):
     name = "ps-sync"
-    uses = frozenset({"servers", "staleness"})
+    summary = "parameter servers: workers push gradients, pull weights; the servers wait for every worker"
+    lesson = 4
+    flags = (SERVERS, STALENESS)
     synchronous = True
 
     @classmethod
@@ -158,8 +168,6 @@ class ParameterServer(Paradigm):
                 f"workers are ranks 0 to {workers - 1}"
             )
         if config.staleness is not None:
-            if config.staleness < 0:
-                raise ConfigError(f"--staleness must be >= 0 (steps a worker may run ahead), got {config.staleness}")
             if cls.synchronous:
                 raise ConfigError(
                     f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is synchronous"
@@ -388,4 +396,5 @@ class ParameterServer(Paradigm):
 @register
 class AsyncParameterServer(ParameterServer):
     name = "ps-async"
+    summary = "parameter servers applying each worker's gradient as it comes (--staleness bounds how far ahead)"
     synchronous = False

@@ -56,6 +56,8 @@ from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
 from dtrain.parallel import parameter_count, register, schedules
+from dtrain.parallel.flags import ALLREDUCE, Flag
+from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.model_parallel import ModelParallel
 from dtrain.parallel.stages import cut, hidden_for, units
 from dtrain.parallel.tensor_parallel import (
@@ -95,10 +97,21 @@ class PipelineForward:
         return Tensor(logits)
 
 
+MICROBATCHES = Flag("microbatches", None, "micro-batches per step, each replica's slice of the batch cut into M "
+                    "(default 4)", type=int, metavar="M", at_least=1)  # fmt: skip
+SCHEDULE = Flag("schedule", None, "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward) or "
+                "interleaved (1f1b over --virtual-stages chunks per rank) (default 1f1b)",
+                choices=schedules.SCHEDULES)  # fmt: skip
+VIRTUAL_STAGES = Flag("virtual_stages", None, "interleaved: model chunks per rank (default 2)", type=int, metavar="V",
+                      at_least=1)  # fmt: skip
+
+
 @register
 class Pipeline(ModelParallel):
     name = "pp"
-    uses = frozenset({"dp", "tp", "pp", "microbatches", "schedule", "virtual_stages", "allreduce"})
+    summary = "pipeline parallel: consecutive layers on --pp ranks, micro-batches flowing through them"
+    lesson = 8
+    flags = (DP, TP, PP, MICROBATCHES, SCHEDULE, VIRTUAL_STAGES, ALLREDUCE)
     fill = "pp"
 
     @staticmethod

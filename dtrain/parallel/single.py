@@ -17,6 +17,8 @@ from dtrain.parallel import Paradigm, register
 @register
 class Single(Paradigm):
     name = "single"
+    summary = "one process"
+    lesson = 1
 
     @classmethod
     def check(cls, config, world: int) -> None:

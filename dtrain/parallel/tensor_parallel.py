@@ -54,6 +54,8 @@ from dtrain.collectives import costmodel
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.parallel import register
+from dtrain.parallel.flags import ALLREDUCE
+from dtrain.parallel.grid import DP, TP
 from dtrain.parallel.model_parallel import ModelParallel
 from dtrain.parallel.placement import pieces_of
 
@@ -233,7 +235,9 @@ def group_allreduce_bytes(algorithm: str, counts, itemsize: int, size: int, rank
 @register
 class TensorParallel(ModelParallel):
     name = "tp"
-    uses = frozenset({"dp", "tp", "allreduce"})
+    summary = "tensor parallel: pairs of Linear layers split by columns, then rows, over --tp ranks"
+    lesson = 7
+    flags = (DP, TP, ALLREDUCE)
     fill = "tp"
 
     @classmethod

@@ -85,9 +85,13 @@ from dtrain.comm.trace import CHECKPOINT
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
+from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.zero_shards import KINDS, Ledger, Unit, UnitOptimizers, units_of
 
 STAGES = (1, 2, 3)
+ZERO_STAGE = Flag("zero_stage", None, "shard the optimizer state (1), and the gradients (2), and the parameters (3; "
+                  "the default, as FSDP)", type=int, choices=STAGES,
+                  not_a_choice="is not a ZeRO stage: choose 1, 2 or 3")  # fmt: skip
 DEFAULT_STAGE = 3  # full sharding, FSDP's default
 PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
 
@@ -137,13 +141,13 @@ class ShardedLinear(Module):
 @register
 class Zero(Paradigm):
     name = "zero"
-    uses = frozenset({"zero_stage", "allreduce"})
+    summary = "data parallel with the optimizer state, gradients and parameters sharded: ZeRO 1-3, FSDP"
+    lesson = 9
+    flags = (ZERO_STAGE, ALLREDUCE)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
-        if cls.stage_of(config) not in STAGES:
-            raise ConfigError(f"--zero-stage {config.zero_stage} is not a ZeRO stage: choose 1, 2 or 3")
         cls.pair(config, world)
 
     @staticmethod
