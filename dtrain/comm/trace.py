@@ -87,6 +87,13 @@ class OperationStats:
     payload_bytes: int = 0
 
 
+def labelled(comm, name: str, nbytes: int | None = None, resumed: bool = False):
+    """``with labelled(comm, "allreduce/ring", nbytes=buf.nbytes):`` labels the traffic inside as
+    :meth:`Tracer.operation` does, when ``comm`` is traced; on a bare communicator it does nothing."""
+    tracer = getattr(comm, "tracer", None)
+    return contextlib.nullcontext() if tracer is None else tracer.operation(name, nbytes=nbytes, resumed=resumed)
+
+
 class Tracer:
     """One rank's record of its communication: counts per operation (``summary``) and timeline ``events``.
 

@@ -69,7 +69,7 @@ import numpy as np
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.backend import weights_digest
-from dtrain.comm.trace import EVALUATION
+from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel.flags import Flag
 
@@ -158,11 +158,11 @@ class Evaluating:
     """A model whose traffic while evaluating (a sharded model's gathers or all-reduces) is labelled evaluation's,
     not training's."""
 
-    def __init__(self, model, tracer):
-        self.model, self.tracer = model, tracer
+    def __init__(self, model, comm):
+        self.model, self.comm = model, comm
 
     def __call__(self, x):
-        with self.tracer.operation(EVALUATION):
+        with labelled(self.comm, EVALUATION):
             return self.model(x)
 
 

@@ -62,7 +62,6 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -74,6 +73,7 @@ from dtrain import collectives, kernels
 from dtrain.backend import array_module, is_device_array
 from dtrain.collectives import costmodel, hierarchical, ring
 from dtrain.comm import waitall, watchdog
+from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, check_replicas, register
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
@@ -232,10 +232,7 @@ class DataParallel(Paradigm):
 
     def _label(self, nbytes=None):
         """The tracer's label for a bucket's traffic (its first step counts the call; the later steps resume it)."""
-        tracer = getattr(self.grad_comm, "tracer", None)
-        if tracer is None:
-            return contextlib.nullcontext()
-        return tracer.operation(f"allreduce/{self.algorithm}", nbytes=nbytes, resumed=nbytes is None)
+        return labelled(self.grad_comm, f"allreduce/{self.algorithm}", nbytes, resumed=nbytes is None)
 
     def _progress(self, block: bool = False) -> None:
         """Advance every bucket in flight as far as its messages have arrived (``block``: to the end)."""

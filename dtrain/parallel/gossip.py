@@ -38,12 +38,12 @@ more. Exact per rank: :meth:`Gossip.costs`.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import numpy as np
 
 from dtrain.backend import array_module
 from dtrain.comm import waitall, watchdog
+from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
@@ -141,8 +141,7 @@ class Gossip(LocalSGD):
         if not around:
             return
         comm = self.grad_comm
-        tracer = getattr(comm, "tracer", None)
-        label = tracer.operation(f"gossip/{self.config.topology}", nbytes=flat.nbytes) if tracer else nullcontext()
+        label = labelled(comm, f"gossip/{self.config.topology}", flat.nbytes)
         with label, watchdog.watching(comm, f"gossip: weights from ranks {around}"):
             requests = [comm.Irecv(self.inbox[i], peer, TAG) for i, peer in enumerate(around)]
             requests += [comm.Isend(flat, peer, TAG) for peer in around]

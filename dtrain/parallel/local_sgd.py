@@ -43,14 +43,12 @@ the master variant sends n from every rank but 0 and (p-1) n from rank 0 per ave
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from dtrain import collectives
 from dtrain.backend import array_module
 from dtrain.collectives import costmodel
-from dtrain.comm.trace import CHECKPOINT, EVALUATION
+from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import parameter_count, register
 from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
@@ -137,8 +135,7 @@ class LocalSGD(DataParallel):
         """The replicas' average, into the evaluation copy (traffic counted under "evaluation", not training)."""
         mean = self.average_model.flat_params
         mean[...] = self.model.flat_params
-        tracer = getattr(self.grad_comm, "tracer", None)
-        with tracer.operation(EVALUATION) if tracer is not None else contextlib.nullcontext():
+        with labelled(self.grad_comm, EVALUATION):
             collectives.allreduce(self.grad_comm, mean, "avg", self.average_algorithm, topology=self.topology)
         return mean
 
@@ -166,8 +163,7 @@ class LocalSGD(DataParallel):
     def averaged_optimizer_state(self) -> dict:
         """The optimizer's state with each buffer averaged over the ranks (a collective), for the checkpoint."""
         state = self.optimizer.state_dict()
-        tracer = getattr(self.grad_comm, "tracer", None)
-        with tracer.operation(CHECKPOINT) if tracer is not None else contextlib.nullcontext():
+        with labelled(self.grad_comm, CHECKPOINT):
             for value in state.values():
                 if isinstance(value, np.ndarray):
                     collectives.allreduce(self.grad_comm, value, "avg", "ring")

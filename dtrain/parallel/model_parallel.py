@@ -22,13 +22,11 @@ a step runs; ``fill`` names the grid axis a missing flag takes the rest of the w
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from dtrain import collectives, kernels
 from dtrain.backend import array_module, is_device_array, to_host
-from dtrain.comm.trace import CHECKPOINT
+from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
 
@@ -70,9 +68,6 @@ class ModelParallel(Paradigm):
         self.gathered = None  # the whole model, gathered once training is over
         self.regions = ()  # pipeline: (pp rank, start, stop) of each stage's part of the whole flat buffer
 
-    def label(self, name: str):
-        return self.tracer.operation(name) if self.tracer is not None else contextlib.nullcontext()
-
     def adopt(self, local_model, pieces, total: int, make_optimizer) -> None:
         """Take ``local_model`` (flattened; its parameters are ``pieces`` of a whole model of ``total`` elements)."""
         self.model, self.pieces, self.total = local_model, pieces, total
@@ -87,7 +82,7 @@ class ModelParallel(Paradigm):
     def average_gradients(self) -> None:
         """Average the local gradients over the dp group: every replica's pieces take the same step."""
         if self.shape.dp > 1:
-            with self.label("dp/allreduce-gradients"):
+            with labelled(self.comm, "dp/allreduce-gradients"):
                 collectives.allreduce(self.grid.dp_comm, self.model.flat_grads, "avg", self.config.allreduce)
 
     def after_backward(self) -> None:
@@ -103,7 +98,7 @@ class ModelParallel(Paradigm):
     # --- the whole model, from the pieces -----------------------------------------------------------------
     def _gather(self, local):
         return placement.gather(local, self.total, self.grid.tp_comm, self.peer_pieces, self.regions,
-                                self.grid.pp_comm, self.tracer, CHECKPOINT)  # fmt: skip
+                                self.grid.pp_comm, CHECKPOINT)  # fmt: skip
 
     def full_parameters(self):
         return self.gathered if self.gathered is not None else self._gather(self.model.flat_params)
@@ -130,7 +125,7 @@ class ModelParallel(Paradigm):
         self.optimizer.load_state_dict(local)
 
     def evaluation_model(self):
-        return Evaluating(self.model, self.tracer) if self.tracer is not None else self.model
+        return Evaluating(self.model, self.comm)
 
     # --- the end ------------------------------------------------------------------------------------------
     def close(self) -> None:

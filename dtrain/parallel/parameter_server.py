@@ -76,7 +76,6 @@ workers are done (a DONE can only follow that worker's last reply, so nothing is
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 
 import numpy as np
@@ -85,7 +84,7 @@ from dtrain.backend import array_module, to_host, weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_TAG
-from dtrain.comm.trace import EVALUATION
+from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, parameter_count, register
 from dtrain.parallel.flags import Flag
@@ -232,7 +231,7 @@ class ParameterServer(Paradigm):
         comm, served = self.ps_comm, self._served()
         (coordinator, (a0, b0)), others = served[0], served[1:]  # the coordinator's reply says if the epoch is over
         started = time.perf_counter()
-        with self._label("ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
+        with labelled(self.ps_comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
             requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
             requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in served]
             probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
@@ -247,7 +246,7 @@ class ParameterServer(Paradigm):
     def pull(self, label: str = "ps/pull") -> None:
         """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
         params = self.model.flat_params
-        with self._label(label, 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
+        with labelled(self.ps_comm, label, 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
             requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
             requests += [self.ps_comm.Isend(params[:0], server, PULL) for server, _ in self._served()]
             waitall(requests)
@@ -273,10 +272,6 @@ class ParameterServer(Paradigm):
             return
         while True:
             yield from loader.epoch(epoch)
-
-    def _label(self, name: str, nbytes: int):
-        tracer = getattr(self.ps_comm, "tracer", None)
-        return contextlib.nullcontext() if tracer is None else tracer.operation(name, nbytes=nbytes)
 
     def global_loss(self, local_mean: float) -> float:
         """The mean over every step the workers took this epoch (async: weighted by each worker's step count)."""

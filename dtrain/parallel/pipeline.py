@@ -52,7 +52,7 @@ from dtrain import collectives
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.backend import array_module, resolve_dtype
 from dtrain.comm import waitall, watchdog
-from dtrain.comm.trace import EVALUATION
+from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
 from dtrain.parallel import parameter_count, register, schedules
@@ -83,7 +83,7 @@ class PipelineForward:
         pipe = self.pipeline
         comm, last, rows = pipe.grid.pp_comm, pipe.stages - 1, x.shape[0]
         xp = array_module(x.data)
-        with pipe.label(EVALUATION):
+        with labelled(pipe.comm, EVALUATION):
             h = x
             for v in pipe.mine:
                 if v > 0:
@@ -251,20 +251,21 @@ class Pipeline(ModelParallel):
     def _send(self, ins) -> None:
         key = (ins.stage, ins.micro)
         data = self.saved[key][1].data if ins.kind == "activation" else self.outbox.pop(key)
-        with self.label(f"pp/{ins.kind}s"):
+        with labelled(self.comm, f"pp/{ins.kind}s"):
             request = self.grid.pp_comm.Isend(data, dest=ins.peer, tag=schedules.tag(ins.message(), self.M))
         self.sending.append((request, data))  # (the array must live until the message has left)
 
     def _recv(self, ins) -> None:
         width = self.width(ins.stage) if ins.kind == "activation" else self.sizes[self.bounds[ins.stage + 1]]
         buf = array_module(self.model.flat_params).empty((self.rows, width), dtype=self.dtype)
-        with self.label(f"pp/{ins.kind}s"):
+        with labelled(self.comm, f"pp/{ins.kind}s"):
             what = f"stage {ins.stage}: waiting for the {ins.kind} of micro-batch {ins.micro} from rank {ins.peer}"
             self.receive(buf, ins.peer, schedules.tag(ins.message(), self.M), what)
         self.inbox[ins.kind, ins.stage, ins.micro] = buf
 
     def _step(self, ins) -> None:
-        with self.label("pp/sends-in-flight"), watchdog.watching(self.grid.pp_comm, "pipeline: sends in flight"):
+        waiting = watchdog.watching(self.grid.pp_comm, "pipeline: sends in flight")
+        with labelled(self.comm, "pp/sends-in-flight"), waiting:
             waitall([request for request, _ in self.sending])  # (already gone, all but always: a formality)
         self.sending = []
         self.average_gradients()

@@ -18,12 +18,12 @@ The same pieces serve the optimizer's buffers (momentum, Adam's moments), which 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
 from dtrain import collectives
 from dtrain.backend import array_module
+from dtrain.comm.trace import labelled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def put(local_flat, pieces, whole_flat) -> None:
         offset += piece.size
 
 
-def gather(local_flat, total: int, tp_comm, peer_pieces, regions=(), pp_comm=None, tracer=None, label="checkpoint"):
+def gather(local_flat, total: int, tp_comm, peer_pieces, regions=(), pp_comm=None, label="checkpoint"):
     """The whole flat buffer (``total`` elements) on every rank of one replica, from each rank's ``local_flat``.
 
     ``peer_pieces[t]``: the pieces of tensor rank t (every rank of the tensor group holds a local buffer of the same
@@ -87,7 +87,7 @@ def gather(local_flat, total: int, tp_comm, peer_pieces, regions=(), pp_comm=Non
     xp, t = array_module(local_flat), tp_comm.Get_size()
     whole = xp.zeros(total, dtype=local_flat.dtype)
     m = local_flat.size
-    with tracer.operation(label) if tracer is not None else contextlib.nullcontext():
+    with labelled(tp_comm, label):
         packed = xp.empty(t * m, dtype=local_flat.dtype)  # chunk r of an all-gather over t ranks: tensor rank r's
         packed[tp_comm.Get_rank() * m : (tp_comm.Get_rank() + 1) * m] = local_flat
         if t > 1:

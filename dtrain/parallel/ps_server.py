@@ -13,7 +13,7 @@ import time
 from dtrain.backend import array_module
 from dtrain.comm import probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
-from dtrain.comm.trace import EVALUATION
+from dtrain.comm.trace import EVALUATION, labelled
 
 PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
@@ -94,7 +94,7 @@ class ServerLoop:
     def on_pull(self, w: int) -> None:
         """A worker's first pull is training's; later ones are for evaluating (counted apart, as the worker does)."""
         self.comm.Recv(self.params[:0], w, PULL)
-        with self.server._label("ps/pull" if w not in self.pulled else EVALUATION, 0):
+        with labelled(self.server.ps_comm, "ps/pull" if w not in self.pulled else EVALUATION, 0):
             self.comm.Send(self.params, w, WEIGHTS)
         self.pulled.add(w)
         self.sent_version[w] = self.version
@@ -114,7 +114,7 @@ class ServerLoop:
     def reply(self, workers) -> None:
         """Send the shard's weights to ``workers`` (END instead of WEIGHTS once the coordinator's budget is spent)."""
         tag = END if self.coordinator and self.pushes >= self.budget else WEIGHTS
-        with self.server._label("ps/weights", self.params.nbytes):
+        with labelled(self.server.ps_comm, "ps/weights", self.params.nbytes):
             waitall([self.comm.Isend(self.params, w, tag) for w in workers])  # (before the next update changes it)
         for w in workers:
             self.sent_version[w] = self.version

@@ -51,6 +51,7 @@ from dtrain import collectives
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, resolve_dtype, to_host
 from dtrain.collectives import costmodel
+from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.parallel import register
@@ -69,15 +70,12 @@ class TensorGroup:
     def __init__(self, comm, algorithm: str = "auto"):
         self.comm, self.algorithm = comm, algorithm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.tracer = getattr(comm, "tracer", None)
 
     def allreduce(self, array, label: str):
         """Sum ``array`` (C-contiguous, this rank's own) over the group in place, traffic labelled ``label``."""
         if self.size == 1:
             return array
-        if self.tracer is None:
-            return collectives.allreduce(self.comm, array, "sum", self.algorithm)
-        with self.tracer.operation(label):
+        with labelled(self.comm, label):
             return collectives.allreduce(self.comm, array, "sum", self.algorithm)
 
 

@@ -81,7 +81,7 @@ from dtrain import collectives, kernels
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.collectives import chunk_bounds, costmodel
-from dtrain.comm.trace import CHECKPOINT
+from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
@@ -174,7 +174,6 @@ class Zero(Paradigm):
         super().__init__(comm, config)
         self.stage = self.stage_of(config)
         self.rs_algorithm, self.ag_algorithm = self.pair(config, self.world)
-        self.tracer = getattr(comm, "tracer", None)
         self.ledger = Ledger()
         self.gathered = None  # stage 3: the whole model, gathered once training is over
 
@@ -218,16 +217,13 @@ class Zero(Paradigm):
         return sum(v.nbytes for v in optimizer.state_dict().values() if isinstance(v, np.ndarray))
 
     # --- the collectives, labelled for the tracer ---------------------------------------------------------
-    def _label(self, name: str):
-        return self.tracer.operation(name) if self.tracer is not None else contextlib.nullcontext()
-
     def reduce_scatter(self, grad):
         """Average ``grad`` (one layer's, or the whole buffer's in stage 1) over the ranks; this rank's chunk."""
-        with self._label(f"zero/reduce-scatter/{self.rs_algorithm}"):
+        with labelled(self.comm, f"zero/reduce-scatter/{self.rs_algorithm}"):
             return collectives.reduce_scatter(self.comm, grad, "avg", self.rs_algorithm)
 
     def allgather(self, buf, label: str) -> None:
-        with self._label(label):
+        with labelled(self.comm, label):
             collectives.allgather(self.comm, buf, self.ag_algorithm)
 
     @contextlib.contextmanager
@@ -299,9 +295,9 @@ class Zero(Paradigm):
             part.load_state_dict({k: v[unit.own] if isinstance(v, np.ndarray) else v for k, v in state.items()})
 
     def evaluation_model(self):
-        if self.stage < 3 or self.tracer is None:
+        if self.stage < 3:
             return self.model
-        return Evaluating(self.model, self.tracer)
+        return Evaluating(self.model, self.comm)
 
     def finish(self) -> dict:
         if self.stage < 3:
