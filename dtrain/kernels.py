@@ -366,8 +366,8 @@ def backend_name() -> str:
 def load(dtype) -> None:
     """Import Numba and load the two-input fused loops for ``dtype`` now, rather than in a run's first timed step.
 
-    On a fresh process that takes most of a second (measured here: 0.7 s to import Numba, 0.3 s to read the loops
-    from the on-disk cache), which in a short run is a large part of its first epoch. Nothing happens with the NumPy
+    On a fresh process that takes most of a second (importing Numba, then reading the loops from its on-disk cache),
+    which in a short run is a large part of its first epoch. Nothing happens with the NumPy
     backend or a dtype the loops do not take; other input counts still load on first use.
     """
     dtype = np.dtype(dtype)

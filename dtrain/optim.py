@@ -151,6 +151,12 @@ class Adam(Optimizer):
 OPTIMIZERS = {"sgd": SGD, "adam": Adam}
 
 
+def buffers_per_parameter(name: str, momentum: float) -> int:
+    """How many flat buffers as large as the parameters the optimizer keeps: SGD's velocity (with momentum), Adam's
+    two moments. The cost functions count optimizer state with it."""
+    return {"sgd": 1 if momentum else 0, "adam": 2}[name]
+
+
 def make_optimizer(name: str, model, lr: float, momentum: float = 0.9, weight_decay: float = 0.0) -> Optimizer:
     """The optimizer called ``name`` ("sgd" or "adam") over ``model``'s flat buffers."""
     if name == "sgd":

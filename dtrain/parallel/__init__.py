@@ -71,6 +71,7 @@ from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.backend import weights_digest
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.optim import buffers_per_parameter
 from dtrain.parallel.flags import Flag
 
 _REGISTRY: dict[str, type[Paradigm]] = {}
@@ -321,5 +322,5 @@ class Paradigm:
         ``gradients`` and ``optimizer`` state a rank holds (a number: the same on every rank; a list: per rank)."""
         itemsize = np.dtype(config.dtype).itemsize
         n = parameter_count(sizes) * itemsize
-        state = {"sgd": n if config.momentum else 0, "adam": 2 * n}[config.optimizer]
+        state = buffers_per_parameter(config.optimizer, config.momentum) * n
         return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}

@@ -86,6 +86,7 @@ from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_TAG
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import Paradigm, parameter_count, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, ServerLoop
@@ -378,7 +379,7 @@ class ParameterServer(Paradigm):
         n = parameter_count(sizes)
         workers = worker_count(world, config)
         shard = [b - a for a, b in shards(n, config.servers)]
-        per_element = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        per_element = buffers_per_parameter(config.optimizer, config.momentum)
         gradient_copies = workers + 1 if cls.synchronous else 1  # ps-sync: a slot per worker and their average
         return {
             "sent_per_step": [n * itemsize] * workers + [workers * m * itemsize for m in shard],

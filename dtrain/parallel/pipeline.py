@@ -55,6 +55,7 @@ from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
+from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import parameter_count, register, schedules
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
@@ -309,7 +310,7 @@ class Pipeline(ModelParallel):
         stages, rows = P * V, config.batch_size // (shape.dp * M)
         bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
         program = schedules.build(schedule, P, M, V)
-        buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        buffers = buffers_per_parameter(config.optimizer, config.momentum)
 
         def kept(v):  # one micro-batch's activations on stage v: its received input and its intermediate results
             first, stop = bounds[v], bounds[v + 1]

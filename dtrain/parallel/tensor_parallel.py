@@ -54,6 +54,7 @@ from dtrain.collectives import costmodel
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
+from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import register
 from dtrain.parallel.flags import ALLREDUCE
 from dtrain.parallel.grid import DP, TP
@@ -276,7 +277,7 @@ class TensorParallel(ModelParallel):
         rows = config.batch_size // (shape.dp * config.accumulate)
         forward, backward = activations_sent(sizes, 0, len(sizes) - 1, rows)
         n = local_parameters(sizes, shape.tp)
-        buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        buffers = buffers_per_parameter(config.optimizer, config.momentum)
         sent = []
         for rank in range(world):
             at = shape.coordinates(rank)

@@ -84,6 +84,7 @@ from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
+from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.zero_shards import KINDS, Ledger, Unit, UnitOptimizers, units_of
@@ -317,7 +318,7 @@ class Zero(Paradigm):
         """Per rank (lists): bytes sent per step and the peak bytes held of each kind (module docstring's table)."""
         b = np.dtype(config.dtype).itemsize
         stage, (rs, ag), a = cls.stage_of(config), cls.pair(config, world), config.accumulate
-        buffers = {"sgd": 1 if config.momentum else 0, "adam": 2}[config.optimizer]
+        buffers = buffers_per_parameter(config.optimizer, config.momentum)
         layers = [u.size for u in units_of(sizes, 0, world)]
         n, largest = sum(layers), max(layers)
         bounds = [chunk_bounds(size, world) for size in layers]  # (once: per rank it would cost N times as much)
