@@ -37,8 +37,11 @@ replicated paradigm shares, with three places to act::
         backward of loss / k                              gradient-ready hooks fire inside backward
     (a straggler, --slow-rank: sleep in proportion to this compute)
     after_backward()                                      DDP: finish averaging the gradients
-    optimizer step                                        a parameter-server worker's: push, then pull the weights
+    optimizer step
     after_step()                                          central storage: rank 0's weights to all
+
+A paradigm whose step is another (a parameter-server worker: push the gradient, pull the weights) overrides
+:meth:`Paradigm.step`, reusing :meth:`Paradigm.gradients` for the forward and backward.
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded
 data parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py; the
@@ -244,6 +247,15 @@ class Paradigm:
     # --- one step -----------------------------------------------------------------------------------------
     def step(self, x, y) -> float:
         """Forward and backward over ``--accumulate`` micro-batches, then one optimizer step; this rank's loss."""
+        loss = self.gradients(x, y)
+        self.after_backward()
+        self.optimizer.step()
+        self.after_step()
+        return loss
+
+    def gradients(self, x, y) -> float:
+        """Forward and backward over ``--accumulate`` micro-batches (a straggler then sleeps); this rank's mean loss.
+        The step's gradients are then in ``self.model.flat_grads``."""
         model, k = self.model, self.config.accumulate
         started = time.perf_counter()
         model.zero_grad()
@@ -258,9 +270,6 @@ class Paradigm:
         # a straggler: F times this step's forward and backward (tensor parallelism's all-reduces inside them too)
         if self.rank == self.config.slow_rank:
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
-        self.after_backward()
-        self.optimizer.step()
-        self.after_step()
         return total / k
 
     def before_backward(self, last: bool) -> None:

@@ -99,27 +99,6 @@ class Shard:
         self.flat_params, self.flat_grads = params, grads
 
 
-class RemoteOptimizer:
-    """A worker's optimizer: its ``step`` is a push of the gradient and a pull of the new weights.
-
-    It holds no state; its ``state_dict`` is the servers' (known once training has finished), or before that an empty
-    one of the right kind (which buffers exist), for checking a checkpoint against this run.
-    """
-
-    def __init__(self, paradigm, template):
-        self.paradigm, self.template = paradigm, template
-
-    def step(self) -> None:
-        self.paradigm.push_and_pull()
-
-    def state_dict(self) -> dict:
-        gathered = self.paradigm.gathered_optimizer
-        return gathered if gathered is not None else self.template.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to load: the servers load their shards of it."""
-
-
 def _ranks(ranks) -> str:
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
@@ -212,9 +191,8 @@ class ParameterServer(Paradigm):
         self.bounds = shards(flat.size, self.servers)
         xp = array_module(flat)
         if self.role == "trainer":
-            self.model = model
-            template = make_optimizer(Shard(flat[:0].copy(), flat[:0].copy()))  # which buffers; no state
-            self.optimizer = RemoteOptimizer(self, template)
+            self.model = model  # and no optimizer: the servers have it
+            self.kind_of_optimizer = make_optimizer(Shard(flat[:0].copy(), flat[:0].copy()))  # its buffers; no state
             return
         start, stop = self.bounds[self.rank - self.workers]
         self.shard = Shard(flat[start:stop].copy(), xp.zeros(stop - start, dtype=flat.dtype))
@@ -223,7 +201,12 @@ class ParameterServer(Paradigm):
         self.slots = xp.empty((self.workers, stop - start), dtype=flat.dtype) if self.synchronous else None
         del model
 
-    # --- a worker's step: the base loop, whose optimizer step is this -------------------------------------------
+    # --- a worker's step: forward and backward, then push the gradient and pull the new weights ----------------
+    def step(self, x, y) -> float:
+        loss = self.gradients(x, y)
+        self.push_and_pull()
+        return loss
+
     def push_and_pull(self) -> None:
         """Send each server its slice of the gradient and receive its slice of the new weights, all at once."""
         params, grads = self.model.flat_params, self.model.flat_grads
@@ -284,7 +267,9 @@ class ParameterServer(Paradigm):
         """Answer the workers until every one has said DONE (:class:`ServerLoop`: one method per message)."""
         if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
             self.optimizer.lr = self.config.lr / self.workers
-        loop = ServerLoop(self, steps_per_epoch)
+        loop = ServerLoop(self.ps_comm, self.shard, self.optimizer, workers=self.workers,
+                          server=self.rank - self.workers, steps_per_epoch=steps_per_epoch,
+                          synchronous=self.synchronous, bound=self.config.staleness, slots=self.slots)  # fmt: skip
         started = time.perf_counter()
         loop.run()
         self.serve_s = time.perf_counter() - started
@@ -363,6 +348,14 @@ class ParameterServer(Paradigm):
         else:
             start, stop = self.bounds[self.rank - self.workers]
             self.shard.flat_params[...] = flat[start:stop]
+
+    def optimizer_state(self) -> dict:
+        """A worker: the servers' state, gathered once training is over; before, an empty one of the right kind
+        (which buffers exist), for checking a checkpoint against this run. A server: its shard's."""
+        if self.role == "server":
+            return self.optimizer.state_dict()
+        gathered = self.gathered_optimizer
+        return gathered if gathered is not None else self.kind_of_optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict) -> None:
         if self.role == "server":

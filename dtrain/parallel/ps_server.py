@@ -11,7 +11,7 @@ import collections
 import time
 
 from dtrain.backend import array_module
-from dtrain.comm import probe, waitall, watchdog
+from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.trace import EVALUATION, labelled
 
@@ -32,14 +32,17 @@ class ServerLoop:
     after the updates the bound waits for); a worker that has ended the epoch, or said DONE, is no longer the slowest.
     """
 
-    def __init__(self, server, steps_per_epoch: int):
-        """``server``: the :class:`~dtrain.parallel.parameter_server.ParameterServer` of this rank (its shard,
-        optimizer and protocol communicator)."""
-        self.server, self.comm, self.status = server, server.ps_comm, server.status
-        self.params, self.grads = server.shard.flat_params, server.shard.flat_grads
-        self.workers, self.bound = server.workers, server.config.staleness
-        self.coordinator = server.rank - server.workers == COORDINATOR
-        self.budget = server.workers * steps_per_epoch  # pushes in an epoch (the coordinator counts them)
+    def __init__(self, comm, shard, optimizer, *, workers: int, server: int, steps_per_epoch: int, synchronous: bool,
+                 bound: int | None = None, slots=None):  # fmt: skip
+        """``comm``: the protocol's communicator (workers are its ranks 0 to ``workers`` - 1); ``shard``: this
+        server's slice (``flat_params``, ``flat_grads``), which ``optimizer`` updates; ``server``: this server's index
+        (0 is the coordinator); ``synchronous``: ps-sync's policy, else ps-async's, with the staleness ``bound``;
+        ``slots``: ps-sync's (workers x shard) array, a row for each worker's push."""
+        self.comm, self.status = comm, new_status(comm)
+        self.params, self.grads, self.optimizer, self.slots = shard.flat_params, shard.flat_grads, optimizer, slots
+        self.workers, self.bound = workers, bound
+        self.coordinator = server == COORDINATOR
+        self.budget = workers * steps_per_epoch  # pushes in an epoch (the coordinator counts them)
         self.pushes = 0  # this epoch's so far
         self.version = 0  # updates applied to this shard
         self.sent_version = [0] * self.workers  # the version each worker's weights are at
@@ -50,7 +53,7 @@ class ServerLoop:
         self.pulled = set()  # workers that have had their first weights
         self.staleness = collections.Counter()
         self.idle_s = 0.0  # time spent waiting for a message
-        self.handlers = {PUSH: self.on_sync_push if server.synchronous else self.on_async_push, PULL: self.on_pull,
+        self.handlers = {PUSH: self.on_sync_push if synchronous else self.on_async_push, PULL: self.on_pull,
                          END: self.on_end, DONE: self.on_done}  # fmt: skip
 
     def run(self) -> None:
@@ -61,20 +64,19 @@ class ServerLoop:
             self.idle_s += time.perf_counter() - t0
             w, tag = self.status.Get_source(), self.status.Get_tag()
             if tag not in self.handlers:
-                raise ProtocolError(f"server rank {self.server.rank}: unexpected tag {tag} from rank {w}")
+                raise ProtocolError(f"server rank {self.comm.Get_rank()}: unexpected tag {tag} from rank {w}")
             self.handlers[tag](w)
 
     # --- one method per message ----------------------------------------------------------------------------------
     def on_sync_push(self, w: int) -> None:
         """ps-sync: keep the push; once all W are in, average them in worker order, update, answer everyone."""
-        server = self.server
-        self.comm.Recv(server.slots[w], w, PUSH)
+        self.comm.Recv(self.slots[w], w, PUSH)
         self.pushes += 1
         self.arrived.append(w)
         if len(self.arrived) == self.workers:
-            array_module(self.grads).sum(server.slots, axis=0, out=self.grads)
+            array_module(self.grads).sum(self.slots, axis=0, out=self.grads)
             self.grads *= 1.0 / self.workers
-            server.optimizer.step()
+            self.optimizer.step()
             self.version += 1
             self.staleness[0] += self.workers
             self.reply(range(self.workers))
@@ -85,7 +87,7 @@ class ServerLoop:
         self.comm.Recv(self.grads, w, PUSH)
         self.pushes += 1
         self.staleness[self.version - self.sent_version[w]] += 1
-        self.server.optimizer.step()
+        self.optimizer.step()
         self.version += 1
         self.clock[w] += 1
         self.waiting.append(w)
@@ -94,7 +96,7 @@ class ServerLoop:
     def on_pull(self, w: int) -> None:
         """A worker's first pull is training's; later ones are for evaluating (counted apart, as the worker does)."""
         self.comm.Recv(self.params[:0], w, PULL)
-        with labelled(self.server.ps_comm, "ps/pull" if w not in self.pulled else EVALUATION, 0):
+        with labelled(self.comm, "ps/pull" if w not in self.pulled else EVALUATION, 0):
             self.comm.Send(self.params, w, WEIGHTS)
         self.pulled.add(w)
         self.sent_version[w] = self.version
@@ -114,7 +116,7 @@ class ServerLoop:
     def reply(self, workers) -> None:
         """Send the shard's weights to ``workers`` (END instead of WEIGHTS once the coordinator's budget is spent)."""
         tag = END if self.coordinator and self.pushes >= self.budget else WEIGHTS
-        with labelled(self.server.ps_comm, "ps/weights", self.params.nbytes):
+        with labelled(self.comm, "ps/weights", self.params.nbytes):
             waitall([self.comm.Isend(self.params, w, tag) for w in workers])  # (before the next update changes it)
         for w in workers:
             self.sent_version[w] = self.version
