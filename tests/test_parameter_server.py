@@ -215,16 +215,16 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
         from dtrain.train import TrainConfig, evaluate, train
 
         if "{who}" == "worker":
-            original = ps.ParameterServer.push_and_pull
+            original = ps.Worker.push_and_pull
             calls = []
 
             def push_and_pull(self):
                 calls.append(1)
-                if self.rank == 1 and len(calls) == 5:
+                if self.comm.Get_rank() == 1 and len(calls) == 5:
                     raise RuntimeError("worker 1 broke at step 5")
-                original(self)
+                return original(self)
 
-            ps.ParameterServer.push_and_pull = push_and_pull
+            ps.Worker.push_and_pull = push_and_pull
         else:
             def serve(self, steps_per_epoch):
                 raise RuntimeError("server broke before serving")

@@ -28,6 +28,8 @@ The messages (tags on a communicator of their own), for one worker and one serve
          |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
          |------------------------------------------->|
 
+The two sides are two classes: :class:`Worker` (here) and :class:`~dtrain.parallel.ps_server.Server` (with its loop,
+in ps_server.py); the paradigm gives each rank the side its rank calls for, and gathers the servers' state at the end.
 A worker pushes to and pulls from all S servers at once (non-blocking: every shard in flight together), so its wait
 is for the slowest shard. The server's loop takes messages from any worker in the order they come
 (``Probe(ANY_SOURCE)``, then the receive into the buffer the tag calls for).
@@ -80,7 +82,7 @@ import time
 
 import numpy as np
 
-from dtrain.backend import array_module, to_host, weights_digest
+from dtrain.backend import weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_TAG
@@ -89,23 +91,13 @@ from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import Paradigm, parameter_count, register
 from dtrain.parallel.flags import Flag
-from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, ServerLoop
+from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server, Shard
 
-
-class Shard:
-    """The slice of the model a server owns: parameters and gradient, as an optimizer expects a model's."""
-
-    def __init__(self, params, grads):
-        self.flat_params, self.flat_grads = params, grads
-
-
-def _ranks(ranks) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-
-
-def worker_count(world: int, config) -> int:
-    return world - config.servers
+SERVERS = Flag("servers", 1, "the last S ranks serve, each owning a slice of the parameters", type=int, metavar="S",
+               at_least=1)  # fmt: skip
+STALENESS = Flag("staleness", None, "ps-async: a worker more than K steps ahead of the slowest waits "
+                 "(stale-synchronous; default: unbounded)", type=int, metavar="K", at_least=0,
+                 meaning="(steps a worker may run ahead)")  # fmt: skip
 
 
 def shards(n: int, servers: int) -> list[tuple[int, int]]:
@@ -113,11 +105,64 @@ def shards(n: int, servers: int) -> list[tuple[int, int]]:
     return chunk_bounds(n, servers)
 
 
-SERVERS = Flag("servers", 1, "the last S ranks serve, each owning a slice of the parameters", type=int, metavar="S",
-               at_least=1)  # fmt: skip
-STALENESS = Flag("staleness", None, "ps-async: a worker more than K steps ahead of the slowest waits "
-                 "(stale-synchronous; default: unbounded)", type=int, metavar="K", at_least=0,
-                 meaning="(steps a worker may run ahead)")  # fmt: skip
+class Worker:
+    """A worker's side of the protocol: the whole model for forward and backward, and no optimizer (the servers
+    have it). After its backward, it pushes each server its slice of the gradient and pulls the new weights."""
+
+    def __init__(self, comm, model, served):
+        """``comm``: the protocol's communicator; ``served``: (server rank, (start, stop) of its shard), for each."""
+        self.comm, self.model, self.served = comm, model, served
+        self.status = new_status(comm)
+        self.pulled = False
+        self.wait_s = 0.0  # time waiting for the servers' weights
+        self.steps = 0  # steps in this epoch
+
+    def push_and_pull(self) -> bool:
+        """Send each server its slice of the gradient and receive its slice of the new weights, all at once; True
+        when the coordinator's reply says the epoch is over."""
+        params, grads = self.model.flat_params, self.model.flat_grads
+        if not self.pulled:
+            self.pull()
+        comm = self.comm
+        (coordinator, (a0, b0)), others = self.served[0], self.served[1:]  # the coordinator's reply: epoch over?
+        started = time.perf_counter()
+        with labelled(comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
+            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
+            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self.served]
+            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
+            epoch_over = self.status.Get_tag() == END
+            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
+            if epoch_over:  # the other servers stop waiting for this worker in this epoch
+                requests += [comm.Isend(params[:0], server, END) for server, _ in others]
+            waitall(requests)
+        self.wait_s += time.perf_counter() - started
+        self.steps += 1
+        return epoch_over
+
+    def pull(self, label: str = "ps/pull") -> None:
+        """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
+        params, comm = self.model.flat_params, self.comm
+        with labelled(comm, label, 0), watchdog.watching(comm, "ps: pulling the weights"):
+            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self.served]
+            requests += [comm.Isend(params[:0], server, PULL) for server, _ in self.served]
+            waitall(requests)
+        self.pulled = True
+
+    def done(self) -> dict:
+        """Tell every server this worker is done; what it reports for metrics.json."""
+        for server, _ in self.served:
+            self.comm.Send(self.model.flat_params[:0], server, DONE)
+        return {"held": self.held_bytes(), "wait_s": self.wait_s}
+
+    def held_bytes(self) -> dict:
+        m = self.model
+        return {"parameters": m.flat_params.nbytes, "gradients": m.flat_grads.nbytes, "optimizer": 0}
+
+    def parameters(self):
+        return self.model.flat_params
+
+    def load_parameters(self, whole) -> None:
+        self.model.flat_params[...] = whole
 
 
 @register
@@ -160,23 +205,19 @@ class ParameterServer(Paradigm):
 
     @classmethod
     def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:
-        workers = worker_count(world, config)
+        workers = world - config.servers
         return (rank if rank < workers else 0), workers  # a server's slice is never read
 
     def __init__(self, comm, config):
         super().__init__(comm, config)
-        self.workers = worker_count(self.world, config)
-        self.servers = config.servers
+        self.workers = self.world - config.servers
         self.role = "trainer" if self.rank < self.workers else "server"
         self.server_ranks = list(range(self.workers, self.world))
         # The protocol gets a communicator of its own: a server's "any source, any tag" sees nothing else.
         self.ps_comm = comm.Dup()
         self.workers_comm = comm.Split(0 if self.role == "trainer" else 1, self.rank)  # the global loss
+        self.side: Worker | Server | None = None  # this rank's side of the protocol (build makes it)
         self.gathered_params = self.gathered_optimizer = None
-        self.pulled = False
-        self.wait_s = 0.0  # a worker's time waiting for weights
-        self.epoch_steps = 0  # a worker's steps in this epoch
-        self.status = new_status(self.ps_comm)
         if self.rank == 0 and not config.quiet:
             print(self.describe_roles(), flush=True)
 
@@ -184,73 +225,31 @@ class ParameterServer(Paradigm):
         mode = self.name if self.config.staleness is None else f"{self.name}, staleness bound {self.config.staleness}"
         return f"{mode}: workers = {_ranks(range(self.workers))}, servers = {_ranks(self.server_ranks)}"
 
-    # --- the model: a full replica on a worker, one shard and its optimizer on a server ---------------------------
     def build(self, make_model, make_optimizer) -> None:
+        """A worker: the whole model. A server: its shard of it and that shard's optimizer."""
         model = make_model()  # the same initial weights everywhere (same seed); a server keeps its slice only
         flat = model.flat_params
-        self.bounds = shards(flat.size, self.servers)
-        xp = array_module(flat)
+        self.bounds = shards(flat.size, self.config.servers)
         if self.role == "trainer":
-            self.model = model  # and no optimizer: the servers have it
+            self.model = model
+            self.side = Worker(self.ps_comm, model, list(zip(self.server_ranks, self.bounds)))
             self.kind_of_optimizer = make_optimizer(Shard(flat[:0].copy(), flat[:0].copy()))  # its buffers; no state
-            return
-        start, stop = self.bounds[self.rank - self.workers]
-        self.shard = Shard(flat[start:stop].copy(), xp.zeros(stop - start, dtype=flat.dtype))
-        self.optimizer = make_optimizer(self.shard)
-        # ps-sync keeps each worker's push in a slot of its own and sums them in worker order: reproducible
-        self.slots = xp.empty((self.workers, stop - start), dtype=flat.dtype) if self.synchronous else None
-        del model
+        else:
+            self.side = Server(self.ps_comm, flat, self.bounds, self.rank - self.workers, make_optimizer,
+                               workers=self.workers, synchronous=self.synchronous,
+                               bound=self.config.staleness)  # fmt: skip
 
-    # --- a worker's step: forward and backward, then push the gradient and pull the new weights ----------------
+    # --- a worker: its step, its epoch ---------------------------------------------------------------------------
     def step(self, x, y) -> float:
+        """Forward and backward, then push the gradient and pull the new weights (the servers take the step)."""
         loss = self.gradients(x, y)
-        self.push_and_pull()
+        self.epoch_over = self.side.push_and_pull()
         return loss
-
-    def push_and_pull(self) -> None:
-        """Send each server its slice of the gradient and receive its slice of the new weights, all at once."""
-        params, grads = self.model.flat_params, self.model.flat_grads
-        if not self.pulled:
-            self.pull()
-        comm, served = self.ps_comm, self._served()
-        (coordinator, (a0, b0)), others = served[0], served[1:]  # the coordinator's reply says if the epoch is over
-        started = time.perf_counter()
-        with labelled(self.ps_comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
-            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
-            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in served]
-            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
-            self.epoch_over = self.status.Get_tag() == END
-            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
-            if self.epoch_over:  # the other servers stop waiting for this worker in this epoch
-                requests += [comm.Isend(params[:0], server, END) for server, _ in others]
-            waitall(requests)
-        self.wait_s += time.perf_counter() - started
-        self.epoch_steps += 1
-
-    def pull(self, label: str = "ps/pull") -> None:
-        """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
-        params = self.model.flat_params
-        with labelled(self.ps_comm, label, 0), watchdog.watching(self.ps_comm, "ps: pulling the weights"):
-            requests = [self.ps_comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self._served()]
-            requests += [self.ps_comm.Isend(params[:0], server, PULL) for server, _ in self._served()]
-            waitall(requests)
-        self.pulled = True
-
-    def evaluation_model(self):
-        """ps-async: the servers' weights, pulled after every worker has ended the epoch (the driver asks after the
-        epoch's global loss), so an epoch's accuracy is that of the model the servers hold: after the last epoch, the
-        final model of the digest and the checkpoint. (ps-sync: every worker already holds it.)"""
-        if not self.synchronous:
-            self.pull(EVALUATION)
-        return self.model
-
-    def _served(self) -> list:
-        return list(zip(self.server_ranks, self.bounds))
 
     def batches(self, loader, epoch: int):
         """ps-sync: this worker's slice of each global batch. ps-async: the same, cycled until the coordinator says
         the epoch's W x steps pushes are in, so a fast worker takes more steps and a slow one fewer."""
-        self.epoch_over, self.epoch_steps = False, 0
+        self.epoch_over, self.side.steps = False, 0
         if self.synchronous:
             yield from loader.epoch(epoch)
             return
@@ -259,39 +258,26 @@ class ParameterServer(Paradigm):
 
     def global_loss(self, local_mean: float) -> float:
         """The mean over every step the workers took this epoch (async: weighted by each worker's step count)."""
-        total, steps = self.workers_comm.allreduce(np.array([local_mean * self.epoch_steps, self.epoch_steps]))
+        steps = self.side.steps
+        total, steps = self.workers_comm.allreduce(np.array([local_mean * steps, steps]))
         return float(total / steps)
 
-    # --- a server's loop ---------------------------------------------------------------------------------------
+    def evaluation_model(self):
+        """ps-async: the servers' weights, pulled after every worker has ended the epoch (the driver asks after the
+        epoch's global loss), so an epoch's accuracy is that of the model the servers hold: after the last epoch, the
+        final model of the digest and the checkpoint. (ps-sync: every worker already holds it.)"""
+        if not self.synchronous:
+            self.side.pull(EVALUATION)
+        return self.model
+
+    # --- a server: its loop ------------------------------------------------------------------------------------
     def serve(self, steps_per_epoch: int) -> None:
-        """Answer the workers until every one has said DONE (:class:`ServerLoop`: one method per message)."""
-        if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
-            self.optimizer.lr = self.config.lr / self.workers
-        loop = ServerLoop(self.ps_comm, self.shard, self.optimizer, workers=self.workers,
-                          server=self.rank - self.workers, steps_per_epoch=steps_per_epoch,
-                          synchronous=self.synchronous, bound=self.config.staleness, slots=self.slots)  # fmt: skip
-        started = time.perf_counter()
-        loop.run()
-        self.serve_s = time.perf_counter() - started
-        self.version, self.staleness, self.idle_s = loop.version, loop.staleness, loop.idle_s
-        self.optimizer.lr = self.config.lr  # (what a checkpoint stores)
+        """Answer the workers until every one has said DONE."""
+        self.side.serve(steps_per_epoch, self.config.lr)
 
     # --- the end: every rank gets the final model --------------------------------------------------------------
     def finish(self) -> dict:
-        if self.role == "trainer":
-            for server in self.server_ranks:
-                self.ps_comm.Send(self.model.flat_params[:0], server, DONE)
-            mine = {"held": self.held_bytes(), "wait_s": self.wait_s}
-        else:
-            mine = {
-                "held": self.held_bytes(),
-                "params": to_host(self.shard.flat_params),
-                "optimizer": self.optimizer.state_dict(),
-                "staleness": dict(self.staleness),
-                "updates": self.version,
-                "busy_fraction": 1.0 - self.idle_s / self.serve_s if self.serve_s else 0.0,
-            }
-        everyone = self.comm.allgather(mine)
+        everyone = self.comm.allgather(self.side.done())
         servers = everyone[self.workers :]
         self.gathered_params = np.concatenate([s["params"] for s in servers])
         states = [s["optimizer"] for s in servers]
@@ -309,7 +295,7 @@ class ParameterServer(Paradigm):
             staleness.update({int(k): v for k, v in s["staleness"].items()})
         updates = sum(staleness.values())
         return {
-            "roles": ["worker"] * self.workers + ["server"] * self.servers,
+            "roles": ["worker"] * self.workers + ["server"] * self.config.servers,
             "shards": [list(b) for b in self.bounds],
             "staleness": {
                 "histogram": {str(k): staleness[k] for k in sorted(staleness)},
@@ -324,45 +310,29 @@ class ParameterServer(Paradigm):
 
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
-        if self.role == "trainer":
-            m = self.model
-            return {"parameters": m.flat_params.nbytes, "gradients": m.flat_grads.nbytes, "optimizer": 0}
-        state = self.optimizer.state_dict()
-        slots = self.slots.nbytes if self.slots is not None else 0
-        return {
-            "parameters": self.shard.flat_params.nbytes,
-            "gradients": self.shard.flat_grads.nbytes + slots,
-            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
-        }
+        return self.side.held_bytes()
 
     # --- the whole model ---------------------------------------------------------------------------------------
     def full_parameters(self):
         """The final model once training is over; before, a worker's copy (or a server's own shard)."""
         if self.gathered_params is not None:
             return self.gathered_params
-        return self.model.flat_params if self.role == "trainer" else self.shard.flat_params
+        return self.side.parameters()
 
     def load_full_parameters(self, flat) -> None:
-        if self.role == "trainer":
-            self.model.flat_params[...] = flat
-        else:
-            start, stop = self.bounds[self.rank - self.workers]
-            self.shard.flat_params[...] = flat[start:stop]
+        self.side.load_parameters(flat)
 
     def optimizer_state(self) -> dict:
         """A worker: the servers' state, gathered once training is over; before, an empty one of the right kind
         (which buffers exist), for checking a checkpoint against this run. A server: its shard's."""
         if self.role == "server":
-            return self.optimizer.state_dict()
+            return self.side.optimizer.state_dict()
         gathered = self.gathered_optimizer
         return gathered if gathered is not None else self.kind_of_optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict) -> None:
-        if self.role == "server":
-            start, stop = self.bounds[self.rank - self.workers]
-            self.optimizer.load_state_dict(
-                {k: v[start:stop] if isinstance(v, np.ndarray) else v for k, v in state.items()}
-            )
+        if self.role == "server":  # (a worker has none: the servers load their shards of it)
+            self.side.load_optimizer_state(state)
 
     # --- the cost as code --------------------------------------------------------------------------------------
     @classmethod
@@ -370,7 +340,7 @@ class ParameterServer(Paradigm):
         """Per rank (lists, workers first): bytes sent per step, and parameters, gradients and optimizer state held."""
         itemsize = np.dtype(config.dtype).itemsize
         n = parameter_count(sizes)
-        workers = worker_count(world, config)
+        workers = world - config.servers
         shard = [b - a for a, b in shards(n, config.servers)]
         per_element = buffers_per_parameter(config.optimizer, config.momentum)
         gradient_copies = workers + 1 if cls.synchronous else 1  # ps-sync: a slot per worker and their average
@@ -387,3 +357,8 @@ class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     summary = "parameter servers applying each worker's gradient as it comes (--staleness bounds how far ahead)"
     synchronous = False
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"

@@ -1,8 +1,11 @@
 """A parameter server's side of the protocol (:mod:`dtrain.parallel.parameter_server` has the picture).
 
-The server takes the next message from any worker (``Probe(ANY_SOURCE)``, then the receive the tag calls for) and
-answers it, until every worker has said DONE. :class:`ServerLoop` keeps the loop's state and has one method per
-message; the worker's side (push, pull, END, DONE) is in ``parameter_server.py``.
+A :class:`Server` owns a shard of the flat parameter buffer and that shard's optimizer. Its :class:`ServerLoop` takes
+the next message from any worker (``Probe(ANY_SOURCE)``, then the receive the tag calls for) and answers it, until
+every worker has said DONE, with one method per message. The policy shows in the PUSH handler: ps-sync keeps each
+push and steps once all W are in; ps-async steps on every push, and with a staleness bound K holds back the reply to
+a worker more than K steps ahead of the slowest (stale-synchronous). The worker's side is in
+``parameter_server.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import collections
 import time
 
-from dtrain.backend import array_module
+import numpy as np
+
+from dtrain.backend import array_module, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.trace import EVALUATION, labelled
@@ -21,6 +26,74 @@ COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells
 
 class ProtocolError(RuntimeError):
     """A message the protocol has no place for (a bug, reported instead of a hang)."""
+
+
+class Shard:
+    """The slice of the model a server owns: parameters and gradient, as an optimizer expects a model's."""
+
+    def __init__(self, params, grads):
+        self.flat_params, self.flat_grads = params, grads
+
+
+class Server:
+    """A server's side: shard ``index`` of the whole flat buffer (``bounds[index]``), its optimizer, and its loop."""
+
+    def __init__(self, comm, whole, bounds, index: int, make_optimizer, *, workers: int, synchronous: bool,
+                 bound: int | None):  # fmt: skip
+        """``whole``: the initial flat parameters (every rank builds the same from the seed); this server keeps its
+        slice of them."""
+        xp = array_module(whole)
+        self.comm, self.index, self.workers = comm, index, workers
+        self.synchronous, self.bound = synchronous, bound
+        self.start, self.stop = bounds[index]
+        self.shard = Shard(whole[self.start : self.stop].copy(), xp.zeros(self.stop - self.start, dtype=whole.dtype))
+        self.optimizer = make_optimizer(self.shard)
+        # ps-sync keeps each worker's push in a slot of its own and sums them in worker order: reproducible
+        self.slots = xp.empty((workers, self.stop - self.start), dtype=whole.dtype) if synchronous else None
+        self.loop, self.serve_s = None, 0.0
+
+    def serve(self, steps_per_epoch: int, lr: float) -> None:
+        """Answer the workers until every one has said DONE; ``lr``: the run's learning rate."""
+        if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
+            self.optimizer.lr = lr / self.workers
+        self.loop = ServerLoop(self.comm, self.shard, self.optimizer, workers=self.workers, server=self.index,
+                               steps_per_epoch=steps_per_epoch, synchronous=self.synchronous, bound=self.bound,
+                               slots=self.slots)  # fmt: skip
+        started = time.perf_counter()
+        self.loop.run()
+        self.serve_s = time.perf_counter() - started
+        self.optimizer.lr = lr  # (what a checkpoint stores)
+
+    def done(self) -> dict:
+        """What this server reports at the end: its shard and optimizer state (to be gathered), and its figures."""
+        loop = self.loop
+        return {
+            "held": self.held_bytes(),
+            "params": to_host(self.shard.flat_params),
+            "optimizer": self.optimizer.state_dict(),
+            "staleness": dict(loop.staleness) if loop else {},
+            "updates": loop.version if loop else 0,
+            "busy_fraction": 1.0 - loop.idle_s / self.serve_s if loop and self.serve_s else 0.0,
+        }
+
+    def held_bytes(self) -> dict:
+        state = self.optimizer.state_dict()
+        slots = self.slots.nbytes if self.slots is not None else 0
+        return {
+            "parameters": self.shard.flat_params.nbytes,
+            "gradients": self.shard.flat_grads.nbytes + slots,
+            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+        }
+
+    def parameters(self):
+        return self.shard.flat_params
+
+    def load_parameters(self, whole) -> None:
+        self.shard.flat_params[...] = whole[self.start : self.stop]
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict({k: v[self.start : self.stop] if isinstance(v, np.ndarray) else v
+                                        for k, v in state.items()})  # fmt: skip
 
 
 class ServerLoop:
