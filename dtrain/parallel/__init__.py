@@ -43,11 +43,11 @@ replicated paradigm shares, with three places to act::
 A paradigm whose step is another (a parameter-server worker: push the gradient, pull the weights) overrides
 :meth:`Paradigm.step`, reusing :meth:`Paradigm.gradients` for the forward and backward.
 
-The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded
-data parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py; the
-server's loop in ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip``
-(gossip.py), ``tp`` (tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with its
-schedules in schedules.py: GPipe, 1F1B, interleaved, and its cut in stages.py); these two share model_parallel.py
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded data
+parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol and
+its worker; ps_server.py: its server), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py),
+``gossip`` (gossip.py), ``tp`` (tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with
+its schedules in schedules.py: GPipe, 1F1B, interleaved, and its cut in stages.py); these two share model_parallel.py
 (a local model made of pieces of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py).
 
 Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
