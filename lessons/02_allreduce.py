@@ -39,7 +39,7 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import everywhere
+from lesson_util import everywhere, parse_and_start
 
 from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
 from dtrain.comm import mpi
@@ -58,13 +58,10 @@ parser.add_argument(
 parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
 parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of one all-reduce per algorithm")
 parser.add_argument("--seed", type=int, default=0)
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, comm, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.SUM, MPI.MAX (MPI has started by now)
 
-comm = MPI.COMM_WORLD
-p, rank = comm.Get_size(), comm.Get_rank()
 K = args.ranks_per_node
 algorithms = args.algorithms.split(",")
 unknown = [a for a in algorithms if a not in ALGORITHMS]

@@ -33,12 +33,11 @@ Things to try:
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 
 import numpy as np
-from lesson_util import everywhere, say, sleeping_barrier
+from lesson_util import conclude, everywhere, parse_and_start, say, sleeping_barrier
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -61,13 +60,10 @@ parser.add_argument("--steps", type=int, default=20, help="timed steps per measu
 parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size, MiB (default: one bucket per layer)")
 parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of section 4's step")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.UNDEFINED, MPI.MAX (MPI has started by now)
 
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
 if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 4 or args.bucket_mb < 0:
     mpi.refuse_arguments(
         f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
@@ -407,12 +403,4 @@ if rank == 0:
         " per rank."
     )
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-passed = gradient_ok and training_ok and bytes_ok
-mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
-if not passed:
-    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
+conclude(args.json, results, gradient_ok and training_ok and bytes_ok, world)

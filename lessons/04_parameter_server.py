@@ -45,7 +45,7 @@ import shutil
 import tempfile
 
 import numpy as np
-from lesson_util import say, sleeping_barrier
+from lesson_util import conclude, parse_and_start, say, sleeping_barrier
 
 from dtrain import checkpoint
 from dtrain.comm import mpi, usable_cores
@@ -58,13 +58,8 @@ parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's
 parser.add_argument("--batch-size", type=int, default=60, help="global batch on digits (default %(default)s)")
 parser.add_argument("--quick", action="store_true", help="one epoch per straggler run instead of two (section 4)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
-
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 B = args.batch_size
 SERVERS = [1, 2] if p >= 4 else [1]  # two servers need two workers besides: 4 ranks or more
 if p < 3:
@@ -467,12 +462,4 @@ mpi.print0(f"   OK: central storage is one process's training, its bytes and its
            f"{'yes' if storage_ok else 'NO'}")  # fmt: skip
 storage_ok = everywhere(storage_ok)
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-passed = protocol_ok and convergence_ok and staleness_ok and link_ok and storage_ok
-mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
-if not passed:
-    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
+conclude(args.json, results, protocol_ok and convergence_ok and staleness_ok and link_ok and storage_ok, world)

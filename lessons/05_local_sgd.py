@@ -31,12 +31,11 @@ Things to try:
 """
 
 import argparse
-import json
 import math
 import statistics
 
 import numpy as np
-from lesson_util import everywhere, say
+from lesson_util import Checks, conclude, everywhere, parse_and_start, say, whole_numbers
 
 from dtrain import parallel
 from dtrain.backend import weights_digest
@@ -62,19 +61,13 @@ parser.add_argument(
 )
 parser.add_argument("--seeds", type=int, default=5, help="seeds averaged over in section 4 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.IN_PLACE, MPI.SUM, MPI.MAX (MPI has started by now)
 
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
 digits = {dtype: load_dataset("digits", dtype=np.dtype(dtype)) for dtype in ("float32", "float64")}
 train_samples = len(digits["float32"].y_train)
-try:
-    HS = sorted({int(h) for h in args.sync_every.split(",")})
-except ValueError:
-    HS = []
+HS = sorted(set(whole_numbers(args.sync_every)))
 STEPS = args.epochs * steps_per_epoch(train_samples, args.batch_size) if 0 < args.batch_size <= train_samples else 0
 problems = [
     (p < 2, f"local SGD averages replicas: launch 2 ranks or more (dtrain launch -n 4 ...), not {p}"),
@@ -95,10 +88,7 @@ PER_EPOCH = steps_per_epoch(train_samples, B)
 results = {"world": p, "sizes": SIZES, "n_bytes": N, "steps": STEPS, "steps_per_epoch": PER_EPOCH, "sync_every": HS}
 
 
-def ok(claim: str, flag: bool) -> bool:
-    flag = everywhere(flag, world)
-    mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
-    return flag
+checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
 
 
 def config(**overrides) -> TrainConfig:
@@ -202,11 +192,11 @@ for paradigm in ("ddp", "local-sgd"):
 adam_difference = relative(adam["local-sgd"], adam["ddp"])
 mpi.print0(f"   Adam, H = 1: weights off ddp's by {adam_difference:.1e} (relative): not rounding, another algorithm")
 results["equality"] = {**equality, "steps": STEPS_1, "adam": adam_difference}
-equality_ok = ok(
+checks.ok(
     "with SGD (momentum, weight decay) H = 1 equals ddp to < 1e-12, and so does the mean of the local momentum buffers",
     all(r["weights"] < 1e-12 and r["mean_velocity"] < 1e-12 and r["own_velocity"] > 1e-6 for r in equality.values()),
 )
-equality_ok &= ok("with Adam H = 1 is not ddp (difference > 1e-6, far above rounding)", adam_difference > 1e-6)
+checks.ok("with Adam H = 1 is not ddp (difference > 1e-6, far above rounding)", adam_difference > 1e-6)
 
 # ----------------------------------------------------------------------------------------------------- 2. bytes
 # ddp all-reduces n bytes of gradients every step; local SGD all-reduces n bytes of weights every H steps, plus one
@@ -292,9 +282,9 @@ say(
     f" p/2 = {p / 2:g} times more; the busiest link decides how long an average takes."
 )
 master_ok = master == [averages * (p - 1) * N] + [averages * N] * (p - 1)
-bytes_ok = ok("traced bytes per rank equal LocalSGD.costs() (and DataParallel.costs() for ddp) in every run", bytes_ok)
-bytes_ok &= ok("ddp / local SGD = steps / ceil(steps / H): H when H divides the steps", ratio_ok)
-bytes_ok &= ok("through rank 0: (p-1) n per average from rank 0, n from every other rank", master_ok)
+checks.ok("traced bytes per rank equal LocalSGD.costs() (and DataParallel.costs() for ddp) in every run", bytes_ok)
+checks.ok("ddp / local SGD = steps / ceil(steps / H): H when H divides the steps", ratio_ok)
+checks.ok("through rank 0: (p-1) n per average from rank 0, n from every other rank", master_ok)
 
 # ----------------------------------------------------------------------------------------------------- 3. drift
 # Between averages every rank follows its own data, so the replicas drift apart; an average puts them back on one
@@ -351,7 +341,7 @@ if rank == 0:
         " step count): metrics.json's consensus_distance is a sample of the sawtooth, not its height."
     )
 results["drift"] = {str(h): v for h, v in drift.items()}
-drift_ok = ok(
+checks.ok(
     "exactly 0 after every average (always for H = 1), > 0 between; the driver's figures at the epochs' ends agree"
     " and its final weights are these",
     drift_ok,
@@ -403,12 +393,4 @@ if rank == 0:
     results["accuracy"] = accuracy
     results["h8_difference_points"] = accuracy["H=8"]["difference"] if 8 in HS else None
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-passed = equality_ok and bytes_ok and drift_ok
-mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
-if not passed:
-    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
+conclude(args.json, results, checks.passed, world)

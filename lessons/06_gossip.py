@@ -32,13 +32,12 @@ Things to try:
 """
 
 import argparse
-import json
 import math
 import statistics
 from fractions import Fraction
 
 import numpy as np
-from lesson_util import everywhere, say
+from lesson_util import Checks, conclude, parse_and_start, say
 
 from dtrain.autograd import Tensor, no_grad
 from dtrain.backend import weights_digest
@@ -58,13 +57,10 @@ parser.add_argument("--epochs", type=int, default=8, help="epochs of the trainin
 parser.add_argument("--batch-size", type=int, default=96, help="global batch on digits (default %(default)s)")
 parser.add_argument("--rounds", type=int, default=12, help="gossip rounds of section 3 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.IN_PLACE, MPI.SUM (MPI has started by now)
 
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
 digits = load_dataset("digits")
 train_samples = len(digits.y_train)
 problems = [
@@ -95,10 +91,7 @@ TOPOLOGIES = ["ring", "exponential", *(["torus"] if valid("torus", p) else []), 
 results = {"world": p, "sizes": SIZES, "n_bytes": N, "steps": STEPS, "topologies": TOPOLOGIES}
 
 
-def ok(claim: str, flag: bool) -> bool:
-    flag = everywhere(flag, world)  # true on every rank
-    mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
-    return flag
+checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
 
 
 def second_modulus(w: np.ndarray) -> float:
@@ -148,7 +141,7 @@ say(
     + (f". On {p} ranks the exponential graph links every rank to every other: W is the all-{Fraction(1, p)} matrix,"
        " and one round is the exact average." if degrees["exponential"] == p - 1 else ".")
 )  # fmt: skip
-matrix_ok = ok("every W is symmetric, non-negative, doubly stochastic, and non-zero exactly on the edges", matrix_ok)
+checks.ok("every W is symmetric, non-negative, doubly stochastic, and non-zero exactly on the edges", matrix_ok)
 
 # --------------------------------------------------------------------------------------------- 2. spectral gap
 # W's largest eigenvalue is 1 (the all-ones vector: the average). Whatever is not the average lies in the span of
@@ -193,7 +186,7 @@ say(
     f" ({gaps[64]['exponential']:.2f} on 64 ranks)."
 )
 results["spectral_gap"] = {str(k): v for k, v in gaps.items()}
-gap_ok = ok(
+checks.ok(
     "the ring's gap equals 1 - (1 + 2 cos(2 pi/p))/3, ring and exponential equal their circulant eigenvalues,"
     " exponential >= ring",
     gap_ok,
@@ -257,7 +250,7 @@ if rank == 0:
         " round (a pair that just averaged has nothing left to exchange)."
     )
 results["rounds"] = rounds
-round_ok = ok(
+checks.ok(
     "every round keeps the average (to 1e-14), equals W x, and shrinks the spread by |lambda_2| or more;"
     " t rounds by |lambda_2|^t",
     round_ok,
@@ -343,7 +336,7 @@ if rank == 0:
         " none); its accuracy, computed here from the final weights, is the driver's."
     )
 results["training"] = training
-training_ok = ok(
+checks.ok(
     "the driver's distances at the epochs' ends are the ones measured here, its final weights these,"
     " its accuracy the final model's",
     training_ok,
@@ -400,15 +393,7 @@ say(
     " one exact average at the end."
 )
 results["bytes"] = sent
-bytes_ok = ok("bytes and messages per rank: degree x n and degree per step, as the tracer counted and costs() says;"
-              " the final all-reduce is one average", bytes_ok)  # fmt: skip
+checks.ok("bytes and messages per rank: degree x n and degree per step, as the tracer counted and costs() says;"
+          " the final all-reduce is one average", bytes_ok)  # fmt: skip
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-passed = matrix_ok and gap_ok and round_ok and training_ok and bytes_ok
-mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
-if not passed:
-    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
+conclude(args.json, results, checks.passed, world)

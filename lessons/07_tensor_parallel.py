@@ -36,12 +36,20 @@ Things to try:
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, against_single, say, sleeping_barrier
+from lesson_util import (
+    Checks,
+    against_single,
+    conclude,
+    parse_and_start,
+    say,
+    single_reference,
+    sleeping_barrier,
+    whole_numbers,
+)
 
 from dtrain.autograd import Tensor
 from dtrain.comm import mpi, usable_cores
@@ -60,17 +68,11 @@ parser.add_argument("--hidden", default="2048,2048", help="the wide model's hidd
 parser.add_argument("--big-batch", type=int, default=256, help="global batch of the wide model (default %(default)s)")
 parser.add_argument("--steps", type=int, default=6, help="timed steps per contender in section 5 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
-try:
-    HIDDEN = tuple(int(h) for h in args.hidden.split(","))
-except ValueError:
-    HIDDEN = ()
+HIDDEN = whole_numbers(args.hidden)
 if (args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not HIDDEN
         or min(HIDDEN) < 1 or any(h % p for h in HIDDEN)):  # fmt: skip
     mpi.refuse_arguments(
@@ -209,9 +211,7 @@ results["memory"] = {"rows": rows, "held": held}
 mpi.print0(f"\n4. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
               timeout=0, progress=False, quiet=True)  # fmt: skip
-alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, rank)
-single = train(TrainConfig(paradigm="single", **common), alone) if rank == 0 else None
-sleeping_barrier(world)
+single, alone = single_reference(TrainConfig(paradigm="single", **common), world)
 runs = {f"dp {dp} x tp {t}": train(TrainConfig(paradigm="tp", dp=dp, tp=t, **common), world) for dp, t in factorings}
 training_ok = bytes_ok = True
 if rank == 0:
@@ -276,8 +276,4 @@ if rank == 0:
     )
     results["timing"] = {"tp1_ms": 1e3 * base, f"tp{p}_ms": ms, "comm_share": share}
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-checks.finish()
+conclude(args.json, results, checks.passed, world)

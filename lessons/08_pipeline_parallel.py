@@ -31,10 +31,9 @@ Things to try:
 """
 
 import argparse
-import json
 
 import numpy as np
-from lesson_util import Checks, against_single, say, sleeping_barrier
+from lesson_util import Checks, against_single, conclude, parse_and_start, say, single_reference
 
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
@@ -52,13 +51,8 @@ parser.add_argument("--sleep-ms", type=float, default=5.0, help="section 3: a la
                     "backward twice as long (default %(default)s)")  # fmt: skip
 parser.add_argument("--max-microbatches", type=int, default=8, help="section 3's largest M (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
-
-world = MPI.COMM_WORLD
-P, rank = world.Get_size(), world.Get_rank()
+args, world, P, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 if args.batch_size % (4 * P) or args.epochs < 1 or args.sleep_ms < 0 or args.max_microbatches < 1:
     mpi.refuse_arguments(
         f"bad arguments: --batch-size {args.batch_size} must be divisible by 4 x the {P} ranks (4 micro-batches per "
@@ -198,9 +192,7 @@ mpi.print0(f"\n5. Training {'-'.join(map(str, DEEP))} on digits, float64, global
            f"{args.epochs} epochs")  # fmt: skip
 common = dict(epochs=args.epochs, hidden=tuple(DEEP[1:-1]), batch_size=args.batch_size, dtype="float64", timeout=0,
               progress=False, quiet=True)  # fmt: skip
-alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, rank)
-single = train(TrainConfig(paradigm="single", **common), alone) if rank == 0 else None
-sleeping_barrier(world)
+single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
 configs = {f"pp {P} {s}": dict(pp=P, schedule=s) for s in ("gpipe", "1f1b")}
 if P > 1 and 4 % P == 0:  # (interleaving: the 4 micro-batches must be a multiple of the stages)
     configs[f"pp {P} interleaved"] = dict(pp=P, schedule="interleaved")
@@ -221,8 +213,4 @@ if rank == 0:
 checks.ok("every schedule and grid follows single's loss curve", training_ok)
 checks.ok("every rank's bytes per step equal Pipeline.costs()", bytes_ok)
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-checks.finish()
+conclude(args.json, results, checks.passed, world)

@@ -36,12 +36,11 @@ Things to try:
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 
 import numpy as np
-from lesson_util import everywhere, say, sleeping_barrier
+from lesson_util import conclude, everywhere, parse_and_start, say, single_reference, whole_numbers
 
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
@@ -62,17 +61,11 @@ parser.add_argument("--hidden", default="1024,1024", help="the big model's hidde
 parser.add_argument("--big-batch", type=int, default=192, help="global batch of the big model (default %(default)s)")
 parser.add_argument("--steps", type=int, default=8, help="timed steps per contender in section 4 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-args = parser.parse_args()
 
-mpi.install_excepthook()  # a failure ends every rank, said once (also under a plain mpiexec, not only dtrain launch)
-from mpi4py import MPI  # after argparse, so --help works without starting MPI
+args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
-world = MPI.COMM_WORLD
-p, rank = world.Get_size(), world.Get_rank()
-try:
-    HIDDEN = tuple(int(h) for h in args.hidden.split(","))
-except ValueError:
-    HIDDEN = ()
+HIDDEN = whole_numbers(args.hidden)
 if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not HIDDEN or min(HIDDEN) < 1:
     mpi.refuse_arguments(
         f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
@@ -199,9 +192,7 @@ mpi.print0(f"   OK: every layer is freed after use; the peak is chunks + largest
 mpi.print0(f"\n3. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
               timeout=0, progress=False, quiet=True)  # fmt: skip
-alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, rank)
-single = train(TrainConfig(paradigm="single", **common), alone) if rank == 0 else None
-sleeping_barrier(world)
+single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
 configs = {"ddp": TrainConfig(paradigm="ddp", allreduce="ring", bucket_mb=0, **common)}
 configs.update({f"zero {s}": TrainConfig(paradigm="zero", zero_stage=s, allreduce="ring", **common) for s in STAGES})
 runs = {label: train(cfg, world) for label, cfg in configs.items()}  # rank 0's has every rank's figures
@@ -366,12 +357,4 @@ if rank == 0:
     results["timing"] = timing
     results["largest_model_billions"] = largest_model
 
-if args.json and rank == 0:
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nmeasurements written to {args.json}")
-passed = linear_ok and peak_ok and training_ok and held_ok and bytes_ok
-mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
-if not passed:
-    world.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-    raise SystemExit(1)  # on every rank (the checks' results are the same everywhere), so mpiexec's status says so
+conclude(args.json, results, linear_ok and peak_ok and training_ok and held_ok and bytes_ok, world)

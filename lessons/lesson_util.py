@@ -1,20 +1,52 @@
-"""What the lessons on MPI ranks do the same way: explain, check a claim on every rank, and wait without spinning.
+"""What the lessons on MPI ranks do the same way: start, explain, check a claim on every rank, wait without spinning,
+and end.
 
-A lesson prints on rank 0, but it checks its claims on every rank, so that every rank agrees on the verdict and the
-exit status (a rank that exits non-zero alone aborts the whole job; all of them alike just exit, see dtrain.comm.run)::
+A lesson parses its own arguments before any rank talks to another, prints on rank 0, but checks its claims on every
+rank, so that every rank agrees on the verdict and the exit status (a rank that exits non-zero alone aborts the whole
+job; all of them alike just exit, see dtrain.comm.run)::
 
+    parser = argparse.ArgumentParser(description="Lesson N: ...")
+    parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+    args, world, p, rank = parse_and_start(parser)                          # parses, then the world
     checks = Checks(world)
     checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)
     ...
-    checks.finish()                                                          # "all checks passed: yes", or exit 1
+    conclude(args.json, results, checks.passed, world)   # --json, then "all checks passed: yes", or exit 1
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import textwrap
 import time
+from typing import TYPE_CHECKING
 
 from dtrain.comm import mpi
+
+if TYPE_CHECKING:
+    from dtrain.train import TrainConfig
+
+
+def parse_and_start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, object, int, int]:
+    """Parse the lesson's arguments, then set up how a failure ends the job; returns ``(args, world, p, rank)``: the
+    parsed arguments, MPI.COMM_WORLD, its size and this rank. Arguments come first, so ``--help`` and a refused
+    argument happen before any rank talks to another (each rank parses the same command line alike)."""
+    args = parser.parse_args()
+    mpi.install_excepthook()  # a failure ends every rank, said once (under a plain mpiexec too, not only dtrain launch)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return args, world, world.Get_size(), world.Get_rank()
+
+
+def whole_numbers(text: str) -> tuple[int, ...]:
+    """The comma-separated whole numbers of an argument such as ``--hidden 2048,2048``; () if it is not such a list
+    (the lesson then refuses the argument)."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        return ()
 
 
 def say(text: str) -> None:
@@ -46,11 +78,33 @@ class Checks:
         mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
         return flag
 
-    def finish(self) -> None:
-        mpi.print0(f"\nall checks passed: {'yes' if self.passed else 'NO'}")
-        if not self.passed:
-            self.comm.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
-            raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
+
+def single_reference(config: TrainConfig, world) -> tuple[dict | None, object]:
+    """The run every parallel run is compared against: ``train(config)`` (a "single" config) on rank 0 alone, while
+    the other ranks sleep. Returns its metrics on rank 0 (None on the others) and rank 0's own communicator
+    (COMM_NULL on the others), for more work on rank 0 alone."""
+    from mpi4py import MPI
+
+    from dtrain.train import train  # here, not on top: lesson 2 does not train
+
+    rank = world.Get_rank()
+    alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, rank)
+    single = train(config, alone) if rank == 0 else None
+    sleeping_barrier(world)
+    return single, alone
+
+
+def conclude(json_path: str | None, results: dict, passed: bool, comm) -> None:
+    """The lesson's last lines: write its measurements ``results`` to ``json_path`` (--json; rank 0 writes), then
+    say whether all its checks passed, and exit 1 on every rank if not (``passed`` must be the same on every rank)."""
+    if json_path and comm.Get_rank() == 0:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nmeasurements written to {json_path}")
+    mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
+    if not passed:
+        comm.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
+        raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
 
 
 def against_single(single: dict, runs: dict, steps: int, prefixes: tuple, epochs: int) -> tuple[dict, bool, bool]:
