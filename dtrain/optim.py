@@ -151,10 +151,16 @@ class Adam(Optimizer):
 OPTIMIZERS = {"sgd": SGD, "adam": Adam}
 
 
+def buffer_names(name: str, momentum: float) -> list[str]:
+    """The flat buffers as large as the parameters that the optimizer keeps, by the names its ``state_dict`` gives
+    them, sorted: SGD's velocity (with momentum), Adam's two moments. A resume checks a checkpoint against them."""
+    return {"sgd": ["velocity"] if momentum else [], "adam": ["m", "v"]}[name]
+
+
 def buffers_per_parameter(name: str, momentum: float) -> int:
-    """How many flat buffers as large as the parameters the optimizer keeps: SGD's velocity (with momentum), Adam's
-    two moments. The cost functions count optimizer state with it."""
-    return {"sgd": 1 if momentum else 0, "adam": 2}[name]
+    """How many flat buffers as large as the parameters the optimizer keeps (the cost functions count optimizer
+    state with it)."""
+    return len(buffer_names(name, momentum))
 
 
 def make_optimizer(name: str, model, lr: float, momentum: float = 0.9, weight_decay: float = 0.0) -> Optimizer:

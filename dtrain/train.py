@@ -32,7 +32,7 @@ from dtrain.comm.trace import NOT_TRAINING, gather_events, write_chrome_trace
 from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
-from dtrain.optim import OPTIMIZERS, make_optimizer
+from dtrain.optim import OPTIMIZERS, buffer_names, make_optimizer
 
 DEFAULT_BATCH = 64  # the global batch when --batch-size is not given (see default_batch)
 
@@ -208,10 +208,7 @@ def train(config: TrainConfig, comm=None) -> dict:
         lambda model: make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay),
     )
     position = resume(paradigm, comm, config, sizes) if config.resume else Position()
-    if paradigm.role == "server":  # no batches: serve the trainers until they are done
-        paradigm.serve(len(loader))
-    else:
-        run_epochs(paradigm, loader, data, config, sizes, position, xp)
+    paradigm.run(Epochs(paradigm, loader, data, config, sizes, position, xp))  # (a server: a loop of its own)
     epochs = position.epochs
     own_figures = paradigm.finish()
     if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
@@ -253,7 +250,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             write_chrome_trace(config.trace, events)
     if config.out and rank == 0:
         report.write_metrics(config.out, metrics)
-    paradigm.close()
+    comm.free_made()  # the paradigm's sub-communicators (after the final checkpoint, which may gather over them)
     return metrics
 
 
@@ -270,47 +267,71 @@ def default_batch(kind, config: TrainConfig, world: int) -> int:
     return DEFAULT_BATCH
 
 
-def run_epochs(paradigm, loader, data, config, sizes, position, xp) -> None:
-    """The epoch loop of a trainer: steps, the global loss, evaluation, checkpoints; ``position`` is kept current."""
-    show = config.progress and not config.quiet and paradigm.rank == 0
-    for epoch in range(position.epoch, config.epochs + 1):
-        position.epoch = epoch
-        epoch_start = time.perf_counter() - position.train_time_s
-        losses = []  # this rank's loss of each step it runs of this epoch
-        # the paradigm's batches for this epoch (usually the loader's); resuming: skip the steps already done
-        batches = itertools.islice(paradigm.batches(loader, epoch), position.done, None)
-        for x, y in _progress(batches, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
-            losses.append(paradigm.step(x, y))
-            if not math.isfinite(losses[-1]):
-                raise TrainingDiverged(
-                    f"the loss became {losses[-1]} at epoch {epoch}, step {position.done + len(losses)}: training "
-                    f"diverged; lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
-                )
-            position.step += 1
-            if config.checkpoint_every and position.step % config.checkpoint_every == 0:
-                position.train_time_s = time.perf_counter() - epoch_start
-                save_checkpoint(paradigm, config, sizes, position, losses)
-            if paradigm.epoch_over:  # the paradigm ends the epoch (asynchronous workers share its steps)
-                break
-        train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
-        train_time = time.perf_counter() - epoch_start
-        position.epochs.append(
-            {
-                "epoch": epoch,
-                "train_loss": train_loss,  # the global batch's, averaged over steps
-                **dict(zip(("test_loss", "test_accuracy"), evaluate(paradigm.evaluation_model(), data, xp))),
-                "samples_per_s": len(loader) * config.batch_size / train_time,  # an epoch: every sample once
-                "train_time_s": train_time,
-            }
-        )
-        position.epoch, position.done, position.done_loss, position.train_time_s = epoch + 1, 0, 0.0, 0.0
-        if paradigm.rank == 0 and not config.quiet:
-            e = position.epochs[-1]
-            print(
-                f"epoch {epoch:3d}/{config.epochs}  loss {e['train_loss']:.4f}  test loss {e['test_loss']:.4f}  "
-                f"test acc {100 * e['test_accuracy']:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
-                flush=True,
+class Epochs:
+    """The driver's loop over epochs on a rank that trains on batches: each epoch's steps, the global loss, evaluation,
+    checkpoints, with ``position`` kept current. A paradigm's :meth:`~dtrain.parallel.Paradigm.run` calls
+    :meth:`run`; a rank with a loop of its own reads :attr:`steps_per_epoch` instead."""
+
+    def __init__(self, paradigm, loader, data, config, sizes, position, xp):
+        self.paradigm, self.loader, self.data, self.config = paradigm, loader, data, config
+        self.sizes, self.position, self.xp = sizes, position, xp
+        self.steps_per_epoch = len(loader)
+
+    def run(self) -> None:
+        paradigm, loader, config, position = self.paradigm, self.loader, self.config, self.position
+        show = config.progress and not config.quiet and paradigm.rank == 0
+        for epoch in range(position.epoch, config.epochs + 1):
+            position.epoch = epoch
+            epoch_start = time.perf_counter() - position.train_time_s
+            losses = []  # this rank's loss of each step it runs of this epoch
+            # resuming: the steps already done are skipped
+            steps = paradigm.epoch(EpochBatches(loader, epoch, position.done))
+            for loss in _progress(steps, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"the loss became {loss} at epoch {epoch}, step {position.done + len(losses)}: training "
+                        f"diverged; lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
+                    )
+                position.step += 1
+                if config.checkpoint_every and position.step % config.checkpoint_every == 0:
+                    position.train_time_s = time.perf_counter() - epoch_start
+                    save_checkpoint(paradigm, config, self.sizes, position, losses)
+            train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
+            train_time = time.perf_counter() - epoch_start
+            test_loss, test_accuracy = evaluate(paradigm.evaluation_model(), self.data, self.xp)
+            position.epochs.append(
+                {
+                    "epoch": epoch,
+                    "train_loss": train_loss,  # the global batch's, averaged over steps
+                    "test_loss": test_loss,
+                    "test_accuracy": test_accuracy,
+                    "samples_per_s": len(loader) * config.batch_size / train_time,  # an epoch: every sample once
+                    "train_time_s": train_time,
+                }
             )
+            position.epoch, position.done, position.done_loss, position.train_time_s = epoch + 1, 0, 0.0, 0.0
+            if paradigm.rank == 0 and not config.quiet:
+                e = position.epochs[-1]
+                print(
+                    f"epoch {epoch:3d}/{config.epochs}  loss {e['train_loss']:.4f}  test loss {e['test_loss']:.4f}  "
+                    f"test acc {100 * e['test_accuracy']:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
+                    flush=True,
+                )
+
+
+class EpochBatches:
+    """This rank's slices of one epoch's global batches, from the ``skip``-th on; iterating again starts again (an
+    asynchronous worker goes round its slices until its paradigm says the epoch is over)."""
+
+    def __init__(self, loader, epoch: int, skip: int = 0):
+        self.loader, self.epoch, self.skip = loader, epoch, skip
+
+    def __iter__(self):
+        return itertools.islice(self.loader.epoch(self.epoch), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.skip
 
 
 def epoch_loss(paradigm, position, losses) -> float:
@@ -386,7 +407,7 @@ def resume(paradigm, comm, config, sizes) -> Position:
         try:
             state = checkpoint.load(config.checkpoint_dir)
             expected = {"sizes": list(sizes), "dtype": config.dtype, "optimizer": config.optimizer,
-                        "optimizer_buffers": paradigm.optimizer_buffers()}  # fmt: skip
+                        "optimizer_buffers": buffer_names(config.optimizer, config.momentum)}  # fmt: skip
             path = checkpoint.path_in(config.checkpoint_dir)
             checkpoint.check_compatible(state["meta"], expected, path)
             checkpoint.check_position(state["meta"], config, path)
@@ -396,8 +417,8 @@ def resume(paradigm, comm, config, sizes) -> Position:
     if error is not None:
         raise checkpoint.CheckpointError(error)
     meta = state["meta"]
-    paradigm.load_full_parameters(backend.to_device(state["params"], backend.get_xp(config.device)))
-    paradigm.load_optimizer_state({**state["optimizer"], "lr": config.lr})
+    flat = backend.to_device(state["params"], backend.get_xp(config.device))
+    paradigm.load(flat, {**state["optimizer"], "lr": config.lr})
     if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
         print(
             f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "

@@ -216,7 +216,7 @@ for topology in TOPOLOGIES:
     before = np.array(world.allgather(g.model.flat_params.copy()))
     history = [spread(before)]
     for t in range(args.rounds):
-        g.steps = t  # the step number (random pairings change with it; mix() is what after_step calls)
+        g.steps = t  # the step number (random pairings change with it; Gossip.step calls mix() after the update)
         x = np.array(world.allgather(g.model.flat_params.copy()))
         g.mix()
         after = np.array(world.allgather(g.model.flat_params.copy()))

@@ -30,7 +30,7 @@ the same weights after one step, then times them *interleaved*: each round runs 
 every contender (in an order that rotates from round to round), timed from a barrier to the slowest rank's end.
 The table shows the median time over all rounds of all jobs; the ratios (samples/s against ``torch`` and
 ``floor``) are medians over rounds of each round's ratio, so that a slow minute on a shared machine cancels out.
-``wait ms`` is the time per step ``after_backward`` waits for the all-reduces (the exposed communication, including
+``wait ms`` is the time per step ``average_gradients`` waits for the all-reduces (the exposed communication, including
 waiting for slower ranks) and ``in bwd ms`` the time buckets were in flight while backward was still computing
 (DataParallel's own accounting, mean over ranks).
 

@@ -53,17 +53,24 @@ def run(comm, cfg, data, model=None):
     paradigm.build(
         model or make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum, cfg.weight_decay)
     )
-    if paradigm.role == "server":
-        paradigm.serve(len(data))
-    else:
-        index, count = paradigm.data_shard()
-        local = BATCH // count
-        for x, y in data:
-            paradigm.step(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local])
-            if paradigm.epoch_over:
-                break
+    index, count = paradigm.data_shard()
+    local = BATCH // count
+    mine = [(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local]) for x, y in data]
+    paradigm.run(OneEpoch(paradigm, mine))
     figures = paradigm.finish()
     return paradigm.full_parameters().copy(), prepared.tracer.summary(), figures
+
+
+class OneEpoch:
+    """The driver's epochs (dtrain.train.Epochs), cut down to one pass over ``batches`` and nothing else (an
+    asynchronous worker does not go round them again: each worker pushes once per batch)."""
+
+    def __init__(self, paradigm, batches):
+        self.paradigm, self.batches, self.steps_per_epoch = paradigm, batches, len(batches)
+
+    def run(self) -> None:
+        for _loss in self.paradigm.epoch(iter(self.batches)):
+            pass
 
 
 def reference(data, cfg):

@@ -226,10 +226,10 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
 
             ps.Worker.push_and_pull = push_and_pull
         else:
-            def serve(self, steps_per_epoch):
+            def serve(self, steps_per_epoch, lr):
                 raise RuntimeError("server broke before serving")
 
-            ps.ParameterServer.serve = serve
+            ps.Server.serve = serve
         train(TrainConfig(paradigm="ps-sync", epochs=3, hidden=(16,), progress=False, quiet=True, timeout=60),
               MPI.COMM_WORLD)
     """

@@ -39,14 +39,15 @@ PARADIGM = textwrap.dedent('''
             super().__init__(comm, config)
             self.steps = 0
 
-        def after_backward(self):
+        def step(self, x, y):
+            loss = self.gradients(x, y)
             self.comm.Allreduce(IN_PLACE, self.model.flat_grads, op=SUM)
             self.model.flat_grads *= self.model.flat_grads.dtype.type(1 / self.world)
-
-        def after_step(self):
+            self.optimizer.step()
             self.steps += 1
             if self.config.verify_every and self.steps % self.config.verify_every == 0:
                 check_replicas(self.comm, self.model.flat_params, f"after step {self.steps}")
+            return loss
 
         def global_loss(self, local_mean):
             return self.comm.allreduce(local_mean) / self.world

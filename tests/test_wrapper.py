@@ -104,3 +104,27 @@ def test_a_null_sub_communicator_stays_null():
 
     nobody = sim.run(2, fn)[1]
     assert nobody is None
+
+
+def test_what_was_made_from_a_wrapper_is_freed_once_newest_first():
+    """free_made frees every sub-communicator (and theirs) once, through every layer; one freed already is skipped;
+    the simulator's own communicators are the oracle (each says whether it was freed)."""
+
+    def program(comm):
+        top = Spy(Spy(comm))  # two layers: each remembers what it made
+        pair = top.Split(comm.Get_rank() // 2)
+        inner = pair.Dup()  # made from a sub-communicator
+        freed_early = top.Dup()
+        freed_early.Free()
+        freed_early.Free()  # a second Free does nothing
+        made = [innermost(c) for c in (pair, inner, freed_early)]
+        before = [c._freed for c in made]
+        top.free_made()
+        after = [c._freed for c in made]
+        top.free_made()  # nothing left: nothing happens
+        return before, after, len(top.made), innermost(top)._freed
+
+    for before, after, left, world_freed in sim.run(4, program):
+        assert before == [False, False, True]
+        assert after == [True, True, True]
+        assert left == 0 and not world_freed

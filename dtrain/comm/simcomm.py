@@ -508,6 +508,8 @@ class SimComm(CallRecords):
     def Free(self) -> None:
         if self.name == "world":
             raise SimCommError("Free: the world communicator cannot be freed")
+        if self._freed:  # (MPI: the handle is COMM_NULL after the first Free, and freeing it is an error)
+            raise SimCommError(f"Free: the communicator {self.name} has been freed already")
         self._freed = True
 
     def Abort(self, errorcode: int = 1):

@@ -17,7 +17,10 @@ makes the call on the communicator below. Everything else (``Get_rank``, the pic
 
 **Sub-communicators come back wrapped.** ``Split``, ``Split_type`` and ``Dup`` of a wrapper return the same kind of
 wrapper around the new communicator (:meth:`CommWrapper.sibling`), so the node communicators of a hierarchical
-all-reduce are traced, staged and watched like the world they came from. ``None``/``COMM_NULL`` pass through.
+all-reduce are traced, staged and watched like the world they came from. ``None``/``COMM_NULL`` pass through. A
+wrapper remembers what was made from it: :meth:`CommWrapper.free_made` frees all of it, newest first (the driver does
+at the end of a run, so a paradigm need not free its sub-communicators itself), and ``Free`` of a wrapper frees what
+was made from it first, once.
 
 **Requests.** ``Isend``/``Irecv`` return whatever the wrapped communicator returned; a wrapper that must act when a
 request completes (staging copies received data up; the tracer times the wait) returns a :class:`RequestWrapper`.
@@ -146,6 +149,8 @@ class CommWrapper(CallRecords):
 
     def __init__(self, comm):
         self.comm = comm
+        self.made: list[CommWrapper] = []  # sub-communicators made from this one, oldest first
+        self.freed = False
         # asked on every collective call: bound once here rather than looked up through __getattr__ each time
         for name in ("Get_rank", "Get_size"):
             if hasattr(comm, name):  # (a stand-in communicator in a test may lack one)
@@ -171,9 +176,26 @@ class CommWrapper(CallRecords):
         """The same kind of wrapper, sharing this one's state, around a sub-communicator ``comm``."""
         return type(self)(comm)
 
-    # --- sub-communicators come back wrapped ---------------------------------------------------------------
+    # --- sub-communicators come back wrapped, and are remembered until freed ---------------------------------
     def _sub(self, comm):
-        return self.sibling(comm) if comm else comm  # None / COMM_NULL (falsy) pass through
+        if not comm:  # None / COMM_NULL (falsy) pass through
+            return comm
+        sub = self.sibling(comm)
+        self.made = [*(made for made in self.made if not made.freed), sub]  # (those freed already are forgotten)
+        return sub
+
+    def free_made(self) -> None:
+        """Free every communicator made from this one and not yet freed (and what was made from those), newest
+        first. A collective over each of them, like ``Free``: every rank that made one calls it."""
+        while self.made:
+            self.made.pop().Free()
+
+    def Free(self) -> None:
+        """Free what was made from this communicator, then the communicator (a second call does nothing)."""
+        if not self.freed:
+            self.free_made()
+            self.freed = True
+            self.comm.Free()
 
     def Split(self, color: int = 0, key: int = 0):
         return self._sub(self.comm.Split(color, key))

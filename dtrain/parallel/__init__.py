@@ -4,44 +4,40 @@ The driver (:mod:`dtrain.train`) owns what every paradigm shares: the config, th
 metrics.json, checkpoints, the trace. A paradigm owns only what makes it different, its flags included. It is a
 subclass of :class:`Paradigm` in a file of this package (or of a module named by ``$DTRAIN_PARADIGMS``), registered
 under its ``--paradigm`` name with :func:`register`; the registry imports every such file itself, and the CLI builds
-its flags from what each declares. Adding a paradigm is one new file. The driver talks to it through these methods
+its flags from what each declares. Adding a paradigm is one new file. The driver talks to it through these members
 alone (no ``if paradigm == ...`` anywhere else)::
 
     cls.flags, cls.summary           its own flags (flags.py: parsed, defaulted, range-checked) and what it is
-    cls.check(config, world)         before any communication: are the paradigm's flags usable on this many ranks?
-                                     (another paradigm's flag is refused)
-    p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); build groups
-    p.data_shard()                   (index, count): which slice of every global batch this rank trains on
-    p.build(make_model, make_opt)    a full replica, sharded layers, or this rank's pipeline stage
-    p.role                           "trainer" runs the epoch loop; "server" has no batches and calls p.serve(steps)
-    p.batches(loader, epoch)         a trainer's batches of an epoch (by default the loader's, this rank's slices)
-    p.step(x, y)                     one global step on this rank's slice; returns this rank's loss on it
-    p.epoch_over                     True when the paradigm ends the epoch before its batches do (asynchronous)
+    cls.check(config, world)         before any communication: can it run so on this many ranks? (another paradigm's
+                                     flag is refused)
+    cls.shard_of(rank, world, config)  (index, count): the slice of every global batch a rank trains on
+    p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); sub-communicators
+                                     made from it are freed by the driver at the end of the run
+    p.build(make_model, make_opt)    a full replica, sharded layers, this rank's pipeline stage, a server's shard
+    p.run(epochs)                    the whole run on this rank: the driver's epoch loop (epochs.run()), or a loop of
+                                     its own for a rank with no batches (a parameter server: epochs.steps_per_epoch)
+    p.epoch(batches)                 one epoch on this rank's slices: the loss of each step it takes (step(x, y) for
+                                     each batch, unless the paradigm says when an epoch is over: ps-async)
     p.global_loss(local_mean)        the *global batch's* loss from every rank's mean (train_loss in metrics.json)
     p.full_parameters()              the whole model's flat buffer: weights digest, checkpoints
-    p.load_full_parameters(flat)     the inverse, for resuming from a checkpoint
-    p.optimizer_state() / p.load_optimizer_state(state)       the optimizer's whole state, for checkpoints
-    p.optimizer_buffers()            the names of its flat buffers, without communication
+    p.optimizer_state()              the optimizer's whole state, as one optimizer over that buffer holds it
+    p.load(flat, optimizer_state)    the inverse of both, for resuming from a checkpoint
     p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
     p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
-    p.close()                        after the last checkpoint: free what the paradigm made (sub-communicators)
     cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
 
-:class:`Paradigm` itself is a correct single-replica trainer, and its :meth:`Paradigm.step` is the loop every
-replicated paradigm shares, with three places to act::
+:class:`Paradigm` itself is a correct single-replica trainer. Its :meth:`Paradigm.step` is the plainest step, and
+each paradigm's ``step`` says what it adds, in order (ddp: average the gradients before the update; central storage:
+reduce them to the storage rank, then broadcast its weights; a parameter-server worker: push and pull instead of the
+update)::
 
-    zero grads
-    for each of the k micro-batches (--accumulate k):
-        forward
-        before_backward(last)                             DDP arms its hooks on the last micro-batch
-        backward of loss / k                              gradient-ready hooks fire inside backward
-    (a straggler, --slow-rank: sleep in proportion to this compute)
-    after_backward()                                      DDP: finish averaging the gradients
-    optimizer step
-    after_step()                                          central storage: rank 0's weights to all
+    def step(self, x, y):
+        loss = self.gradients(x, y)      forward and backward over --accumulate micro-batches (a straggler then sleeps)
+        self.optimizer.step()
+        return loss
 
-A paradigm whose step is another (a parameter-server worker: push the gradient, pull the weights) overrides
-:meth:`Paradigm.step`, reusing :meth:`Paradigm.gradients` for the forward and backward.
+:meth:`Paradigm.gradients` calls :meth:`Paradigm.before_backward` before each micro-batch's backward: DDP arms its
+gradient-ready hooks for the last one only (PyTorch's ``no_sync``).
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded data
 parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol and
@@ -182,8 +178,6 @@ class Paradigm:
     summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
     lesson: int | None = None  # the lesson that teaches it: the registry's order
     flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
-    role = "trainer"
-    epoch_over = False  # asynchronous workers share an epoch's steps: the paradigm says when it is over
     sharers = "workers"  # what the ranks that split the global batch are called, when they are not all the ranks
 
     def __init__(self, comm, config):
@@ -244,13 +238,22 @@ class Paradigm:
         self.model = make_model()
         self.optimizer = make_optimizer(self.model)
 
-    # --- one step -----------------------------------------------------------------------------------------
+    # --- the run, an epoch, one step -----------------------------------------------------------------------------
+    def run(self, epochs) -> None:
+        """The whole run on this rank: the driver's epoch loop (``epochs.run()``), which takes each epoch's steps from
+        :meth:`epoch`. A rank with a loop of its own (a parameter server) overrides it."""
+        epochs.run()
+
+    def epoch(self, batches):
+        """One epoch on this rank: a :meth:`step` on each of ``batches`` (its slices of the epoch's global batches,
+        from where a resume left off), yielding each step's loss."""
+        for x, y in batches:
+            yield self.step(x, y)
+
     def step(self, x, y) -> float:
-        """Forward and backward over ``--accumulate`` micro-batches, then one optimizer step; this rank's loss."""
+        """One global step on this rank's slice ``x, y``: its gradients, then the update; this rank's mean loss."""
         loss = self.gradients(x, y)
-        self.after_backward()
         self.optimizer.step()
-        self.after_step()
         return loss
 
     def gradients(self, x, y) -> float:
@@ -273,13 +276,7 @@ class Paradigm:
         return total / k
 
     def before_backward(self, last: bool) -> None:
-        """Called before each micro-batch's backward; ``last`` for the one after which gradients are final."""
-
-    def after_backward(self) -> None:
-        """Called once the step's gradients are complete, before the optimizer step."""
-
-    def after_step(self) -> None:
-        """Called after the optimizer step."""
+        """Called before each micro-batch's backward; ``last`` for the one after which the gradients are final."""
 
     def global_loss(self, local_mean: float) -> float:
         """The global batch's loss from this rank's mean loss over its slices (a collective in most paradigms)."""
@@ -289,20 +286,15 @@ class Paradigm:
     def full_parameters(self):
         return self.model.flat_params
 
-    def load_full_parameters(self, flat) -> None:
-        self.model.flat_params[...] = flat
-
     def optimizer_state(self) -> dict:
         """The optimizer's whole state (host arrays and numbers), as a checkpoint stores it."""
         return self.optimizer.state_dict()
 
-    def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def optimizer_buffers(self) -> list[str]:
-        """The names of the optimizer's flat buffers ("velocity"; Adam's "m", "v"), on this rank, without talking to
-        another (a resume checks a checkpoint against them on rank 0 alone)."""
-        return sorted(k for k, v in self.optimizer_state().items() if isinstance(v, np.ndarray))
+    def load(self, flat, optimizer_state: dict) -> None:
+        """Resume: the whole model's flat buffer and the optimizer's whole state (as :meth:`full_parameters` and
+        :meth:`optimizer_state` gave them), each rank taking its part."""
+        self.model.flat_params[...] = flat
+        self.optimizer.load_state_dict(optimizer_state)
 
     def evaluation_model(self):
         """A model whose forward is the whole model's, for evaluating on the test set."""
@@ -311,18 +303,6 @@ class Paradigm:
     def finish(self) -> dict:
         """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json."""
         return {}
-
-    def close(self) -> None:
-        """At the very end, after the final checkpoint (which may still gather over sub-communicators)."""
-
-    def batches(self, loader, epoch: int):
-        """The batches a trainer steps through in ``epoch``: this rank's slice of each global batch, once."""
-        return loader.epoch(epoch)
-
-    def serve(self, steps_per_epoch: int) -> None:
-        """A server's loop (``role == "server"``): until the trainers are done; an epoch is ``steps_per_epoch``
-        global steps."""
-        raise TypeError(f"paradigm {self.name!r} has no server role")
 
     # --- the cost as code ---------------------------------------------------------------------------------
     @classmethod

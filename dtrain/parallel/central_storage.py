@@ -37,10 +37,7 @@ STORAGE = 0  # the rank that holds the variables
 
 
 class NoOptimizer:
-    """The optimizer of a rank that is not the storage: it takes no step and holds no state."""
-
-    def step(self) -> None:
-        """The storage rank steps; this rank receives the result."""
+    """The optimizer of a rank that is not the storage: it holds no state (the storage rank steps)."""
 
     def state_dict(self) -> dict:
         return {}
@@ -60,14 +57,16 @@ class CentralStorage(Paradigm):
         self.optimizer = make_optimizer(self.model) if self.rank == STORAGE else NoOptimizer()
         collectives.broadcast(self.comm, self.model.flat_params, root=STORAGE)  # the storage's weights, everywhere
 
-    def after_backward(self) -> None:
+    def step(self, x, y) -> float:
+        """Every rank's gradient summed on the storage rank, which takes the step; then its weights to every rank."""
+        loss = self.gradients(x, y)
         grads = self.model.flat_grads
         collectives.reduce(self.comm, grads, root=STORAGE, op="sum", algorithm="tree")
         if self.rank == STORAGE:
             grads *= 1.0 / self.world  # the global batch's gradient: the mean of the slices'
-
-    def after_step(self) -> None:
+            self.optimizer.step()
         collectives.broadcast(self.comm, self.model.flat_params, root=STORAGE, algorithm="tree")
+        return loss
 
     def global_loss(self, local_mean: float) -> float:
         return self.comm.allreduce(local_mean) / self.world

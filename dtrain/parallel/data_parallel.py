@@ -30,7 +30,7 @@ backward runs on this one without a second thread per rank, and a second thread 
 the two cores of a small machine and break the simulator's one-thread-per-rank model. So a bucket's ring is a
 *non-blocking* collective: a small state machine (:func:`dtrain.collectives.ring.allreduce_steps`) that posts one
 step's ``Isend``/``Irecv`` and returns; every hook call (between layers) advances every bucket in flight as far as its
-messages have arrived, and ``after_backward`` finishes them. This is exactly how MPI's own ``MPI_Iallreduce``
+messages have arrived, and ``average_gradients`` finishes them. This is exactly how MPI's own ``MPI_Iallreduce``
 progresses on a library without a progress thread. Buckets start in bucket order on every rank, on a communicator
 duplicated for gradients alone, each with its own tag, so messages of different buckets never match each other.
 Other ``--allreduce`` algorithms run blocking: with overlap, each bucket as soon as it is ready; without, all after
@@ -43,7 +43,7 @@ Overlap pays where something else moves the bytes (a GPU's copy engines and NCCL
 the default is one bucket: one all-reduce of the whole gradient after backward, the fewest latencies.
 
 **Parameters the loss does not use** never fire their hook, so their bucket would never start (PyTorch's
-``find_unused_parameters`` problem). Here ``after_backward`` starts every bucket not yet started, in order: their
+``find_unused_parameters`` problem). Here ``average_gradients`` starts every bucket not yet started, in order: their
 gradients are zero on the ranks that did not use them, and the average is what it should be.
 
 **Gradient accumulation** (``--accumulate k``, DDP's ``no_sync``): the first k-1 micro-batches only accumulate
@@ -202,6 +202,17 @@ class DataParallel(Paradigm):
         self._in_flight: list[_InFlight] = []
 
     # --- one step -----------------------------------------------------------------------------------------
+    def step(self, x, y) -> float:
+        """Forward and backward (with --overlap, each bucket's all-reduce starts inside backward, once its gradients
+        are complete), the average of the gradients finished, then the same optimizer step on every rank."""
+        loss = self.gradients(x, y)
+        self.average_gradients()
+        self.optimizer.step()
+        self.steps += 1
+        if collectives.debug_enabled() and self.steps % CHECK_EVERY == 0:
+            self.check_replicas(f"after step {self.steps}")
+        return loss
+
     def before_backward(self, last: bool) -> None:
         self._armed = last  # accumulation: only the last micro-batch's backward starts communication
         if last:
@@ -260,7 +271,9 @@ class DataParallel(Paradigm):
                 else:
                     flight.requests = requests
 
-    def after_backward(self) -> None:
+    def average_gradients(self) -> None:
+        """Start every bucket not started yet (no overlap, or parameters the loss did not use), in order, and wait for
+        all of them: every rank then holds the average of the ranks' gradients."""
         if self.world == 1:
             return
         backward_end = time.perf_counter()
@@ -279,11 +292,6 @@ class DataParallel(Paradigm):
             if tracer is not None:
                 tracer.span(f"bucket {flight.bucket} in flight", flight.started, flight.finished)
         self._armed = False
-
-    def after_step(self) -> None:
-        self.steps += 1
-        if collectives.debug_enabled() and self.steps % CHECK_EVERY == 0:
-            self.check_replicas(f"after step {self.steps}")
 
     def global_loss(self, local_mean: float) -> float:
         # a metric, not training traffic: the object all-reduce, which the tracer does not count

@@ -130,9 +130,13 @@ class Gossip(LocalSGD):
         flat = self.model.flat_params
         self.inbox = [array_module(flat).empty_like(flat) for _ in range(self.degree(self.config, self.world))]
 
-    def after_step(self) -> None:
+    def step(self, x, y) -> float:
+        """This rank's own step on its own gradient, then one gossip round with its neighbours."""
+        loss = self.gradients(x, y)
+        self.optimizer.step()
         self.steps += 1
         self.mix()
+        return loss
 
     def mix(self) -> None:
         """One gossip round: send my weights to my neighbours, receive theirs, take the weighted average."""

@@ -92,24 +92,20 @@ class LocalSGD(DataParallel):
         return self.steps < self.config.warmup_sync_steps
 
     # --- one step: ddp's while warming up, else local, with an average every H steps ---------------------------
-    def before_backward(self, last: bool) -> None:
+    def step(self, x, y) -> float:
+        """Post-local SGD's first W steps: a ddp step. After: this rank's own step on its own gradient (nothing is
+        sent), and every H-th such step, the average of the weights."""
         if self.warming_up():
-            super().before_backward(last)
-
-    def after_backward(self) -> None:
-        if self.warming_up():
-            super().after_backward()  # the gradients, averaged
-
-    def after_step(self) -> None:
-        warm = self.warming_up()
+            return super().step(x, y)  # the gradients averaged, as ddp
+        loss = self.gradients(x, y)
+        self.optimizer.step()
         self.steps += 1
-        if warm:
-            return
         self.local_steps += 1
         if self.local_steps == self.config.sync_every:
             self.average()
             if collectives.debug_enabled():
                 self.check_replicas(f"after the average at step {self.steps}")
+        return loss
 
     def average(self) -> None:
         """Replace every rank's weights by their average over the ranks."""

@@ -85,8 +85,13 @@ class ModelParallel(Paradigm):
             with labelled(self.comm, "dp/allreduce-gradients"):
                 collectives.allreduce(self.grid.dp_comm, self.model.flat_grads, "avg", self.config.allreduce)
 
-    def after_backward(self) -> None:
+    def step(self, x, y) -> float:
+        """Forward and backward through the local model (its collectives inside), the gradients averaged over the
+        replicas, then the update of this rank's pieces."""
+        loss = self.gradients(x, y)
         self.average_gradients()
+        self.optimizer.step()
+        return loss
 
     def global_loss(self, local_mean: float) -> float:
         """The mean over replicas (every rank of a replica knows its replica's loss: see replica_loss)."""
@@ -103,20 +108,16 @@ class ModelParallel(Paradigm):
     def full_parameters(self):
         return self.gathered if self.gathered is not None else self._gather(self.model.flat_params)
 
-    def load_full_parameters(self, flat) -> None:
-        placement.take(flat, self.pieces, self.model.flat_params)
-
     def optimizer_state(self) -> dict:
         """The whole optimizer state, as one optimizer over the whole flat buffer would hold it (a collective)."""
         state, xp = self.optimizer.state_dict(), array_module(self.model.flat_params)
         return {k: to_host(self._gather(xp.asarray(v))) if isinstance(v, np.ndarray) else v for k, v in state.items()}
 
-    def optimizer_buffers(self) -> list[str]:
-        return sorted(k for k, v in self.optimizer.state_dict().items() if isinstance(v, np.ndarray))
-
-    def load_optimizer_state(self, state: dict) -> None:
+    def load(self, flat, optimizer_state: dict) -> None:
+        """This rank's pieces of the whole model and of the optimizer state."""
+        placement.take(flat, self.pieces, self.model.flat_params)
         local = {}
-        for key, value in state.items():
+        for key, value in optimizer_state.items():
             if isinstance(value, np.ndarray):
                 local[key] = np.empty(self.model.flat_params.size, dtype=value.dtype)
                 placement.take(value, self.pieces, local[key])
@@ -128,9 +129,6 @@ class ModelParallel(Paradigm):
         return Evaluating(self.model, self.comm)
 
     # --- the end ------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        self.grid.free()
-
     def held_bytes(self) -> dict:
         """What this rank holds, read off its arrays: its pieces of the parameters, gradients and optimizer state."""
         buffers = sum(v.nbytes for v in self.optimizer.state_dict().values() if isinstance(v, np.ndarray))

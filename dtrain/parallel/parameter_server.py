@@ -91,7 +91,7 @@ from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import Paradigm, parameter_count, register
 from dtrain.parallel.flags import Flag
-from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server, Shard
+from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 
 SERVERS = Flag("servers", 1, "the last S ranks serve, each owning a slice of the parameters", type=int, metavar="S",
                at_least=1)  # fmt: skip
@@ -161,7 +161,11 @@ class Worker:
     def parameters(self):
         return self.model.flat_params
 
-    def load_parameters(self, whole) -> None:
+    def optimizer_state(self) -> dict:
+        raise RuntimeError("a worker holds no optimizer state: the servers do (gathered at the end of training)")
+
+    def load(self, whole, optimizer_state: dict) -> None:
+        """The whole model (the servers load the optimizer state, shard by shard)."""
         self.model.flat_params[...] = whole
 
 
@@ -211,11 +215,10 @@ class ParameterServer(Paradigm):
     def __init__(self, comm, config):
         super().__init__(comm, config)
         self.workers = self.world - config.servers
-        self.role = "trainer" if self.rank < self.workers else "server"
         self.server_ranks = list(range(self.workers, self.world))
         # The protocol gets a communicator of its own: a server's "any source, any tag" sees nothing else.
         self.ps_comm = comm.Dup()
-        self.workers_comm = comm.Split(0 if self.role == "trainer" else 1, self.rank)  # the global loss
+        self.workers_comm = comm.Split(0 if self.rank < self.workers else 1, self.rank)  # the global loss
         self.side: Worker | Server | None = None  # this rank's side of the protocol (build makes it)
         self.gathered_params = self.gathered_optimizer = None
         if self.rank == 0 and not config.quiet:
@@ -230,31 +233,39 @@ class ParameterServer(Paradigm):
         model = make_model()  # the same initial weights everywhere (same seed); a server keeps its slice only
         flat = model.flat_params
         self.bounds = shards(flat.size, self.config.servers)
-        if self.role == "trainer":
+        if self.rank < self.workers:
             self.model = model
             self.side = Worker(self.ps_comm, model, list(zip(self.server_ranks, self.bounds)))
-            self.kind_of_optimizer = make_optimizer(Shard(flat[:0].copy(), flat[:0].copy()))  # its buffers; no state
         else:
             self.side = Server(self.ps_comm, flat, self.bounds, self.rank - self.workers, make_optimizer,
                                workers=self.workers, synchronous=self.synchronous,
                                bound=self.config.staleness)  # fmt: skip
 
-    # --- a worker: its step, its epoch ---------------------------------------------------------------------------
-    def step(self, x, y) -> float:
-        """Forward and backward, then push the gradient and pull the new weights (the servers take the step)."""
-        loss = self.gradients(x, y)
-        self.epoch_over = self.side.push_and_pull()
-        return loss
+    # --- a server answers the workers; a worker runs the epochs ------------------------------------------------
+    def run(self, epochs) -> None:
+        """A server: answer the workers until every one has said DONE (an epoch is ``epochs.steps_per_epoch``
+        global steps). A worker: the driver's epochs."""
+        if isinstance(self.side, Server):
+            self.side.serve(epochs.steps_per_epoch, self.config.lr)
+        else:
+            epochs.run()
 
-    def batches(self, loader, epoch: int):
-        """ps-sync: this worker's slice of each global batch. ps-async: the same, cycled until the coordinator says
-        the epoch's W x steps pushes are in, so a fast worker takes more steps and a slow one fewer."""
-        self.epoch_over, self.side.steps = False, 0
-        if self.synchronous:
-            yield from loader.epoch(epoch)
-            return
+    def epoch(self, batches):
+        """ps-sync: a step on each of this worker's slices of the epoch's global batches. ps-async: the same, going
+        round them again until the coordinator says the epoch's W x steps pushes are in, so a fast worker takes more
+        steps and a slow one fewer."""
+        self.side.steps = 0
         while True:
-            yield from loader.epoch(epoch)
+            taken = 0
+            for x, y in batches:
+                loss = self.gradients(x, y)  # forward and backward; the servers take the optimizer step
+                epoch_over = self.side.push_and_pull()
+                yield loss
+                if epoch_over:
+                    return
+                taken += 1
+            if self.synchronous or not taken:  # (batches that cannot be gone round again: one pass)
+                return
 
     def global_loss(self, local_mean: float) -> float:
         """The mean over every step the workers took this epoch (async: weighted by each worker's step count)."""
@@ -270,11 +281,6 @@ class ParameterServer(Paradigm):
             self.side.pull(EVALUATION)
         return self.model
 
-    # --- a server: its loop ------------------------------------------------------------------------------------
-    def serve(self, steps_per_epoch: int) -> None:
-        """Answer the workers until every one has said DONE."""
-        self.side.serve(steps_per_epoch, self.config.lr)
-
     # --- the end: every rank gets the final model --------------------------------------------------------------
     def finish(self) -> dict:
         everyone = self.comm.allgather(self.side.done())
@@ -285,11 +291,9 @@ class ParameterServer(Paradigm):
             k: np.concatenate([st[k] for st in states]) if isinstance(v, np.ndarray) else v
             for k, v in states[0].items()
         }
-        if self.synchronous and self.role == "trainer":  # every worker's last reply is the final model
+        if self.synchronous and isinstance(self.side, Worker):  # every worker's last reply is the final model
             if weights_digest(self.model.flat_params) != weights_digest(self.gathered_params):
                 raise RuntimeError(f"ps-sync: worker {self.rank}'s weights differ from the servers' at the end")
-        self.ps_comm.Free()
-        self.workers_comm.Free()
         staleness = collections.Counter()
         for s in servers:
             staleness.update({int(k): v for k, v in s["staleness"].items()})
@@ -319,20 +323,16 @@ class ParameterServer(Paradigm):
             return self.gathered_params
         return self.side.parameters()
 
-    def load_full_parameters(self, flat) -> None:
-        self.side.load_parameters(flat)
-
     def optimizer_state(self) -> dict:
-        """A worker: the servers' state, gathered once training is over; before, an empty one of the right kind
-        (which buffers exist), for checking a checkpoint against this run. A server: its shard's."""
-        if self.role == "server":
-            return self.side.optimizer.state_dict()
-        gathered = self.gathered_optimizer
-        return gathered if gathered is not None else self.kind_of_optimizer.state_dict()
+        """The servers' state, gathered once training is over (a checkpoint is written then); before, a server's own
+        shard's."""
+        if self.gathered_optimizer is not None:
+            return self.gathered_optimizer
+        return self.side.optimizer_state()
 
-    def load_optimizer_state(self, state: dict) -> None:
-        if self.role == "server":  # (a worker has none: the servers load their shards of it)
-            self.side.load_optimizer_state(state)
+    def load(self, flat, optimizer_state: dict) -> None:
+        """Resume: a worker takes the whole model, a server its shard of the model and of the optimizer state."""
+        self.side.load(flat, optimizer_state)
 
     # --- the cost as code --------------------------------------------------------------------------------------
     @classmethod

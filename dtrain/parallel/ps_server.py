@@ -88,12 +88,14 @@ class Server:
     def parameters(self):
         return self.shard.flat_params
 
-    def load_parameters(self, whole) -> None:
-        self.shard.flat_params[...] = whole[self.start : self.stop]
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
 
-    def load_optimizer_state(self, state: dict) -> None:
+    def load(self, whole, optimizer_state: dict) -> None:
+        """This server's shard of the whole model and of the whole optimizer state."""
+        self.shard.flat_params[...] = whole[self.start : self.stop]
         self.optimizer.load_state_dict({k: v[self.start : self.stop] if isinstance(v, np.ndarray) else v
-                                        for k, v in state.items()})  # fmt: skip
+                                        for k, v in optimizer_state.items()})  # fmt: skip
 
 
 class ServerLoop:

@@ -84,7 +84,7 @@ from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
-from dtrain.optim import buffers_per_parameter
+from dtrain.optim import buffer_names, buffers_per_parameter
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.zero_shards import KINDS, Ledger, Unit, UnitOptimizers, units_of
@@ -244,15 +244,18 @@ class Zero(Paradigm):
             self.ledger.free("parameters", full.nbytes, f"layer {unit.index}: {when} done, freed")
 
     # --- one step -----------------------------------------------------------------------------------------
-    def after_backward(self) -> None:
+    def step(self, x, y) -> float:
+        """Forward and backward (stages 2 and 3 reduce-scatter each layer's gradient inside backward, as it is made;
+        stage 3 gathers each layer's weights as it is needed), then each rank updates its own chunk of each layer."""
+        loss = self.gradients(x, y)
         if self.stage == 1:  # full gradients: each layer's reduce-scattered now, last first, as backward made them
             for unit in reversed(self.units):
                 self.reduce_scatter(self.model.flat_grads[unit.whole])
-
-    def after_step(self) -> None:
+        self.optimizer.step()
         if self.stage < 3:  # the replicas take every rank's updated chunk
             for unit in self.units:
                 self.allgather(self.model.flat_params[unit.whole], f"zero/allgather-params/{self.ag_algorithm}")
+        return loss
 
     def global_loss(self, local_mean: float) -> float:
         return self.comm.allreduce(local_mean) / self.world  # a metric: the object all-reduce, not counted
@@ -273,27 +276,24 @@ class Zero(Paradigm):
             return self.gathered
         return self._gather([part.params for part in self.optimizer.parts], CHECKPOINT)
 
-    def load_full_parameters(self, flat) -> None:
-        for unit, part in zip(self.units, self.optimizer.parts):
-            part.params[...] = flat[unit.own]
-        if self.stage < 3:
-            self.model.flat_params[...] = flat
-
-    def optimizer_buffers(self) -> list[str]:
-        return sorted(k for k, v in self.optimizer.parts[0].state_dict().items() if isinstance(v, np.ndarray))
-
     def optimizer_state(self) -> dict:
         """The whole optimizer state, as one optimizer over the flat buffer would hold it (gathered: a collective)."""
         states = [part.state_dict() for part in self.optimizer.parts]
         xp = array_module(self.optimizer.parts[0].params)
         whole = {k: v for k, v in states[0].items() if not isinstance(v, np.ndarray)}
-        for name in self.optimizer_buffers():
+        for name in buffer_names(self.config.optimizer, self.config.momentum):
             whole[name] = to_host(self._gather([xp.asarray(s[name]) for s in states], CHECKPOINT))
         return whole
 
-    def load_optimizer_state(self, state: dict) -> None:
+    def load(self, flat, optimizer_state: dict) -> None:
+        """Each rank's own chunk of every layer (and, below stage 3, the whole replica), and of the optimizer state."""
         for unit, part in zip(self.units, self.optimizer.parts):
-            part.load_state_dict({k: v[unit.own] if isinstance(v, np.ndarray) else v for k, v in state.items()})
+            part.params[...] = flat[unit.own]
+        if self.stage < 3:
+            self.model.flat_params[...] = flat
+        for unit, part in zip(self.units, self.optimizer.parts):
+            part.load_state_dict({k: v[unit.own] if isinstance(v, np.ndarray) else v
+                                  for k, v in optimizer_state.items()})  # fmt: skip
 
     def evaluation_model(self):
         if self.stage < 3:
