@@ -25,18 +25,16 @@ earlier layers::
     bucket 0:             [===== ring =====]                |           (layers 3-2)
     bucket 1:                                  [==== ring ===]==]       (layers 1-0)
 
-*How an all-reduce runs "in the background" here.* Python cannot run the hand-written ring on another core while
-backward runs on this one without a second thread per rank, and a second thread per rank would fight backward for
-the two cores of a small machine and break the simulator's one-thread-per-rank model. So a bucket's ring is a
-*non-blocking* collective: a small state machine (:func:`dtrain.collectives.ring.allreduce_steps`) that posts one
-step's ``Isend``/``Irecv`` and returns; every hook call (between layers) advances every bucket in flight as far as its
-messages have arrived, and ``average_gradients`` finishes them. This is exactly how MPI's own ``MPI_Iallreduce``
-progresses on a library without a progress thread. Buckets start in bucket order on every rank, on a communicator
-duplicated for gradients alone, each with its own tag, so messages of different buckets never match each other.
-Other ``--allreduce`` algorithms run blocking: with overlap, each bucket as soon as it is ready; without, all after
-backward.
+*How an all-reduce runs "in the background" here* (buckets.py, PyTorch's "reducer"): without a second thread per
+rank, which would fight backward for a small machine's cores and break the simulator's one thread per rank. A
+bucket's ring is a *non-blocking* collective, a small state machine that posts one step's ``Isend``/``Irecv`` and
+returns; every hook call (between layers) advances every bucket in flight as far as its messages have arrived, and
+``average_gradients`` finishes them, as ``MPI_Iallreduce`` progresses in an MPI library without a progress thread.
+Buckets start in bucket order on every rank, on a communicator duplicated for gradients alone, each with its own tag,
+so messages of different buckets never match each other. Other ``--allreduce`` algorithms run blocking: with
+overlap, each bucket as soon as it is ready; without, all after backward.
 
-*Why ``--overlap`` is off by default.* On a CPU cluster node it measured slower (docs/benchmarks.md, section 4): MPI
+*Why ``--overlap`` is off by default.* On a CPU it is slower (docs/benchmarks.md has the measurements): MPI
 moves a large message only while the ranks are inside MPI calls, so a bucket in flight mostly waits for the next hook;
 the ring it needs costs 2(p-1) latencies per bucket; and the bytes are copied by the same cores that compute backward.
 Overlap pays where something else moves the bytes (a GPU's copy engines and NCCL, a NIC with RDMA). Without it,
@@ -62,57 +60,20 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import time
-from collections.abc import Generator
 
 import numpy as np
 
 from dtrain import collectives, kernels
-from dtrain.backend import array_module, is_device_array
-from dtrain.collectives import costmodel, hierarchical, ring
-from dtrain.comm import waitall, watchdog
-from dtrain.comm.trace import labelled
+from dtrain.backend import is_device_array
+from dtrain.collectives import costmodel, hierarchical
 from dtrain.errors import ConfigError
 from dtrain.parallel import Paradigm, check_replicas, register
+from dtrain.parallel.buckets import Buckets, plan_buckets
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 
 ALGORITHMS = collectives.ALGORITHMS
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
-NONBLOCKING = {"ring": ring.allreduce_steps}  # algorithms with a step-by-step (non-blocking) form
-
-
-def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int]]]:
-    """Cut a flat buffer into buckets in reverse parameter order: ``[(start, stop, parameter indices), ...]``.
-
-    ``parameters`` are (offset, size, itemsize) of each parameter in flat-buffer order. Walking from the last
-    parameter back, a bucket closes once it holds at least ``bucket_bytes`` (0: one bucket for everything). Each
-    bucket is one contiguous slice, so it is all-reduced in place with no packing.
-    """
-    buckets, members, stop, nbytes = [], [], None, 0
-    for index in reversed(range(len(parameters))):
-        offset, size, itemsize = parameters[index]
-        stop = offset + size if stop is None else stop
-        members.append(index)
-        nbytes += size * itemsize
-        if bucket_bytes and nbytes >= bucket_bytes:
-            buckets.append((offset, stop, members))
-            members, stop, nbytes = [], None, 0
-    if members:
-        buckets.append((parameters[members[-1]][0], stop, members))
-    return buckets
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A bucket whose non-blocking all-reduce has started: its state machine and the requests it waits on."""
-
-    bucket: int
-    steps: Generator  # yields each step's requests; ends when the all-reduce is done
-    requests: list
-    started: float
-    finished: float | None = None
 
 
 OVERLAP = Flag("overlap", False, "all-reduce each gradient bucket during backward, as soon as it is complete, as "
@@ -153,7 +114,6 @@ class DataParallel(Paradigm):
                     ": use --allreduce hierarchical"
                 )
         self.steps = 0
-        self.timing = {"backward_s": 0.0, "exposed_comm_s": 0.0, "in_flight_s": 0.0, "hidden_s": 0.0}
 
     # --- the model: identical on every rank, and a hook on every parameter --------------------------------
     def build(self, make_model, make_optimizer) -> None:
@@ -167,19 +127,14 @@ class DataParallel(Paradigm):
         offsets = itertools.accumulate((p.grad.size for p in params), initial=0)  # the flat buffer's order
         layout = [(offset, p.grad.size, flat.itemsize) for offset, p in zip(offsets, params)]
         plan = plan_buckets(layout, self.bucket_bytes(self.config))
-        self.buckets = [flat[start:stop] for start, stop, _ in plan]
-        self.bucket_of = {index: b for b, (_, _, members) in enumerate(plan) for index in members}
-        self.sizes = [len(members) for _, _, members in plan]
+        biggest = max(stop - start for start, stop, _ in plan) * flat.itemsize
+        self.algorithm = self.choose_algorithm(self.config, self.world, biggest)
+        self.reducer = Buckets(self.grad_comm, flat, plan, self.algorithm, self.topology)
+        self.buckets, self.timing = self.reducer.slices, self.reducer.timing  # (what lessons and metrics read)
         self.overlap = self.config.overlap and self.world > 1
-        self.algorithm = self.choose_algorithm(self.config, self.world, max(b.nbytes for b in self.buckets))
-        # each bucket in flight receives into a scratch chunk of its own (a blocking algorithm shares one)
-        chunk = [-(-b.size // self.world) for b in self.buckets] if self.algorithm in NONBLOCKING else []
-        self.scratch = [array_module(flat).empty(n, dtype=flat.dtype) for n in chunk]
-        if self.overlap:
+        if self.overlap:  # backward's gradient-ready hooks start each bucket once it is complete
             for index, p in enumerate(params):
-                p.register_hook(lambda _p, index=index: self._ready(index))
-        self._armed = False
-        self._reset()
+                p.register_hook(lambda _p, index=index: self.reducer.ready(index))
 
     @staticmethod
     def bucket_bytes(config) -> int:
@@ -196,11 +151,6 @@ class DataParallel(Paradigm):
             return config.allreduce
         return "ring" if config.overlap and world > 1 else costmodel.choose(biggest_bucket, world)
 
-    def _reset(self) -> None:
-        self._missing = list(self.sizes)  # parameters each bucket still waits for
-        self._started = 0  # buckets start in order: 0, 1, ... on every rank
-        self._in_flight: list[_InFlight] = []
-
     # --- one step -----------------------------------------------------------------------------------------
     def step(self, x, y) -> float:
         """Forward and backward (with --overlap, each bucket's all-reduce starts inside backward, once its gradients
@@ -214,84 +164,14 @@ class DataParallel(Paradigm):
         return loss
 
     def before_backward(self, last: bool) -> None:
-        self._armed = last  # accumulation: only the last micro-batch's backward starts communication
-        if last:
-            self._reset()
-            self._backward_start = time.perf_counter()
-
-    def _ready(self, index: int) -> None:
-        """Gradient-ready hook of parameter ``index``: start every complete bucket, in order; advance the rest."""
-        if not self._armed:
-            return
-        self._missing[self.bucket_of[index]] -= 1
-        while self._started < len(self.buckets) and self._missing[self._started] == 0:
-            self._start(self._started)
-        self._progress()
-
-    def _start(self, b: int) -> None:
-        self._started = b + 1
-        steps = NONBLOCKING.get(self.algorithm)
-        if steps is None:  # a blocking algorithm: the whole all-reduce, now (in flight, none of it hidden)
-            started = time.perf_counter()
-            collectives.allreduce(self.grad_comm, self.buckets[b], "avg", self.algorithm, topology=self.topology)
-            self.timing["in_flight_s"] += time.perf_counter() - started
-            return
-        generator = steps(self.grad_comm, self.buckets[b], "avg", tag=b, work=self.scratch[b])
-        started = time.perf_counter()
-        with self._label(self.buckets[b].nbytes):
-            self._in_flight.append(_InFlight(b, generator, next(generator, None) or [], started))
-
-    def _label(self, nbytes=None):
-        """The tracer's label for a bucket's traffic (its first step counts the call; the later steps resume it)."""
-        return labelled(self.grad_comm, f"allreduce/{self.algorithm}", nbytes, resumed=nbytes is None)
-
-    def _progress(self, block: bool = False) -> None:
-        """Advance every bucket in flight as far as its messages have arrived (``block``: to the end)."""
-        if self._in_flight:
-            with self._label():  # the tests and waits count as the all-reduce's time, not as "other"
-                self._advance(block)
-
-    def _advance(self, block: bool) -> None:
-        for flight in self._in_flight:
-            while flight.finished is None:
-                if block:
-                    token = watchdog.begin(self.grad_comm, f"ddp: bucket {flight.bucket} all-reduce/{self.algorithm}")
-                    try:
-                        waitall(flight.requests)
-                    finally:
-                        watchdog.end(token)
-                    flight.requests = []
-                else:
-                    flight.requests = [r for r in flight.requests if not r.Test()]
-                    if flight.requests:
-                        break
-                requests = next(flight.steps, None)
-                if requests is None:
-                    flight.finished = time.perf_counter()
-                else:
-                    flight.requests = requests
+        if last:  # accumulation (DDP's no_sync): only the last micro-batch's backward starts communication
+            self.reducer.arm()
 
     def average_gradients(self) -> None:
         """Start every bucket not started yet (no overlap, or parameters the loss did not use), in order, and wait for
         all of them: every rank then holds the average of the ranks' gradients."""
-        if self.world == 1:
-            return
-        backward_end = time.perf_counter()
-        while self._started < len(self.buckets):  # no overlap, or unused parameters: start the rest, in order
-            self._start(self._started)
-        self._progress(block=True)
-        t = self.timing
-        t["backward_s"] += backward_end - self._backward_start
-        t["exposed_comm_s"] += time.perf_counter() - backward_end
-        tracer = getattr(self.comm, "tracer", None)
-        if tracer is not None:  # the timeline shows each bucket in flight beside backward
-            tracer.span("backward", self._backward_start, backward_end)
-        for flight in self._in_flight:
-            t["in_flight_s"] += flight.finished - flight.started
-            t["hidden_s"] += max(0.0, min(flight.finished, backward_end) - flight.started)
-            if tracer is not None:
-                tracer.span(f"bucket {flight.bucket} in flight", flight.started, flight.finished)
-        self._armed = False
+        if self.world > 1:
+            self.reducer.finish()
 
     def global_loss(self, local_mean: float) -> float:
         # a metric, not training traffic: the object all-reduce, which the tracer does not count
