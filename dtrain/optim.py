@@ -26,6 +26,8 @@ from __future__ import annotations
 import abc
 import math
 
+import numpy as np
+
 from dtrain.backend import array_module, to_device, to_host
 
 
@@ -149,6 +151,19 @@ class Adam(Optimizer):
 
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam}
+
+
+class FlatBuffers:
+    """What an optimizer steps: a flat parameter buffer and its gradient, a whole model's or a slice of them (a
+    parameter server's shard, a ZeRO rank's chunk of a layer)."""
+
+    def __init__(self, params, grads):
+        self.flat_params, self.flat_grads = params, grads
+
+
+def state_bytes(optimizer) -> int:
+    """The bytes of the optimizer's flat buffers (its state that grows with the parameters)."""
+    return sum(v.nbytes for v in optimizer.state_dict().values() if isinstance(v, np.ndarray))
 
 
 def buffer_names(name: str, momentum: float) -> list[str]:

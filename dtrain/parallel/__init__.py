@@ -56,12 +56,7 @@ tests hold them against the tracer's counts, and a planner can rank paradigms wi
 
 from __future__ import annotations
 
-import functools
-import importlib
 import itertools
-import math
-import os
-import pkgutil
 import time
 
 import numpy as np
@@ -72,71 +67,10 @@ from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel.flags import Flag
+from dtrain.parallel.registry import MODULES_VAR, all_flags, get, names, readers, register
 
-_REGISTRY: dict[str, type[Paradigm]] = {}
-# Modules outside this package that register paradigms too (a course exercise, an experiment): their import names,
-# separated by commas, as PYTHONPATH finds them.
-MODULES_VAR = "DTRAIN_PARADIGMS"
-
-
-def register(cls: type[Paradigm]) -> type[Paradigm]:
-    """Class decorator: make ``cls`` available as ``--paradigm cls.name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def names() -> tuple[str, ...]:
-    """The registered paradigms, in the order the lessons teach them."""
-    return tuple(_registry())
-
-
-def get(name: str) -> type[Paradigm]:
-    """The paradigm class registered as ``name``, or a :class:`ConfigError` listing the choices."""
-    registry = _registry()
-    if name not in registry:
-        raise ConfigError(f"--paradigm {name!r} is not one of: {', '.join(registry)}")
-    return registry[name]
-
-
-def all_flags() -> dict[str, Flag]:
-    """Every registered paradigm's flags, by name (a flag several paradigms read is there once)."""
-    return _flags_of(tuple(_registry().values()))
-
-
-@functools.cache
-def _flags_of(kinds: tuple) -> dict[str, Flag]:
-    return {flag.name: flag for kind in kinds for flag in kind.flags}
-
-
-def readers(flag: str) -> list[str]:
-    """The paradigms that read ``flag`` (a name), in the lessons' order."""
-    return [name for name, kind in _registry().items() if any(f.name == flag for f in kind.flags)]
-
-
-def _registry() -> dict[str, type[Paradigm]]:
-    """Import every module of this package once, and those named by ``$DTRAIN_PARADIGMS``, so each paradigm
-    registers itself: the registry is the list of files. Sorted by the lesson that teaches it (added ones last)."""
-    added = [name.strip() for name in os.environ.get(MODULES_VAR, "").split(",") if name.strip()]
-    for module in _package_modules() + added:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if module not in added or exc.name != module:
-                raise
-            raise ConfigError(f"{MODULES_VAR} names {module!r}, which Python cannot find (is its folder on "
-                              "PYTHONPATH?)") from None  # fmt: skip
-    return _sorted(tuple(_REGISTRY.items()))
-
-
-@functools.cache
-def _package_modules() -> list[str]:
-    return [f"{__name__}.{module.name}" for module in pkgutil.iter_modules(__path__)]
-
-
-@functools.cache
-def _sorted(registered: tuple) -> dict[str, type[Paradigm]]:
-    order = [name for name, _kind in registered]
-    return dict(sorted(registered, key=lambda item: (item[1].lesson or math.inf, order.index(item[0]))))
+__all__ = ["MODULES_VAR", "Evaluating", "Paradigm", "ReplicasDiverged", "all_flags", "check_replicas", "get", "names",
+           "parameter_count", "readers", "register"]  # fmt: skip
 
 
 class ReplicasDiverged(RuntimeError):

@@ -31,6 +31,7 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.collectives import costmodel
+from dtrain.optim import state_bytes
 from dtrain.parallel import Paradigm, parameter_count, register
 
 STORAGE = 0  # the rank that holds the variables
@@ -76,11 +77,10 @@ class CentralStorage(Paradigm):
 
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
-        state = self.optimizer.state_dict()
         return {
             "parameters": self.model.flat_params.nbytes,
             "gradients": self.model.flat_grads.nbytes,
-            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+            "optimizer": state_bytes(self.optimizer),
         }
 
     @classmethod

@@ -50,6 +50,7 @@ from dtrain.backend import array_module
 from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.optim import state_bytes
 from dtrain.parallel import parameter_count, register
 from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
@@ -170,11 +171,10 @@ class LocalSGD(DataParallel):
 
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
-        state = self.optimizer.state_dict()
         return {
             "parameters": self.model.flat_params.nbytes + self.average_model.flat_params.nbytes,
             "gradients": self.model.flat_grads.nbytes,
-            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+            "optimizer": state_bytes(self.optimizer),
         }
 
     # --- the cost as code ---------------------------------------------------------------------------------------

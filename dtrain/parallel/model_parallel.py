@@ -28,6 +28,7 @@ from dtrain import collectives, kernels
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
+from dtrain.optim import state_bytes
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
 
 NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp flag
@@ -131,9 +132,8 @@ class ModelParallel(Paradigm):
     # --- the end ------------------------------------------------------------------------------------------
     def held_bytes(self) -> dict:
         """What this rank holds, read off its arrays: its pieces of the parameters, gradients and optimizer state."""
-        buffers = sum(v.nbytes for v in self.optimizer.state_dict().values() if isinstance(v, np.ndarray))
         return {"parameters": self.model.flat_params.nbytes, "gradients": self.model.flat_grads.nbytes,
-                "optimizer": buffers}  # fmt: skip
+                "optimizer": state_bytes(self.optimizer)}  # fmt: skip
 
     def finish(self) -> dict:
         flat = self.model.flat_params

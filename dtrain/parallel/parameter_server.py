@@ -28,11 +28,12 @@ The messages (tags on a communicator of their own), for one worker and one serve
          |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
          |------------------------------------------->|
 
-The two sides are two classes: :class:`Worker` (here) and :class:`~dtrain.parallel.ps_server.Server` (with its loop,
-in ps_server.py); the paradigm gives each rank the side its rank calls for, and gathers the servers' state at the end.
-A worker pushes to and pulls from all S servers at once (non-blocking: every shard in flight together), so its wait
-is for the slowest shard. The server's loop takes messages from any worker in the order they come
-(``Probe(ANY_SOURCE)``, then the receive into the buffer the tag calls for).
+The two sides are two classes, a file each: :class:`~dtrain.parallel.ps_worker.Worker` (ps_worker.py) and
+:class:`~dtrain.parallel.ps_server.Server` (ps_server.py, with its loop); the paradigm gives each rank the side its
+rank calls for, and gathers the servers' state at the end. A worker pushes to and pulls from all S servers at once
+(non-blocking: every shard in flight together), so its wait is for the slowest shard. The server's loop takes
+messages from any worker in the order they come (``Probe(ANY_SOURCE)``, then the receive into the buffer the tag
+calls for).
 
 **Bytes per step** (n bytes of parameters, W workers, S servers, shard n_s ~ n/S)::
 
@@ -69,29 +70,27 @@ applied, so an epoch may hold up to W - 1 more. The price: a fast worker goes ro
 straggler's are partly skipped, so an asynchronous epoch leans towards the fast workers' data (each worker's slices are
 its own, as in Downpour SGD). At the end of an epoch each worker pulls the servers' weights (counted under
 "evaluation"), so the accuracy reported is that of the servers' model, the one the digest and checkpoint hold.
-
-**Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
-workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
-:meth:`finish`: the servers' shards and optimizer states are gathered, so every rank ends with the final model.
 """
 
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 
 from dtrain.backend import weights_digest
 from dtrain.collectives import chunk_bounds
-from dtrain.comm import new_status, probe, waitall, watchdog
-from dtrain.comm.names import ANY_TAG
-from dtrain.comm.trace import EVALUATION, labelled
+from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import Paradigm, parameter_count, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
+from dtrain.parallel.ps_worker import Worker
+
+# the protocol's tags and both sides, for the lesson and the notebook
+__all__ = ["DONE", "END", "PULL", "PUSH", "WEIGHTS", "AsyncParameterServer", "ParameterServer", "Server", "Worker",
+           "shards"]  # fmt: skip
 
 SERVERS = Flag("servers", 1, "the last S ranks serve, each owning a slice of the parameters", type=int, metavar="S",
                at_least=1)  # fmt: skip
@@ -103,70 +102,6 @@ STALENESS = Flag("staleness", None, "ps-async: a worker more than K steps ahead 
 def shards(n: int, servers: int) -> list[tuple[int, int]]:
     """(start, stop) of each server's slice of an n-element flat buffer: contiguous and balanced."""
     return chunk_bounds(n, servers)
-
-
-class Worker:
-    """A worker's side of the protocol: the whole model for forward and backward, and no optimizer (the servers
-    have it). After its backward, it pushes each server its slice of the gradient and pulls the new weights."""
-
-    def __init__(self, comm, model, served):
-        """``comm``: the protocol's communicator; ``served``: (server rank, (start, stop) of its shard), for each."""
-        self.comm, self.model, self.served = comm, model, served
-        self.status = new_status(comm)
-        self.pulled = False
-        self.wait_s = 0.0  # time waiting for the servers' weights
-        self.steps = 0  # steps in this epoch
-
-    def push_and_pull(self) -> bool:
-        """Send each server its slice of the gradient and receive its slice of the new weights, all at once; True
-        when the coordinator's reply says the epoch is over."""
-        params, grads = self.model.flat_params, self.model.flat_grads
-        if not self.pulled:
-            self.pull()
-        comm = self.comm
-        (coordinator, (a0, b0)), others = self.served[0], self.served[1:]  # the coordinator's reply: epoch over?
-        started = time.perf_counter()
-        with labelled(comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
-            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
-            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self.served]
-            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
-            epoch_over = self.status.Get_tag() == END
-            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
-            if epoch_over:  # the other servers stop waiting for this worker in this epoch
-                requests += [comm.Isend(params[:0], server, END) for server, _ in others]
-            waitall(requests)
-        self.wait_s += time.perf_counter() - started
-        self.steps += 1
-        return epoch_over
-
-    def pull(self, label: str = "ps/pull") -> None:
-        """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
-        params, comm = self.model.flat_params, self.comm
-        with labelled(comm, label, 0), watchdog.watching(comm, "ps: pulling the weights"):
-            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self.served]
-            requests += [comm.Isend(params[:0], server, PULL) for server, _ in self.served]
-            waitall(requests)
-        self.pulled = True
-
-    def done(self) -> dict:
-        """Tell every server this worker is done; what it reports for metrics.json."""
-        for server, _ in self.served:
-            self.comm.Send(self.model.flat_params[:0], server, DONE)
-        return {"held": self.held_bytes(), "wait_s": self.wait_s}
-
-    def held_bytes(self) -> dict:
-        m = self.model
-        return {"parameters": m.flat_params.nbytes, "gradients": m.flat_grads.nbytes, "optimizer": 0}
-
-    def parameters(self):
-        return self.model.flat_params
-
-    def optimizer_state(self) -> dict:
-        raise RuntimeError("a worker holds no optimizer state: the servers do (gathered at the end of training)")
-
-    def load(self, whole, optimizer_state: dict) -> None:
-        """The whole model (the servers load the optimizer state, shard by shard)."""
-        self.model.flat_params[...] = whole
 
 
 @register

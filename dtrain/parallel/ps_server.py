@@ -4,8 +4,12 @@ A :class:`Server` owns a shard of the flat parameter buffer and that shard's opt
 the next message from any worker (``Probe(ANY_SOURCE)``, then the receive the tag calls for) and answers it, until
 every worker has said DONE, with one method per message. The policy shows in the PUSH handler: ps-sync keeps each
 push and steps once all W are in; ps-async steps on every push, and with a staleness bound K holds back the reply to
-a worker more than K steps ahead of the slowest (stale-synchronous). The worker's side is in
-``parameter_server.py``.
+a worker more than K steps ahead of the slowest (stale-synchronous). The worker's side is in ``ps_worker.py``.
+
+**Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
+workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
+the paradigm's ``finish``: the servers' shards and optimizer states are gathered, so every rank ends with the final
+model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dtrain.backend import array_module, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.trace import EVALUATION, labelled
+from dtrain.optim import FlatBuffers, state_bytes
 
 PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
@@ -26,13 +31,6 @@ COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells
 
 class ProtocolError(RuntimeError):
     """A message the protocol has no place for (a bug, reported instead of a hang)."""
-
-
-class Shard:
-    """The slice of the model a server owns: parameters and gradient, as an optimizer expects a model's."""
-
-    def __init__(self, params, grads):
-        self.flat_params, self.flat_grads = params, grads
 
 
 class Server:
@@ -46,7 +44,8 @@ class Server:
         self.comm, self.index, self.workers = comm, index, workers
         self.synchronous, self.bound = synchronous, bound
         self.start, self.stop = bounds[index]
-        self.shard = Shard(whole[self.start : self.stop].copy(), xp.zeros(self.stop - self.start, dtype=whole.dtype))
+        shard = whole[self.start : self.stop].copy()
+        self.shard = FlatBuffers(shard, xp.zeros_like(shard))
         self.optimizer = make_optimizer(self.shard)
         # ps-sync keeps each worker's push in a slot of its own and sums them in worker order: reproducible
         self.slots = xp.empty((workers, self.stop - self.start), dtype=whole.dtype) if synchronous else None
@@ -77,12 +76,11 @@ class Server:
         }
 
     def held_bytes(self) -> dict:
-        state = self.optimizer.state_dict()
         slots = self.slots.nbytes if self.slots is not None else 0
         return {
             "parameters": self.shard.flat_params.nbytes,
             "gradients": self.shard.flat_grads.nbytes + slots,
-            "optimizer": sum(v.nbytes for v in state.values() if isinstance(v, np.ndarray)),
+            "optimizer": state_bytes(self.optimizer),
         }
 
     def parameters(self):

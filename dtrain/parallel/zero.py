@@ -49,15 +49,10 @@ k = 0, 1 or 2 optimizer buffers for plain SGD, momentum, Adam; a = ``--accumulat
     stage 2      (a+1) (N-1)/N n b                n b            (s + L) b      k s b
     stage 3      3 a (N-1)/N n b                  (s + L) b      (s + L) b      k s b
 
-The ZeRO paper's formulas (mixed-precision Adam, a model of Psi parameters) are ``(2+2+K) Psi`` bytes for ddp, then
-``2 Psi + 2 Psi + K Psi / N``, ``2 Psi + (2+K) Psi / N`` and ``(2+2+K) Psi / N``, with K = 12 (an fp32 master copy of
-the weights and Adam's two moments). dtrain trains in one precision of b bytes (4 in float32) and keeps no master
-copy, so Psi parameters cost Psi b for the weights, Psi b for the gradients and K = k b per parameter for the
-optimizer: ``(2+k) Psi b`` for ddp, ``2 Psi b + k Psi b / N``, ``Psi b + (1+k) Psi b / N`` and ``(2+k) Psi b / N``
-(:func:`paper_formula`). The paper leaves out the layer in flight (L above): the gradient being reduce-scattered in
-stage 2, the gathered layer in stage 3; dtrain counts them. With accumulation (a micro-batches), stages 2 and 3
-communicate on every micro-batch (their full gradients are gone after each backward), stage 1 once per step, as
-DeepSpeed does.
+The paper leaves out the layer in flight (L above): the gradient being reduce-scattered in stage 2, the gathered layer
+in stage 3; dtrain counts them (the paper's own table, in dtrain's terms: :func:`paper_formula`, zero_shards.py). With
+accumulation (a micro-batches), stages 2 and 3 communicate on every micro-batch (their full gradients are gone after
+each backward), stage 1 once per step, as DeepSpeed does.
 
 **Measured, not assumed.** A ledger (:class:`~dtrain.parallel.zero_shards.Ledger`, in zero_shards.py with the other
 bookkeeping: which chunk of each layer a rank owns) counts what this rank holds, by kind, as it allocates and frees
@@ -73,21 +68,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from types import SimpleNamespace
 
 import numpy as np
 
 from dtrain import collectives, kernels
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, is_device_array, to_host
-from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
-from dtrain.optim import buffer_names, buffers_per_parameter
+from dtrain.optim import FlatBuffers, buffer_names, state_bytes
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
-from dtrain.parallel.zero_shards import KINDS, Ledger, Unit, UnitOptimizers, units_of
+from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, costs_per_rank, units_of
+from dtrain.parallel.zero_shards import paper_formula as paper_formula  # (where the lesson and tests look for it)
 
 STAGES = (1, 2, 3)
 ZERO_STAGE = Flag("zero_stage", None, "shard the optimizer state (1), and the gradients (2), and the parameters (3; "
@@ -95,16 +89,6 @@ ZERO_STAGE = Flag("zero_stage", None, "shard the optimizer state (1), and the gr
                   not_a_choice="is not a ZeRO stage: choose 1, 2 or 3")  # fmt: skip
 DEFAULT_STAGE = 3  # full sharding, FSDP's default
 PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
-
-
-def paper_formula(n: int, world: int, stage: int, itemsize: int, buffers: int) -> dict:
-    """The ZeRO paper's bytes per rank by kind, in dtrain's terms (module docstring): ``n`` parameters of
-    ``itemsize`` bytes, ``buffers`` optimizer buffers (k), ``stage`` 0 for ddp. No layer in flight, chunks of n/N."""
-
-    def state(sharded_from: int) -> float:  # the optimizer state is sharded from stage 1, gradients 2, parameters 3
-        return n * itemsize / world if stage >= sharded_from else n * itemsize
-
-    return {"parameters": state(3), "gradients": state(2), "optimizer": buffers * state(1)}
 
 
 class ShardedLinear(Module):
@@ -197,8 +181,8 @@ class Zero(Paradigm):
         # each layer's chunk: views into the full buffers (stage 1) or into this rank's packed chunks
         where = [u.own if self.stage == 1 else slice(a, b) for u, a, b in zip(self.units, chunks, chunks[1:])]
         mine = [(flat[u.own] if self.stage < 3 else params[w], grads[w]) for u, w in zip(self.units, where)]
-        self.optimizer = UnitOptimizers([make_optimizer(SimpleNamespace(flat_params=p, flat_grads=g)) for p, g in mine])
-        self.ledger.hold("optimizer", sum(self._buffer_bytes(part) for part in self.optimizer.parts))
+        self.optimizer = UnitOptimizers([make_optimizer(FlatBuffers(p, g)) for p, g in mine])
+        self.ledger.hold("optimizer", sum(state_bytes(part) for part in self.optimizer.parts))
         if self.stage == 1:
             self.model = model
             return
@@ -212,10 +196,6 @@ class Zero(Paradigm):
             layers.append(layer)
         self.model = Sequential(layers)
         self.model.flat_params, self.model.flat_grads = params, grads  # what zero_grad clears: this rank's chunks
-
-    @staticmethod
-    def _buffer_bytes(optimizer) -> int:
-        return sum(v.nbytes for v in optimizer.state_dict().values() if isinstance(v, np.ndarray))
 
     # --- the collectives, labelled for the tracer ---------------------------------------------------------
     def reduce_scatter(self, grad):
@@ -316,23 +296,4 @@ class Zero(Paradigm):
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step and the peak bytes held of each kind (module docstring's table)."""
-        b = np.dtype(config.dtype).itemsize
-        stage, (rs, ag), a = cls.stage_of(config), cls.pair(config, world), config.accumulate
-        buffers = buffers_per_parameter(config.optimizer, config.momentum)
-        layers = [u.size for u in units_of(sizes, 0, world)]
-        n, largest = sum(layers), max(layers)
-        bounds = [chunk_bounds(size, world) for size in layers]  # (once: per rank it would cost N times as much)
-
-        def sent(collective, algorithm, rank):
-            return sum(costmodel.bytes_sent(algorithm, size, b, world, rank, collective=collective) for size in layers)
-
-        costs = {"sent_per_step": [], **{kind: [] for kind in KINDS}}
-        for rank in range(world):
-            scatter, gather = sent("reduce_scatter", rs, rank), sent("allgather", ag, rank)
-            s = sum(hi - lo for lo, hi in (layer[rank] for layer in bounds))  # this rank's chunks
-            per_step = {1: scatter + gather, 2: a * scatter + gather, 3: a * (scatter + 2 * gather)}
-            costs["sent_per_step"].append(per_step[stage])
-            costs["parameters"].append((n if stage < 3 else s + largest) * b)
-            costs["gradients"].append((n if stage == 1 else s + largest) * b)
-            costs["optimizer"].append(buffers * s * b)
-        return costs
+        return costs_per_rank(sizes, world, cls.stage_of(config), cls.pair(config, world), config)

@@ -8,7 +8,8 @@ make, so rank r's chunk of a layer is exactly what a reduce-scatter of the layer
     N = 3 chunks  [ r0   | r1   | r2   | r0 | r1 | r2 | r0|r1|r2]   rank r owns chunk r of every layer
 
 :class:`Ledger` counts the bytes a rank holds of each kind as it allocates and frees them: the accounting that
-``Zero.costs`` is held against (not the process's RSS, which also counts Python, NumPy and MPI).
+``Zero.costs`` (:func:`costs_per_rank`, the cost as code) is held against (not the process's RSS, which also counts
+Python, NumPy and MPI); :func:`paper_formula` is the ZeRO paper's table, for comparison.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from dtrain.collectives import chunk_bounds
+import numpy as np
+
+from dtrain.collectives import chunk_bounds, costmodel
+from dtrain.optim import buffers_per_parameter
 
 KINDS = ("parameters", "gradients", "optimizer")
 
@@ -99,3 +103,47 @@ class UnitOptimizers:
     def step(self) -> None:
         for part in self.parts:
             part.step()
+
+
+# --- the cost as code ----------------------------------------------------------------------------------------------
+def costs_per_rank(sizes, world: int, stage: int, pair: tuple[str, str], config) -> dict:
+    """``Zero.costs``: per rank (lists), bytes sent per step and the peak bytes held of each kind (the table in
+    zero.py's docstring); ``pair``: the (reduce-scatter, all-gather) algorithms."""
+    b = np.dtype(config.dtype).itemsize
+    (rs, ag), a = pair, config.accumulate
+    buffers = buffers_per_parameter(config.optimizer, config.momentum)
+    layers = [u.size for u in units_of(sizes, 0, world)]
+    n, largest = sum(layers), max(layers)
+    bounds = [chunk_bounds(size, world) for size in layers]  # (once: per rank it would cost N times as much)
+
+    def sent(collective, algorithm, rank):
+        return sum(costmodel.bytes_sent(algorithm, size, b, world, rank, collective=collective) for size in layers)
+
+    costs = {"sent_per_step": [], **{kind: [] for kind in KINDS}}
+    for rank in range(world):
+        scatter, gather = sent("reduce_scatter", rs, rank), sent("allgather", ag, rank)
+        s = sum(hi - lo for lo, hi in (layer[rank] for layer in bounds))  # this rank's chunks
+        per_step = {1: scatter + gather, 2: a * scatter + gather, 3: a * (scatter + 2 * gather)}
+        costs["sent_per_step"].append(per_step[stage])
+        costs["parameters"].append((n if stage < 3 else s + largest) * b)
+        costs["gradients"].append((n if stage == 1 else s + largest) * b)
+        costs["optimizer"].append(buffers * s * b)
+    return costs
+
+
+def paper_formula(n: int, world: int, stage: int, itemsize: int, buffers: int) -> dict:
+    """The ZeRO paper's bytes per rank by kind, in dtrain's terms: ``n`` parameters of ``itemsize`` bytes, ``buffers``
+    optimizer buffers (k), ``stage`` 0 for ddp. No layer in flight, chunks of n/N.
+
+    The paper's formulas (mixed-precision Adam, a model of Psi parameters) are ``(2+2+K) Psi`` bytes for ddp, then
+    ``2 Psi + 2 Psi + K Psi / N``, ``2 Psi + (2+K) Psi / N`` and ``(2+2+K) Psi / N``, with K = 12 (an fp32 master copy
+    of the weights and Adam's two moments). dtrain trains in one precision of b bytes (4 in float32) and keeps no
+    master copy, so Psi parameters cost Psi b for the weights, Psi b for the gradients and K = k b per parameter for
+    the optimizer: ``(2+k) Psi b`` for ddp, ``2 Psi b + k Psi b / N``, ``Psi b + (1+k) Psi b / N`` and
+    ``(2+k) Psi b / N``.
+    """
+
+    def state(sharded_from: int) -> float:  # the optimizer state is sharded from stage 1, gradients 2, parameters 3
+        return n * itemsize / world if stage >= sharded_from else n * itemsize
+
+    return {"parameters": state(3), "gradients": state(2), "optimizer": buffers * state(1)}

@@ -1,0 +1,80 @@
+"""A parameter-server worker's side of the protocol (:mod:`dtrain.parallel.parameter_server` has the picture).
+
+A :class:`Worker` holds the whole model for forward and backward and no optimizer state. After each backward it
+pushes every server its slice of the gradient and receives that server's slice of the new weights, all at once
+(non-blocking: every shard in flight together), so its wait is for the slowest shard. The coordinator's reply says,
+by its tag, whether the epoch is over (END), and the worker then tells the other servers so.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dtrain.comm import new_status, probe, waitall, watchdog
+from dtrain.comm.names import ANY_TAG
+from dtrain.comm.trace import labelled
+from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS
+
+
+class Worker:
+    """A worker's side of the protocol: the whole model for forward and backward, and no optimizer (the servers
+    have it). After its backward, it pushes each server its slice of the gradient and pulls the new weights."""
+
+    def __init__(self, comm, model, served):
+        """``comm``: the protocol's communicator; ``served``: (server rank, (start, stop) of its shard), for each."""
+        self.comm, self.model, self.served = comm, model, served
+        self.status = new_status(comm)
+        self.pulled = False
+        self.wait_s = 0.0  # time waiting for the servers' weights
+        self.steps = 0  # steps in this epoch
+
+    def push_and_pull(self) -> bool:
+        """Send each server its slice of the gradient and receive its slice of the new weights, all at once; True
+        when the coordinator's reply says the epoch is over."""
+        params, grads = self.model.flat_params, self.model.flat_grads
+        if not self.pulled:
+            self.pull()
+        comm = self.comm
+        (coordinator, (a0, b0)), others = self.served[0], self.served[1:]  # the coordinator's reply: epoch over?
+        started = time.perf_counter()
+        with labelled(comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
+            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
+            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self.served]
+            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
+            epoch_over = self.status.Get_tag() == END
+            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
+            if epoch_over:  # the other servers stop waiting for this worker in this epoch
+                requests += [comm.Isend(params[:0], server, END) for server, _ in others]
+            waitall(requests)
+        self.wait_s += time.perf_counter() - started
+        self.steps += 1
+        return epoch_over
+
+    def pull(self, label: str = "ps/pull") -> None:
+        """The servers' weights: before the first push (after a resume, the checkpoint's), and for evaluation."""
+        params, comm = self.model.flat_params, self.comm
+        with labelled(comm, label, 0), watchdog.watching(comm, "ps: pulling the weights"):
+            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in self.served]
+            requests += [comm.Isend(params[:0], server, PULL) for server, _ in self.served]
+            waitall(requests)
+        self.pulled = True
+
+    def done(self) -> dict:
+        """Tell every server this worker is done; what it reports for metrics.json."""
+        for server, _ in self.served:
+            self.comm.Send(self.model.flat_params[:0], server, DONE)
+        return {"held": self.held_bytes(), "wait_s": self.wait_s}
+
+    def held_bytes(self) -> dict:
+        m = self.model
+        return {"parameters": m.flat_params.nbytes, "gradients": m.flat_grads.nbytes, "optimizer": 0}
+
+    def parameters(self):
+        return self.model.flat_params
+
+    def optimizer_state(self) -> dict:
+        raise RuntimeError("a worker holds no optimizer state: the servers do (gathered at the end of training)")
+
+    def load(self, whole, optimizer_state: dict) -> None:
+        """The whole model (the servers load the optimizer state, shard by shard)."""
+        self.model.flat_params[...] = whole
