@@ -27,8 +27,9 @@ from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
-from dtrain.parallel.pipeline import Pipeline, cut, units
-from dtrain.parallel.schedules import Instruction
+from dtrain.parallel.pipeline import Pipeline
+from dtrain.parallel.schedules import END_OF_STEP, AllReduceGradients, OptimizerStep, WaitSends
+from dtrain.parallel.stages import cut, units
 from dtrain.train import TrainConfig
 
 FOUR = [64, 32, 32, 16, 10]  # four Linear layers: P = 2 with V = 2 interleaved, P = 4
@@ -47,7 +48,8 @@ def test_every_schedule_keeps_the_rules_and_never_deadlocks(P, M, name, V):
     schedules.check(schedule, M, V)  # forward before backward, on the right rank; sends and receives one to one
     timeline = schedules.simulate(schedule, 1.0, 2.0, V)  # the message order, run: raises on a deadlock
     assert len(timeline) == 2 * P * V * M
-    assert all(program[-1] == Instruction("step") for program in schedule)
+    assert END_OF_STEP == (WaitSends(), AllReduceGradients(), OptimizerStep())
+    assert all(tuple(program[-3:]) == END_OF_STEP for program in schedule)  # the same end on every rank
 
 
 @pytest.mark.parametrize(("P", "M", "name", "V"), CASES)

@@ -11,8 +11,9 @@ gradients of those activations travel back; each rank holds, computes and update
 One batch would keep all but one stage idle; so the replica's slice of the global batch is cut into M micro-batches
 (``--microbatches``) and the stages work on different ones at once. *When* each stage runs which forward and
 backward is the **schedule** (``--schedule gpipe|1f1b|interleaved``), which is data: schedules.py returns, for every
-stage, its list of instructions (forward/backward of micro-batch i, send/receive an activation/gradient, the optimizer
-step), and :meth:`Pipeline.step` is a small interpreter that executes its rank's list. The gradients of the M
+stage, its list of instructions (forward/backward of micro-batch i, send/receive an activation/gradient; at the end
+the gradients' all-reduce over the replicas and the optimizer step), and :meth:`Pipeline.step` is a small interpreter
+that executes its rank's list. The gradients of the M
 micro-batches accumulate, so the step is exactly one step on the whole batch: ``pp`` follows ``single``.
 
 **The cut** (printed at start; stages.py): contiguous stages *balanced by parameter count*, the cut that makes the
@@ -43,6 +44,7 @@ held against the tracer and the interpreter's own count of the activations it ke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -50,27 +52,18 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
-from dtrain.backend import array_module, resolve_dtype
+from dtrain.backend import array_module
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Sequential
-from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import parameter_count, register, schedules
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.model_parallel import ModelParallel
-from dtrain.parallel.stages import cut, hidden_for, units
-from dtrain.parallel.tensor_parallel import (
-    TensorGroup,
-    activation_elements,
-    activations_sent,
-    check_splittable,
-    group_allreduce_bytes,
-    local_parameters,
-    plan,
-    shard,
-)
+from dtrain.parallel.schedules import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
+from dtrain.parallel.stages import check_cut, costs_per_rank, cut
+from dtrain.parallel.tensor_parallel import TensorGroup, check_splittable, plan, shard
 
 
 class PipelineForward:
@@ -96,6 +89,26 @@ class PipelineForward:
             logits = h.data if last in pipe.chunks else xp.empty((rows, pipe.sizes[-1]), dtype=pipe.dtype)
             collectives.broadcast(comm, logits, root=last % pipe.P)
         return Tensor(logits)
+
+
+@dataclasses.dataclass
+class Step:
+    """What one step's instructions share: this rank's slice (x, y) of the batch, cut into micro-batches of ``rows``;
+    the messages received and to be sent, keyed by (kind, stage, micro) and (stage, micro); each micro-batch's saved
+    activations until its backward; the sends in flight; the last stage's losses."""
+
+    x: object
+    y: object
+    rows: int
+    inbox: dict = dataclasses.field(default_factory=dict)
+    outbox: dict = dataclasses.field(default_factory=dict)
+    saved: dict = dataclasses.field(default_factory=dict)
+    sending: list = dataclasses.field(default_factory=list)
+    losses: list = dataclasses.field(default_factory=list)
+    timeline: list = dataclasses.field(default_factory=list)  # (op, stage, micro, start, end) of each computation
+
+    def micro(self, i: int) -> slice:
+        return slice(i * self.rows, (i + 1) * self.rows)
 
 
 MICROBATCHES = Flag("microbatches", None, "micro-batches per step, each replica's slice of the batch cut into M "
@@ -127,29 +140,7 @@ class Pipeline(ModelParallel):
             raise ConfigError("--accumulate is not for --paradigm pp: its --microbatches accumulate the gradients")
         super().check(config, world)
         shape, (schedule, m, v) = cls.shape_of(config, world), cls.settings(config)
-        layers, stages = len(config.hidden) + 1, shape.pp * v
-        available = len(units(layers, shape.tp)) - 1
-        what = f"{layers} Linear layers" if shape.tp == 1 else (
-            f"{available} column-then-row pair(s) of Linear layers to split over --tp {shape.tp} (with tensor "
-            "parallelism a pipeline cuts between pairs, so that every stage has layers to split)")  # fmt: skip
-        hidden = f"--hidden {','.join(map(str, config.hidden)) or 'none'}"
-        if schedule == "interleaved":
-            if v < 2 or shape.pp < 2:
-                raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2 and --pp >= 2, got {v} and "
-                                  f"{shape.pp}")  # fmt: skip
-            if available % stages:
-                raise ConfigError(f"--pp {shape.pp} x --virtual-stages {v} = {stages} chunks do not divide the "
-                                  f"{what} ({hidden}): interleaving gives every chunk the same number; give "
-                                  f"{hidden_for(-(-available // stages) * stages, shape.tp, config.hidden)} or another "
-                                  "--virtual-stages")  # fmt: skip
-            if m % shape.pp:
-                raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --pp {shape.pp}, got {m}")
-        elif v != 1:
-            raise ConfigError(f"--virtual-stages {v} is for --schedule interleaved, not {schedule}")
-        if stages > available:
-            fewer = "--pp" if v == 1 else "--pp or --virtual-stages"
-            raise ConfigError(f"{stages} pipeline stages but the model has {what} ({hidden}): every stage needs one; "
-                              f"give {hidden_for(stages, shape.tp, config.hidden)}, or a smaller {fewer}")  # fmt: skip
+        check_cut(config.hidden, shape, schedule, m, v)
         replica = config.batch_size // shape.dp
         if replica % m:
             raise ConfigError(f"--microbatches {m} must divide each replica's slice of the batch ({replica} = "
@@ -211,68 +202,69 @@ class Pipeline(ModelParallel):
         """Run this rank's instructions for one global step; the replica's mean loss on the last stage, else 0."""
         step_start = time.perf_counter()
         self.model.zero_grad()
-        self.x, self.y, self.rows = x, y, len(y) // self.M
-        self.inbox, self.outbox, self.saved, self.sending, self.losses, self.timeline = {}, {}, {}, [], [], []
+        run = Step(x, y, len(y) // self.M)
         for ins in self.program:
             started = time.perf_counter()
-            getattr(self, "_" + ins.op)(ins)
+            getattr(self, "_" + ins.op)(ins, run)  # _forward, _backward, _send, _recv, _wait, _allreduce, _step
             if ins.op in ("forward", "backward"):
-                self._computed(ins, started)
+                self._computed(ins, started, run)
         self.step_s += time.perf_counter() - step_start
-        return float(np.mean(self.losses)) if self.losses else 0.0
+        self.timeline = run.timeline  # the last step's, for the lesson to draw
+        return float(np.mean(run.losses)) if run.losses else 0.0
 
-    def _micro(self, i: int) -> slice:
-        return slice(i * self.rows, (i + 1) * self.rows)
-
-    def _forward(self, ins) -> None:
-        v, i = ins.stage, ins.micro
+    def _forward(self, ins: Forward, run: Step) -> None:
+        v, rows = ins.stage, run.micro(ins.micro)
         if v == 0:
-            inputs = Tensor(self.x[self._micro(i)])
+            inputs = Tensor(run.x[rows])
         else:  # the received activations: a leaf whose gradient goes back to the previous stage
-            inputs = Tensor(self.inbox.pop(("activation", v, i)), requires_grad=True)
+            inputs = Tensor(run.inbox.pop(("activation", v, ins.micro)), requires_grad=True)
         out = self.chunks[v](inputs)
         if v == self.stages - 1:
-            out = softmax_cross_entropy(out, self.y[self._micro(i)])
-            self.losses.append(float(out.data))
+            out = softmax_cross_entropy(out, run.y[rows])
+            run.losses.append(float(out.data))
         kept = activation_bytes(out) + (inputs.data.nbytes if v > 0 else 0)
-        self.saved[v, i] = (inputs, out, kept)
+        run.saved[v, ins.micro] = (inputs, out, kept)
         self.held += kept
         self.peak = max(self.peak, self.held)
 
-    def _backward(self, ins) -> None:
-        inputs, out, kept = self.saved.pop((ins.stage, ins.micro))
+    def _backward(self, ins: Backward, run: Step) -> None:
+        inputs, out, kept = run.saved.pop((ins.stage, ins.micro))
         if ins.stage == self.stages - 1:  # each micro-batch's mean loss counts 1/M: the gradient of the batch's mean
             out.backward(array_module(out.data).full_like(out.data, 1.0 / self.M))
         else:
-            out.backward(self.inbox.pop(("gradient", ins.stage, ins.micro)))
+            out.backward(run.inbox.pop(("gradient", ins.stage, ins.micro)))
         self.held -= kept
         if ins.stage > 0:  # the gradient of the received activations, for the send instruction that names it
-            self.outbox[ins.stage, ins.micro] = inputs.grad
+            run.outbox[ins.stage, ins.micro] = inputs.grad
 
-    def _send(self, ins) -> None:
+    def _send(self, ins: Send, run: Step) -> None:
         key = (ins.stage, ins.micro)
-        data = self.saved[key][1].data if ins.kind == "activation" else self.outbox.pop(key)
+        data = run.saved[key][1].data if ins.kind == "activation" else run.outbox.pop(key)
         with labelled(self.comm, f"pp/{ins.kind}s"):
             request = self.grid.pp_comm.Isend(data, dest=ins.peer, tag=schedules.tag(ins.message(), self.M))
-        self.sending.append((request, data))  # (the array must live until the message has left)
+        run.sending.append((request, data))  # (the array must live until the message has left)
 
-    def _recv(self, ins) -> None:
+    def _recv(self, ins: Recv, run: Step) -> None:
         width = self.width(ins.stage) if ins.kind == "activation" else self.sizes[self.bounds[ins.stage + 1]]
-        buf = array_module(self.model.flat_params).empty((self.rows, width), dtype=self.dtype)
+        buf = array_module(self.model.flat_params).empty((run.rows, width), dtype=self.dtype)
         with labelled(self.comm, f"pp/{ins.kind}s"):
             what = f"stage {ins.stage}: waiting for the {ins.kind} of micro-batch {ins.micro} from rank {ins.peer}"
             self.receive(buf, ins.peer, schedules.tag(ins.message(), self.M), what)
-        self.inbox[ins.kind, ins.stage, ins.micro] = buf
+        run.inbox[ins.kind, ins.stage, ins.micro] = buf
 
-    def _step(self, ins) -> None:
+    def _wait(self, ins: WaitSends, run: Step) -> None:
         waiting = watchdog.watching(self.grid.pp_comm, "pipeline: sends in flight")
         with labelled(self.comm, "pp/sends-in-flight"), waiting:
-            waitall([request for request, _ in self.sending])  # (already gone, all but always: a formality)
-        self.sending = []
+            waitall([request for request, _ in run.sending])  # (already gone, all but always: a formality)
+        run.sending.clear()
+
+    def _allreduce(self, ins: AllReduceGradients, run: Step) -> None:
         self.average_gradients()
+
+    def _step(self, ins: OptimizerStep, run: Step) -> None:
         self.optimizer.step()
 
-    def _computed(self, ins, started: float) -> None:
+    def _computed(self, ins, started: float, run: Step) -> None:
         """Bookkeeping after a forward or backward: the sleep of a calibrated pipeline or a straggler, the timeline."""
         if self.delay is not None:
             layers = self.bounds[ins.stage + 1] - self.bounds[ins.stage]
@@ -281,7 +273,7 @@ class Pipeline(ModelParallel):
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
         ended = time.perf_counter()
         self.busy_s += ended - started
-        self.timeline.append((ins.op, ins.stage, ins.micro, started, ended))
+        run.timeline.append((ins.op, ins.stage, ins.micro, started, ended))
         if self.tracer is not None:
             self.tracer.span(f"{ins} ({ins.phase})", started, ended, stage=ins.stage, micro=ins.micro)
 
@@ -305,32 +297,4 @@ class Pipeline(ModelParallel):
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step, the bytes held of parameters, gradients and optimizer state, and
         the peak bytes of activations kept for backward (from the schedule)."""
-        shape, b = cls.shape_of(config, world), resolve_dtype(config.dtype).itemsize
-        (schedule, M, V), P = cls.settings(config), shape.pp
-        stages, rows = P * V, config.batch_size // (shape.dp * M)
-        bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
-        program = schedules.build(schedule, P, M, V)
-        buffers = buffers_per_parameter(config.optimizer, config.momentum)
-
-        def kept(v):  # one micro-batch's activations on stage v: its received input and its intermediate results
-            first, stop = bounds[v], bounds[v + 1]
-            received = rows * sizes[first] if v > 0 else 0
-            return (received + activation_elements(sizes, first, stop, rows, shape.tp)) * b
-
-        costs = {"sent_per_step": [], "parameters": [], "gradients": [], "optimizer": [], "activations": []}
-        for rank in range(world):
-            at = shape.coordinates(rank)
-            mine = [v for v in range(stages) if v % P == at["pp"]]
-            n = sum(local_parameters(sizes, shape.tp, bounds[v], bounds[v + 1]) for v in mine)
-            sent = group_allreduce_bytes(config.allreduce, [n], b, shape.dp, at["dp"])
-            for v in mine:
-                first, stop = bounds[v], bounds[v + 1]
-                sent += M * rows * sizes[stop] * b if v < stages - 1 else 0  # activations to the next stage
-                sent += M * rows * sizes[first] * b if v > 0 else 0  # their gradients to the previous one
-                forward, backward = activations_sent(sizes, first, stop, rows)
-                sent += M * group_allreduce_bytes(config.allreduce, forward + backward, b, shape.tp, at["tp"])
-            costs["sent_per_step"].append(sent)
-            for kind, count in (("parameters", n), ("gradients", n), ("optimizer", buffers * n)):
-                costs[kind].append(count * b)
-            costs["activations"].append(schedules.in_flight(program[at["pp"]], kept))
-        return costs
+        return costs_per_rank(sizes, world, cls.shape_of(config, world), *cls.settings(config), config)

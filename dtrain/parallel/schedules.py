@@ -24,14 +24,16 @@ fraction ``(P - 1) / (M + P - 1)``; interleaving with V chunks makes each slot V
 ``(P - 1) / (V M + P - 1)``. What 1F1B saves is **memory**: a micro-batch's activations are kept from its forward
 to its backward, and 1F1B starts backwards after P - s forwards where GPipe waits for all M.
 
-**Instructions.** ``forward``/``backward`` of (virtual) stage ``stage`` on micro-batch ``micro``, each in a
-``phase`` (warm-up, steady, cool-down); ``recv``/``send`` of an ``"activation"`` (forward, to the next stage) or a
-``"gradient"`` (backward, to the previous one), with the ``peer`` pipeline rank; and one ``step`` at the end (the
-optimizer). A receive is placed just before the computation that needs it and a send just after the computation that
-makes it; sends do not wait for their receiver (``Isend``), receives do. :func:`check` holds a schedule to its rules
-(every forward before its backward, sends and receives matched one to one), :func:`simulate` runs the message order
-with given compute times (a deadlock is an error naming what every stage waits for) and returns the timeline the
-lesson draws, :func:`in_flight` counts the activations each stage keeps.
+**Instructions**, one small record per kind: :class:`Forward`/:class:`Backward` of (virtual) stage ``stage`` on
+micro-batch ``micro``, each in a ``phase`` (warm-up, steady, cool-down); :class:`Recv`/:class:`Send` of an
+``"activation"`` (forward, to the next stage) or a ``"gradient"`` (backward, to the previous one), with the ``peer``
+pipeline rank; and the step's end, the same on every rank: :class:`WaitSends`, :class:`AllReduceGradients` (over the
+stage's replicas) and :class:`OptimizerStep`. A receive is placed just before the computation that needs it and a
+send just after the computation that makes it; sends do not wait for their receiver (``Isend``), receives do.
+:func:`check` holds a schedule to its rules (every forward before its backward, sends and receives matched one to
+one), :func:`simulate` runs the message order with given compute times (a deadlock is an error naming what every
+stage waits for) and returns the timeline the lesson draws, :func:`in_flight` counts the activations each stage
+keeps.
 """
 
 from __future__ import annotations
@@ -43,30 +45,100 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 KINDS = ("activation", "gradient")
 
 
-@dataclasses.dataclass(frozen=True)
 class Instruction:
-    """One thing a pipeline rank does. ``stage`` is the virtual stage (chunk c of rank r is stage c P + r)."""
+    """One thing a pipeline rank does: one small record per kind below. ``stage`` is the virtual stage (chunk c of
+    rank r is stage c P + r); ``op`` names the kind (the interpreter's method for it, ``simulate``'s and ``check``'s
+    tests)."""
 
-    op: str  # "forward", "backward", "send", "recv" or "step"
-    stage: int = 0
-    micro: int = 0
-    kind: str = ""  # send/recv: "activation" or "gradient"
-    peer: int = -1  # send/recv: the pipeline rank at the other end
-    phase: str = ""  # forward/backward: "warm-up", "steady" or "cool-down"
+    op = ""
+    phase = ""  # (a forward's or backward's; the others are in none)
 
     def __str__(self) -> str:
-        if self.op in ("forward", "backward"):
-            return f"{self.op[0].upper()}{self.micro}" + (f"@{self.stage}" if self.stage else "")
-        if self.op == "step":
-            return "step"
-        arrow = "->" if self.op == "send" else "<-"
-        return f"{self.op} {self.kind} {self.micro} {arrow} {self.peer}"
+        return self.op
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute(Instruction):
+    """A computation of stage ``stage`` on micro-batch ``micro``, in ``phase`` ("warm-up", "steady", "cool-down")."""
+
+    stage: int
+    micro: int
+    phase: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.op[0].upper()}{self.micro}" + (f"@{self.stage}" if self.stage else "")
+
+
+class Forward(Compute):
+    """The stage's forward of the micro-batch: its activations are kept until its backward."""
+
+    op = "forward"
+
+
+class Backward(Compute):
+    """The stage's backward of the micro-batch: its gradients accumulate into the stage's."""
+
+    op = "backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Message(Instruction):
+    """The ``kind`` ("activation" forward, "gradient" backward) of stage ``stage`` for micro-batch ``micro``, to or
+    from pipeline rank ``peer``."""
+
+    stage: int
+    micro: int
+    kind: str
+    peer: int
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.kind} {self.micro} {'->' if self.op == 'send' else '<-'} {self.peer}"
 
     def message(self) -> tuple:
-        """What a send or receive carries: (kind, the stage boundary it crosses, micro-batch). A send and the receive
-        that matches it have the same message."""
+        """What it carries: (kind, the stage boundary it crosses, micro-batch); a send and its receive have the same
+        message."""
         boundary = self.stage + 1 if (self.op == "send") == (self.kind == "activation") else self.stage
         return self.kind, boundary, self.micro
+
+
+class Send(Message):
+    """Send what the stage made (an ``Isend``: it does not wait for the receiver)."""
+
+    op = "send"
+
+
+class Recv(Message):
+    """Receive what the stage needs (it waits for it)."""
+
+    op = "recv"
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitSends(Instruction):
+    """Wait until this step's sends have left (their arrays may then be dropped)."""
+
+    stage = micro = 0  # (every stage of the rank: a step's end)
+    op = "wait"
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceGradients(Instruction):
+    """Average the stage's gradients with its replicas' (the dp group; nothing to do without data parallelism)."""
+
+    stage = micro = 0  # (every stage of the rank: a step's end)
+    op = "allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerStep(Instruction):
+    """The optimizer's step on this rank's layers."""
+
+    stage = micro = 0  # (every stage of the rank: a step's end)
+    op = "step"
+
+
+END_OF_STEP = (WaitSends(), AllReduceGradients(), OptimizerStep())  # every rank's program ends so
+OPS = ("forward", "backward", "send", "recv", "wait", "allreduce", "step")
 
 
 def tag(message: tuple, microbatches: int) -> int:
@@ -149,7 +221,8 @@ def _check_sizes(stages: int, microbatches: int, virtual: int) -> None:
 
 def _with_messages(programs, stages: int, virtual: int) -> list[list[Instruction]]:
     """Each rank's computations ``(op, stage, micro, phase)`` with a receive before each one whose input lives on
-    another rank, a send after each one whose output does, and the optimizer step at the end."""
+    another rank, a send after each one whose output does, and at the end: the sends awaited, the gradients averaged
+    over the replicas, the optimizer step."""
     last = stages * virtual - 1
     result = []
     for rank, order in enumerate(programs):
@@ -159,11 +232,11 @@ def _with_messages(programs, stages: int, virtual: int) -> list[list[Instruction
             dest = stage + 1 if op == "forward" else stage - 1  # who needs its output
             kind = "activation" if op == "forward" else "gradient"
             if 0 <= source <= last and source % stages != rank:
-                program.append(Instruction("recv", stage, micro, kind, source % stages))
-            program.append(Instruction(op, stage, micro, phase=phase))
+                program.append(Recv(stage, micro, kind, source % stages))
+            program.append((Forward if op == "forward" else Backward)(stage, micro, phase))
             if 0 <= dest <= last and dest % stages != rank:
-                program.append(Instruction("send", stage, micro, kind, dest % stages))
-        result.append([*program, Instruction("step")])
+                program.append(Send(stage, micro, kind, dest % stages))
+        result.append([*program, *END_OF_STEP])
     return result
 
 

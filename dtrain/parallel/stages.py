@@ -12,11 +12,25 @@ contiguous cut whose largest stage holds the fewest parameters::
 (The first layer is over half the model: no cut makes a stage smaller than it.) Interleaving cuts into equal numbers
 of units instead, Megatron's rule. With tensor parallelism a unit is a column-then-row *pair* of layers
 (:func:`units`), so that every stage holds layers its tensor group can split.
+
+:func:`check_cut` refuses a cut that cannot be made (with the flags that would make it); :func:`costs_per_rank` is
+the pipeline's cost as code: what each stage of the cut sends and holds, from the schedule.
 """
 
 from __future__ import annotations
 
 import itertools
+
+from dtrain.backend import resolve_dtype
+from dtrain.errors import ConfigError
+from dtrain.optim import buffers_per_parameter
+from dtrain.parallel import schedules
+from dtrain.parallel.tensor_parallel import (
+    activation_elements,
+    activations_sent,
+    group_allreduce_bytes,
+    local_parameters,
+)
 
 
 def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
@@ -61,3 +75,65 @@ def hidden_for(count: int, tp: int, hidden) -> str:
     layers = count if tp == 1 else 2 * count
     width = hidden[0] if hidden else 64
     return "--hidden " + ",".join([str(width)] * (layers - 1))
+
+
+def check_cut(hidden, shape, schedule: str, m: int, v: int) -> None:
+    """A :class:`ConfigError` unless an MLP with ``hidden`` layers can be cut into ``shape.pp`` x ``v`` stages (each
+    with a unit of its own; interleaved: as many units each) for ``schedule`` with ``m`` micro-batches."""
+    layers, stages = len(hidden) + 1, shape.pp * v
+    available = len(units(layers, shape.tp)) - 1
+    what = f"{layers} Linear layers" if shape.tp == 1 else (
+        f"{available} column-then-row pair(s) of Linear layers to split over --tp {shape.tp} (with tensor "
+        "parallelism a pipeline cuts between pairs, so that every stage has layers to split)")  # fmt: skip
+    given = f"--hidden {','.join(map(str, hidden)) or 'none'}"
+    if schedule == "interleaved":
+        if v < 2 or shape.pp < 2:
+            raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2 and --pp >= 2, got {v} and "
+                              f"{shape.pp}")  # fmt: skip
+        if available % stages:
+            raise ConfigError(f"--pp {shape.pp} x --virtual-stages {v} = {stages} chunks do not divide the "
+                              f"{what} ({given}): interleaving gives every chunk the same number; give "
+                              f"{hidden_for(-(-available // stages) * stages, shape.tp, hidden)} or another "
+                              "--virtual-stages")  # fmt: skip
+        if m % shape.pp:
+            raise ConfigError(f"--schedule interleaved needs --microbatches a multiple of --pp {shape.pp}, got {m}")
+    elif v != 1:
+        raise ConfigError(f"--virtual-stages {v} is for --schedule interleaved, not {schedule}")
+    if stages > available:
+        fewer = "--pp" if v == 1 else "--pp or --virtual-stages"
+        raise ConfigError(f"{stages} pipeline stages but the model has {what} ({given}): every stage needs one; "
+                          f"give {hidden_for(stages, shape.tp, hidden)}, or a smaller {fewer}")  # fmt: skip
+
+
+# --- the cost as code: what each stage of the cut sends and holds ---------------------------------------------------
+def costs_per_rank(sizes, world: int, shape, schedule: str, M: int, V: int, config) -> dict:
+    """``Pipeline.costs``: per rank (lists), bytes sent per step, the bytes held of parameters, gradients and
+    optimizer state, and the peak bytes of activations kept for backward (from the schedule)."""
+    b, P = resolve_dtype(config.dtype).itemsize, shape.pp
+    stages, rows = P * V, config.batch_size // (shape.dp * M)
+    bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
+    program = schedules.build(schedule, P, M, V)
+    buffers = buffers_per_parameter(config.optimizer, config.momentum)
+
+    def kept(v):  # one micro-batch's activations on stage v: its received input and its intermediate results
+        first, stop = bounds[v], bounds[v + 1]
+        received = rows * sizes[first] if v > 0 else 0
+        return (received + activation_elements(sizes, first, stop, rows, shape.tp)) * b
+
+    costs = {"sent_per_step": [], "parameters": [], "gradients": [], "optimizer": [], "activations": []}
+    for rank in range(world):
+        at = shape.coordinates(rank)
+        mine = [v for v in range(stages) if v % P == at["pp"]]
+        n = sum(local_parameters(sizes, shape.tp, bounds[v], bounds[v + 1]) for v in mine)
+        sent = group_allreduce_bytes(config.allreduce, [n], b, shape.dp, at["dp"])
+        for v in mine:
+            first, stop = bounds[v], bounds[v + 1]
+            sent += M * rows * sizes[stop] * b if v < stages - 1 else 0  # activations to the next stage
+            sent += M * rows * sizes[first] * b if v > 0 else 0  # their gradients to the previous one
+            forward, backward = activations_sent(sizes, first, stop, rows)
+            sent += M * group_allreduce_bytes(config.allreduce, forward + backward, b, shape.tp, at["tp"])
+        costs["sent_per_step"].append(sent)
+        for kind, count in (("parameters", n), ("gradients", n), ("optimizer", buffers * n)):
+            costs[kind].append(count * b)
+        costs["activations"].append(schedules.in_flight(program[at["pp"]], kept))
+    return costs
