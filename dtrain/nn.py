@@ -28,6 +28,7 @@ import numpy as np
 
 from dtrain.autograd import Tensor
 from dtrain.backend import DEFAULT_DTYPE, array_module, to_device, to_host
+from dtrain.layout import spans
 
 
 class Parameter(Tensor):
@@ -84,15 +85,13 @@ class Module:
         self.flat_params = xp.empty(total, dtype=dtype)
         self.flat_grads = xp.zeros(total, dtype=dtype)
         self.param_slices: OrderedDict[str, slice] = OrderedDict()
-        offset = 0
-        for name, p in self.named_parameters():
-            n, shape = p.data.size, p.data.shape
+        for (name, p), (offset, n) in zip(self.named_parameters(), spans(p.data.size for p in params)):
+            shape = p.data.shape
             view = self.flat_params[offset : offset + n]
             view[...] = to_device(np.asarray(p.data).ravel(), xp)
             p.data = view.reshape(shape)
             p.grad = self.flat_grads[offset : offset + n].reshape(shape)
             self.param_slices[name] = slice(offset, offset + n)
-            offset += n
 
     def check_flat_views(self) -> None:
         """Raise if any parameter's data or grad is no longer a view into the flat buffers (someone rebound it)."""

@@ -56,7 +56,6 @@ tests hold them against the tracer's counts, and a planner can rank paradigms wi
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -65,6 +64,7 @@ from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.backend import weights_digest
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.registry import MODULES_VAR, all_flags, get, names, readers, register
@@ -98,11 +98,6 @@ class Evaluating:
     def __call__(self, x):
         with labelled(self.comm, EVALUATION):
             return self.model(x)
-
-
-def parameter_count(sizes) -> int:
-    """Parameters of an MLP with layer widths ``sizes`` (weights and biases)."""
-    return sum(a * b + b for a, b in itertools.pairwise(sizes))
 
 
 class Paradigm:

@@ -31,8 +31,9 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.collectives import costmodel
+from dtrain.layout import parameter_count
 from dtrain.optim import state_bytes
-from dtrain.parallel import Paradigm, parameter_count, register
+from dtrain.parallel import Paradigm, register
 
 STORAGE = 0  # the rank that holds the variables
 

@@ -60,14 +60,13 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from dtrain import collectives, kernels
 from dtrain.backend import is_device_array
 from dtrain.collectives import costmodel, hierarchical
 from dtrain.errors import ConfigError
+from dtrain.layout import parameter_spans, spans
 from dtrain.parallel import Paradigm, check_replicas, register
 from dtrain.parallel.buckets import Buckets, plan_buckets
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
@@ -124,8 +123,7 @@ class DataParallel(Paradigm):
         collectives.broadcast(self.comm, model.flat_params, root=0)  # replicas start from rank 0's weights
         self.check_replicas("after the initial broadcast")
         flat, params = model.flat_grads, model.parameters()
-        offsets = itertools.accumulate((p.grad.size for p in params), initial=0)  # the flat buffer's order
-        layout = [(offset, p.grad.size, flat.itemsize) for offset, p in zip(offsets, params)]
+        layout = [(offset, n, flat.itemsize) for offset, n in spans(p.grad.size for p in params)]  # flat order
         plan = plan_buckets(layout, self.bucket_bytes(self.config))
         biggest = max(stop - start for start, stop, _ in plan) * flat.itemsize
         self.algorithm = self.choose_algorithm(self.config, self.world, biggest)
@@ -202,10 +200,7 @@ class DataParallel(Paradigm):
         """Bytes each rank sends per step: one all-reduce per bucket (exact, from the cost model's counts)."""
         base = super().costs(sizes, world, config)
         itemsize = np.dtype(config.dtype).itemsize
-        layout, offset = [], 0
-        for a, b in itertools.pairwise(sizes):
-            layout += [(offset, a * b, itemsize), (offset + a * b, b, itemsize)]
-            offset += a * b + b
+        layout = [(offset, n, itemsize) for offset, n in parameter_spans(sizes)]
         buckets = plan_buckets(layout, cls.bucket_bytes(config))
         biggest = max(stop - start for start, stop, _ in buckets) * itemsize
         algorithm = cls.choose_algorithm(config, world, biggest)

@@ -45,7 +45,8 @@ from dtrain.backend import array_module
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
-from dtrain.parallel import parameter_count, register
+from dtrain.layout import parameter_count
+from dtrain.parallel import register
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 from dtrain.parallel.local_sgd import LocalSGD
 

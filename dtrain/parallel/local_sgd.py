@@ -50,8 +50,9 @@ from dtrain.backend import array_module
 from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.layout import parameter_count
 from dtrain.optim import state_bytes
-from dtrain.parallel import parameter_count, register
+from dtrain.parallel import register
 from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 

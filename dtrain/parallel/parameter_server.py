@@ -82,8 +82,9 @@ from dtrain.backend import weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
+from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter
-from dtrain.parallel import Paradigm, parameter_count, register
+from dtrain.parallel import Paradigm, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 from dtrain.parallel.ps_worker import Worker

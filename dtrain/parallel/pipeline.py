@@ -45,7 +45,6 @@ held against the tracer and the interpreter's own count of the activations it ke
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 
 import numpy as np
@@ -56,8 +55,9 @@ from dtrain.backend import array_module
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
+from dtrain.layout import layer_starts, parameter_count
 from dtrain.nn import Sequential
-from dtrain.parallel import parameter_count, register, schedules
+from dtrain.parallel import register, schedules
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.model_parallel import ModelParallel
@@ -162,7 +162,7 @@ class Pipeline(ModelParallel):
             pieces += chunk_pieces
         local = Sequential(list(self.chunks.values()))
         local.flatten_(xp=array_module(whole.flat_params), dtype=self.dtype)  # one flat buffer for all my chunks
-        starts = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(self.sizes)), initial=0))
+        starts = layer_starts(self.sizes)
         self.regions = [(v % P, starts[self.bounds[v]], starts[self.bounds[v + 1]]) for v in range(self.stages)]
         self.program = schedules.build(self.schedule, P, self.M, self.V)[self.grid.pp_rank]
         self.adopt(local, pieces, whole.flat_params.size, make_optimizer)

@@ -23,6 +23,7 @@ import itertools
 
 from dtrain.backend import resolve_dtype
 from dtrain.errors import ConfigError
+from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import schedules
 from dtrain.parallel.tensor_parallel import (
@@ -38,7 +39,7 @@ def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
     the cut whose largest stage (in parameters) is smallest, or (``equal``) as many units each. A unit is a layer, or
     with tensor parallelism (``tp`` > 1) a column-then-row pair (the last pair takes a layer left over)."""
     allowed = units(len(sizes) - 1, tp)  # the layer boundaries a cut may fall on
-    prefix = list(itertools.accumulate((a * b + b for a, b in itertools.pairwise(sizes)), initial=0))
+    prefix = layer_starts(sizes)
     weights = [prefix[b] - prefix[a] for a, b in itertools.pairwise(allowed)]
     n = len(weights)
     if equal:

@@ -20,6 +20,7 @@ import itertools
 import numpy as np
 
 from dtrain.collectives import chunk_bounds, costmodel
+from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
 
 KINDS = ("parameters", "gradients", "optimizer")
@@ -59,11 +60,10 @@ class Unit:
 
 def units_of(sizes, rank: int, world: int) -> list[Unit]:
     """The layers of an MLP with widths ``sizes``, in flat-buffer order, each with ``rank``'s chunk of ``world``."""
-    units, start = [], 0
-    for index, (rows, cols) in enumerate(itertools.pairwise(sizes)):
+    units = []
+    for index, ((rows, cols), start) in enumerate(zip(itertools.pairwise(sizes), layer_starts(sizes))):
         lo, hi = chunk_bounds(rows * cols + cols, world)[rank]
         units.append(Unit(index, start, rows, cols, lo, hi))
-        start += rows * cols + cols
     return units
 
 
