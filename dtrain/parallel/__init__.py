@@ -39,12 +39,14 @@ update)::
 :meth:`Paradigm.gradients` calls :meth:`Paradigm.before_backward` before each micro-batch's backward: DDP arms its
 gradient-ready hooks for the last one only (PyTorch's ``no_sync``).
 
-The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py), ``zero`` (zero.py: ZeRO stages 1-3, sharded data
-parallelism; its bookkeeping in zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol and
-its worker; ps_server.py: its server), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py),
-``gossip`` (gossip.py), ``tp`` (tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with
-its schedules in schedules.py: GPipe, 1F1B, interleaved, and its cut in stages.py); these two share model_parallel.py
-(a local model made of pieces of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py).
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py), ``zero``
+(zero.py: ZeRO stages 1-3, sharded data parallelism; its bookkeeping and cost in zero_shards.py), ``ps-sync`` and
+``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and ps_server.py),
+``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip`` (gossip.py), ``tp``
+(tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with its schedules in schedules.py:
+GPipe, 1F1B, interleaved; its cut and cost in stages.py); these two share model_parallel.py (a local model made of
+pieces of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the
+flags' record flags.py; where each parameter lives in the flat buffer is the model stack's (:mod:`dtrain.layout`).
 
 Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
 digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled
