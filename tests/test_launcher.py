@@ -52,13 +52,15 @@ class Started:
         if shell:
             command = ["bash", "-c", '"$@"; echo continued', "script", *command]
 
-        def ignoring():
-            for signum in ignore:
-                signal.signal(signum, signal.SIG_IGN)
+        def as_a_terminal_starts_it():
+            # a job started in the background without job control inherits SIGINT ignored (`.ci/run &`); a terminal's
+            # foreground job never does, and that is the case these tests are about
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN if signum in ignore else signal.SIG_DFL)
 
         unread, stderr = os.pipe() if stderr_gone else (None, subprocess.PIPE)
         self.process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                        start_new_session=shell, preexec_fn=ignoring if ignore else None)  # fmt: skip
+                                        start_new_session=shell, preexec_fn=as_a_terminal_starts_it)  # fmt: skip
         if stderr_gone:
             os.close(unread)
             os.close(stderr)
