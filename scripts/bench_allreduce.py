@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_util import add_worker_flags, run_meta, write_results
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -149,8 +149,7 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1, help="whole sweeps per p, as separate jobs (default 1)")
     parser.add_argument("--out", default="docs/bench", help="folder for allreduce.json and allreduce_busbw.png")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     if args.worker:
         run_ranks(args)
@@ -174,16 +173,9 @@ def main() -> None:
                 all_rows += [{**row, "run": run} for row in json.loads(result.read_text())]
         print_table([r for r in all_rows if r["p"] == p], p, args.repeat)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": "python " + " ".join(sys.argv),
-        "cpu_count": os.cpu_count(),
-        "date": time.strftime("%F"),
-        "repeat": args.repeat,
-    }
-    (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": all_rows}, indent=1))
+    write_results(out, "allreduce", {"meta": run_meta(repeat=args.repeat), "rows": all_rows})
     plot(median_rows(all_rows), out / "allreduce_busbw.png")
-    print(f"\nwrote {out / 'allreduce.json'} and {out / 'allreduce_busbw.png'}")
+    print(f"wrote {out / 'allreduce_busbw.png'}")
 
 
 def median_rows(rows) -> list[dict]:

@@ -55,7 +55,6 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 import argparse
 import itertools
 import json
-import platform
 import shlex
 import socket
 import statistics
@@ -66,6 +65,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_util import run_meta, write_results
 
 SIZES = [784, 512, 512, 10]
 BATCH, LR, BATCHES = 256, 0.05, 4  # global batch, SGD learning rate, distinct batches cycled through
@@ -491,26 +491,10 @@ def main() -> None:
     say(verdict(summary))
     say(f"(total {time.perf_counter() - started:.0f} s)")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": "python " + shlex.join(sys.argv),
-        "cli_command": CLI.format(n="N", samples=CLI_SAMPLES) + " --out DIR",
-        "sizes": SIZES,
-        "batch": BATCH,
-        "lr": LR,
-        "jobs": args.jobs,
-        "rounds_per_job": per_job,
-        "steps_per_timing": args.steps,
-        "cpu_count": os.cpu_count(),
-        "date": time.strftime("%F"),
-        "numpy": np.__version__,
-        "machine": platform.platform(),
-        "notes": notes,
-    }
-    (out / "ddp.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": all_rows}, indent=1))
-    (out / "ddp.txt").write_text("\n".join(lines) + "\n")
-    print(f"\nwrote {out / 'ddp.txt'} and {out / 'ddp.json'}")
+    meta = run_meta(cli_command=CLI.format(n="N", samples=CLI_SAMPLES) + " --out DIR", sizes=SIZES, batch=BATCH, lr=LR,
+                    jobs=args.jobs, rounds_per_job=per_job, steps_per_timing=args.steps, numpy=np.__version__,
+                    notes=notes)  # fmt: skip
+    write_results(args.out, "ddp", {"meta": meta, "summary": summary, "rows": all_rows}, "\n".join(lines))
 
 
 def paired(rows, impl, ref, job=None) -> float:

@@ -37,6 +37,7 @@ import timeit
 from pathlib import Path
 
 import numpy as np
+from bench_util import add_worker_flags
 
 
 def call_kinds(comm, buf, other, algorithm, p):
@@ -179,8 +180,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--reps", type=int, default=2000, help="calls per timed round")
     parser.add_argument("--json", help="also write the numbers here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args()
     if args.worker:
         run_ranks(args)

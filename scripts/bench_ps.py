@@ -41,7 +41,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_util import run_meta, write_results
 
 WORKLOADS = {
     "compute": ["--dataset", "synthetic", "--samples", "24000", "--batch-size", "1500", "--hidden", "256"],
@@ -241,24 +242,12 @@ def main() -> None:
     say(f"(total {time.perf_counter() - started:.0f} s)")
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": "python " + shlex.join(sys.argv),
-        "cli_commands": {w: shlex.join(command(args, w, "ps-sync", True)) + " --out DIR" for w in workloads},
-        "repeats": args.repeats,
-        "epochs": args.epochs,
-        "ddp_ranks": args.ddp_ranks,
-        "slow_rank": args.slow_rank,
-        "slow_factor": args.slow_factor,
-        "cpu_count": os.cpu_count(),
-        "date": time.strftime("%F"),
-        "machine": platform.platform(),
-        "load_average_before_rounds": load,
-    }
+    cli = {w: shlex.join(command(args, w, "ps-sync", True)) + " --out DIR" for w in workloads}
+    meta = run_meta(cli_commands=cli, repeats=args.repeats, epochs=args.epochs, ddp_ranks=args.ddp_ranks,
+                    slow_rank=args.slow_rank, slow_factor=args.slow_factor,
+                    load_average_before_rounds=load)  # fmt: skip
     raw = {w: {f"{c}{' +straggler' if s else ''}": rows for (c, s), rows in runs[w].items()} for w in workloads}
-    (out / "ps.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": raw}, indent=1))
-    (out / "ps.txt").write_text("\n".join(lines) + "\n")
-    print(f"\nwrote {out / 'ps.txt'} and {out / 'ps.json'}")
+    write_results(out, "ps", {"meta": meta, "summary": summary, "runs": raw}, "\n".join(lines))
     if not args.no_plot:
         plot(runs, summary, args, out / "ps.png")
         print(f"wrote {out / 'ps.png'}")
