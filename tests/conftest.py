@@ -33,3 +33,11 @@ def fake_mnist_dir(tmp_path):
         write_idx(folder / (images_name + suffix), images)
         write_idx(folder / (labels_name + suffix), labels)
     return folder
+
+
+@pytest.fixture(scope="module")
+def data64():
+    """The training tests' batches in float64 (test_data_parallel.batches): one per global step."""
+    from test_data_parallel import batches
+
+    return batches(np.float64)

@@ -39,6 +39,16 @@ def config(**overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
+def for_model(paradigm: str, sizes, **overrides) -> TrainConfig:
+    """A config of ``paradigm`` for the model ``sizes`` (its hidden widths, as the driver takes them)."""
+    return config(paradigm=paradigm, quiet=True, hidden=tuple(sizes[1:-1]), **overrides)
+
+
+def model_of(sizes):
+    """The model ``sizes`` in float64, from the seed every training test uses."""
+    return lambda: MLP(sizes, seed=3, dtype=np.float64)
+
+
 def make_model(cfg, sizes=SIZES):
     return lambda: MLP(sizes, seed=3, dtype=np.dtype(cfg.dtype))
 
@@ -98,11 +108,6 @@ def _needs(algorithm, p):
             return None  # nodes of 2 ranks: equal sizes only for even p
         return {"ranks_per_node": 2}
     return {}
-
-
-@pytest.fixture(scope="module")
-def data64():
-    return batches(np.float64)
 
 
 @pytest.fixture(scope="module")

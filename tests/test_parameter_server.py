@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 from mpi_util import run_mpi_code
-from test_data_parallel import BATCH, SIZES, STEPS, batches, relative, run
+from test_data_parallel import BATCH, SIZES, STEPS, relative, run
 
 from dtrain import checkpoint, parallel
 from dtrain.comm import sim
@@ -33,11 +33,6 @@ LAYOUTS = [(1, 1), (1, 3), (2, 2), (3, 1)]  # (servers, workers)
 def config(**overrides) -> TrainConfig:
     base = dict(paradigm="ps-sync", dtype="float64", lr=0.1, momentum=0.9, batch_size=BATCH, timeout=0, quiet=True)
     return TrainConfig(**{**base, **overrides})
-
-
-@pytest.fixture(scope="module")
-def data64():
-    return batches(np.float64)
 
 
 @pytest.fixture(scope="module")

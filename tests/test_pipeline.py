@@ -17,14 +17,13 @@ import threading
 import numpy as np
 import pytest
 import train_util
-from test_data_parallel import STEPS, batches, config, relative, run
+from test_data_parallel import STEPS, batches, config, for_model, model_of, relative, run
 
 from dtrain import checkpoint, parallel
 from dtrain.comm import sim, watchdog
 from dtrain.comm.prepare import prepare
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
-from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline
@@ -138,16 +137,7 @@ def test_with_tensor_parallelism_the_cut_falls_between_column_then_row_pairs():
 
 
 def pp(sizes, **overrides) -> TrainConfig:
-    return config(paradigm="pp", quiet=True, hidden=tuple(sizes[1:-1]), **overrides)
-
-
-def model_of(sizes):
-    return lambda: MLP(sizes, seed=3, dtype=np.float64)
-
-
-@pytest.fixture(scope="module")
-def data64():
-    return batches(np.float64)
+    return for_model("pp", sizes, **overrides)
 
 
 TRAINING = [(P, M, name) for P in (2, 3, 4) for M in (1, 4, 8) for name in ("gpipe", "1f1b")]
@@ -331,10 +321,6 @@ COMMON = ["--hidden", "64,32,32", "--epochs", "2", "--dtype", "float64", "--batc
           "--quiet"]  # fmt: skip
 
 
-def _train(tmp_path, name, ranks, *flags):
-    return train_util.train_cli(tmp_path / name, ranks, *COMMON, *flags)
-
-
 REAL = {
     "pp2-1f1b": (2, ["--pp", "2"]),
     "pp3-gpipe": (3, ["--pp", "3", "--schedule", "gpipe", "--microbatches", "8"]),
@@ -348,11 +334,7 @@ REAL = {
 def test_under_mpiexec_pipelines_follow_single(ranks, flags, tmp_path):
     """Real ranks, float64: each epoch's global train loss and the test loss are single's to rounding, and every
     rank's traced bytes and peak activation bytes are the cost function's."""
-    single = _train(tmp_path, "single", 1, "--paradigm", "single")
-    metrics = _train(tmp_path, "pp", ranks, "--paradigm", "pp", *flags)
-    for ours, theirs in zip(metrics["epochs"], single["epochs"], strict=True):
-        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-10)
-        assert ours["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-10)
+    metrics = train_util.follows_single(tmp_path, ranks, COMMON, "--paradigm", "pp", *flags)
     steps = len(metrics["epochs"]) * steps_per_epoch(metrics["dataset"]["train_samples"], 48)
     costs = metrics["costs"]
     for rank, mine in enumerate(metrics["communication"]["per_rank"]):

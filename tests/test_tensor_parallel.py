@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import train_util
-from test_data_parallel import BATCH, STEPS, batches, config, relative, run
+from test_data_parallel import BATCH, STEPS, batches, config, for_model, model_of, relative, run
 
 from dtrain import parallel
 from dtrain.autograd import Tensor
@@ -45,16 +45,7 @@ ODD = [64, 24, 16, 10]  # column 64->24, row 24->16, the 10-way output layer rep
 
 def tp(sizes=SIZES, **overrides) -> TrainConfig:
     """A tp config for the model ``sizes`` (its hidden widths decide what splits, as they do in the driver)."""
-    return config(paradigm="tp", quiet=True, hidden=tuple(sizes[1:-1]), **overrides)
-
-
-def model_of(sizes):
-    return lambda: MLP(sizes, seed=3, dtype=np.float64)
-
-
-@pytest.fixture(scope="module")
-def data64():
-    return batches(np.float64)
+    return for_model("tp", sizes, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -413,20 +404,12 @@ COMMON = ["--hidden", "64,32", "--epochs", "2", "--dtype", "float64", "--batch-s
           "--quiet"]  # fmt: skip
 
 
-def _train(tmp_path, name, ranks, *flags):
-    return train_util.train_cli(tmp_path / name, ranks, *COMMON, *flags)
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize(("ranks", "flags"), [(2, ["--tp", "2"]), (4, ["--tp", "4"]), (4, ["--dp", "2", "--tp", "2"])])
 def test_under_mpiexec_tensor_parallel_follows_single(ranks, flags, tmp_path):
     """Real ranks, float64: each epoch's global train loss and the test loss are single's to rounding, every rank's
     traced bytes are the cost function's per step."""
-    single = _train(tmp_path, "single", 1, "--paradigm", "single")
-    metrics = _train(tmp_path, "tp", ranks, "--paradigm", "tp", *flags)
-    for ours, theirs in zip(metrics["epochs"], single["epochs"], strict=True):
-        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-10)
-        assert ours["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-10)
+    metrics = train_util.follows_single(tmp_path, ranks, COMMON, "--paradigm", "tp", *flags)
     steps = len(metrics["epochs"]) * steps_per_epoch(metrics["dataset"]["train_samples"], 48)
     for rank, mine in enumerate(metrics["communication"]["per_rank"]):
         sent = sum(ops["bytes_sent"] for label, ops in mine["operations"].items() if label.startswith(("tp/", "dp/")))

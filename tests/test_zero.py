@@ -35,11 +35,6 @@ def zero(stage, **overrides) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def data64():
-    return batches(np.float64)
-
-
-@pytest.fixture(scope="module")
 def single64(data64):
     """One process's parameters after STEPS steps, per optimizer."""
     return {

@@ -29,6 +29,17 @@ def train_cli(folder, ranks: int, *flags, timeout: float = 300) -> dict:
     return json.loads((folder / "metrics.json").read_text())
 
 
+def follows_single(folder, ranks: int, common, *flags, rel: float = 1e-10) -> dict:
+    """``dtrain train COMMON --paradigm single`` on one process and ``dtrain train COMMON FLAGS`` on ``ranks``: each
+    epoch's global train loss and test loss must be single's to ``rel``. Returns the run's metrics."""
+    single = train_cli(folder / "single", 1, *common, "--paradigm", "single")
+    metrics = train_cli(folder / "run", ranks, *common, *flags)
+    for ours, theirs in zip(metrics["epochs"], single["epochs"], strict=True):
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=rel)
+        assert ours["test_loss"] == pytest.approx(theirs["test_loss"], rel=rel)
+    return metrics
+
+
 def check_resumed_elsewhere(folder, base: dict, writer, reader, reference=(1, {"paradigm": "single"})) -> None:
     """One epoch by ``writer`` = (ranks, flags), then ``reader`` resumes its checkpoint for a second: the final losses
     are those of ``reference`` running both epochs uninterrupted (every global batch is the same; only the order of
