@@ -37,7 +37,7 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import conclude, everywhere, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -78,6 +78,7 @@ wide = load_dataset("synthetic", samples=4 * BIG_B, features=784)  # MNIST-sized
 SMALL = [digits.n_features, 32, digits.n_classes]  # 64-32-10: 2,410 parameters
 BIG = [wide.n_features, 512, 512, wide.n_classes]  # 784-512-512-10: 669,706 parameters
 results = {"world": p, "ranks": RANKS}  # every measurement, for --json
+checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
 
 
 def name(sizes) -> str:
@@ -131,8 +132,8 @@ if rank == 0:
         "own_slice_difference": [own for own, _ in rows],
         "loss_difference": abs(mean_loss - full_loss),
     }
-gradient_ok = everywhere(error < 1e-12 and abs(mean_loss - full_loss) < 1e-12, world)
-mpi.print0(f"   OK: the average of the slice gradients is the whole batch's gradient: {'yes' if gradient_ok else 'NO'}")
+checks.ok("the average of the slice gradients is the whole batch's gradient",
+          error < 1e-12 and abs(mean_loss - full_loss) < 1e-12)  # fmt: skip
 
 # ----------------------------------------------------------------------------- 2. one training run, 1, 2, 4 ranks
 # The same run (seed, global batch, learning rate) on 1, 2 and 4 ranks, through dtrain's driver: the loss curves
@@ -162,8 +163,7 @@ if rank == 0:
         for k in RANKS
     }
     training_ok = spread < 1e-5
-    print(f"   OK: the loss curves on {RANKS} ranks agree: {'yes' if training_ok else 'NO'}")
-training_ok = everywhere(training_ok, world)
+checks.ok(f"the loss curves on {RANKS} ranks agree", training_ok)
 
 
 # ------------------------------------------------------ the tool of sections 3-5: DataParallel driven by hand
@@ -246,10 +246,7 @@ for bucket_mb in (0.0, args.bucket_mb):
             {"buckets": mine["buckets"], "measured": measured, "costs": predicted, "formula": formula,
              "messages": messages}
         )  # fmt: skip
-mpi.print0(
-    f"   OK: bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank: {'yes' if bytes_ok else 'NO'}"
-)
-bytes_ok = everywhere(bytes_ok, world)
+checks.ok("bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank", bytes_ok)
 
 # --------------------------------------------------------------------------------- 4. buckets, overlap, timeline
 # Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its
@@ -403,4 +400,4 @@ if rank == 0:
         " per rank."
     )
 
-conclude(args.json, results, gradient_ok and training_ok and bytes_ok, world)
+conclude(args.json, results, checks)

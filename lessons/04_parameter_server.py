@@ -45,7 +45,7 @@ import shutil
 import tempfile
 
 import numpy as np
-from lesson_util import conclude, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier
 
 from dtrain import checkpoint
 from dtrain.comm import mpi, usable_cores
@@ -81,11 +81,7 @@ TAGS = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", WEIGHTS: "WEIGHTS", END: "END"
 BASE = dict(dataset="digits", hidden=(32,), batch_size=B, lr=0.05, momentum=0.9, progress=False, quiet=True,
             timeout=120)  # fmt: skip
 results = {"world": p, "workers": W, "servers": SERVERS, "batch_size": B, "cores": usable_cores()}
-
-
-def everywhere(flag: bool) -> bool:
-    """Rank 0's verdict, on every rank (the checks are made on rank 0, which holds the gathered metrics)."""
-    return bool(world.bcast(flag, root=0))
+checks = Checks(world)  # the checks are made on rank 0, which holds the gathered metrics (the others pass True)
 
 
 def shared_folder() -> str:
@@ -198,8 +194,7 @@ if rank == 0:
 for folder in folders.values():
     if rank == 0:
         shutil.rmtree(folder)
-mpi.print0(f"   OK: ps-sync's weights are one process's on the whole global batch: {'yes' if protocol_ok else 'NO'}")
-protocol_ok = everywhere(protocol_ok)
+checks.ok("ps-sync's weights are one process's on the whole global batch", protocol_ok)
 
 # ------------------------------------------------------------------------------------ 2. synchronous, asynchronous
 # ps-async applies each push on arrival (scaled by 1/W: a worker's slice is 1/W of the global batch) and answers at
@@ -221,7 +216,6 @@ lockstep = {
     "ps-sync": run(paradigm="ps-sync", **LOCKSTEP, checkpoint_dir=folders["ps-sync"]),
     "ps-async K=0": run(paradigm="ps-async", staleness=0, **LOCKSTEP, checkpoint_dir=folders["ps-async K=0"]),
 }
-convergence_ok = True
 if rank == 0:
     results["convergence"] = {
         name: {key: [e[key] for e in m["epochs"]] for key in ("train_loss", "test_accuracy", "train_time_s")}
@@ -240,14 +234,13 @@ if rank == 0:
                                                                        curves["ddp"]["epochs"]))  # fmt: skip
     print(f"   ps-sync against ddp: loss curves within {gap:.1e} (the same global batch, float32 rounding)")
     asynchronous_ok = all(accuracy[name] >= 0.90 for name in ("ps-async", "ps-async K=2"))
-    print(f"   OK: ps-async reaches 90% test accuracy (with and without a bound): {'yes' if asynchronous_ok else 'NO'}"
-          f" ({100 * accuracy['ps-async']:.2f}%, {100 * accuracy['ps-async K=2']:.2f}%)")  # fmt: skip
-    print(f"   OK: ps-sync's loss curve is ddp's: {'yes' if gap < 1e-5 else 'NO'}")
+    checks.ok_here("ps-async reaches 90% test accuracy (with and without a bound)", asynchronous_ok,
+                   f" ({100 * accuracy['ps-async']:.2f}%, {100 * accuracy['ps-async K=2']:.2f}%)")  # fmt: skip
+    checks.ok_here("ps-sync's loss curve is ddp's", gap < 1e-5)
     equal = relative(checkpoint.load(folders["ps-async K=0"])["params"], checkpoint.load(folders["ps-sync"])["params"])
     results["lockstep_relative_difference"] = equal
     print(f"   ps-async --staleness 0 against ps-sync, no momentum, float64: largest relative difference {equal:.1e}")
-    print(f"   OK: with bound 0 and plain SGD, ps-async is ps-sync: {'yes' if equal < 1e-12 else 'NO'}")
-    convergence_ok = asynchronous_ok and gap < 1e-5 and equal < 1e-12
+    checks.ok_here("with bound 0 and plain SGD, ps-async is ps-sync", equal < 1e-12)
     say(
         "Why bound 0 is synchronous: no worker may be a step ahead of another, so each round every worker pushes"
         " once, and the W updates of gradient/W sum to the average's update (in another order: ~1e-16). With"
@@ -255,7 +248,6 @@ if rank == 0:
     )
     for folder in folders.values():
         shutil.rmtree(folder)
-convergence_ok = everywhere(convergence_ok)
 
 # --------------------------------------------------------------------------------------------------- 3. staleness
 # Staleness of an update: how many updates the server applied between the weights it sent the worker and the arrival
@@ -290,8 +282,7 @@ if rank == 0:
         "Without a bound, staleness is set by the scheduler: with more ranks than cores a worker that has lost its"
         " core lets the others push many times. The bound caps it, at the price of making the fast workers wait."
     )
-mpi.print0(f"   OK: every push is in the histogram once, and within the bound: {'yes' if staleness_ok else 'NO'}")
-staleness_ok = everywhere(staleness_ok)
+checks.ok("every push is in the histogram once, and within the bound", staleness_ok)
 
 # --------------------------------------------------------------------------------------------------- 4. a straggler
 # --slow-rank R --slow-factor F: rank R sleeps (F-1) x its forward and backward time every step. ps-sync's step waits
@@ -423,9 +414,7 @@ if rank == 0:
         f" server_busy_fraction in metrics.json (this run's: {100 * figures(sync64[1])['server_busy_fraction'][0]:.0f}%"
         " of its loop not spent waiting for a message)."
     )
-mpi.print0(f"   OK: bytes per step match the cost functions on every rank, and the server sends W n / S: "
-           f"{'yes' if link_ok else 'NO'}")  # fmt: skip
-link_ok = everywhere(link_ok)
+checks.ok("bytes per step match the cost functions on every rank, and the server sends W n / S", link_ok)
 
 # --------------------------------------------------------------------------------------------- 6. central storage
 # TensorFlow's CentralStorageStrategy (dtrain/parallel/central_storage.py): no rank is set aside to serve. Every rank
@@ -458,8 +447,6 @@ if rank == 0:
         " path. Against ddp: the other ranks hold no optimizer state (the memory of Adam's two moments, saved p - 1"
         " times), at the price of a reduce and a broadcast instead of one all-reduce."
     )
-mpi.print0(f"   OK: central storage is one process's training, its bytes and its state are costs(): "
-           f"{'yes' if storage_ok else 'NO'}")  # fmt: skip
-storage_ok = everywhere(storage_ok)
+checks.ok("central storage is one process's training, its bytes and its state are costs()", storage_ok)
 
-conclude(args.json, results, protocol_ok and convergence_ok and staleness_ok and link_ok and storage_ok, world)
+conclude(args.json, results, checks)

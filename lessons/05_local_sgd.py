@@ -393,4 +393,4 @@ if rank == 0:
     results["accuracy"] = accuracy
     results["h8_difference_points"] = accuracy["H=8"]["difference"] if 8 in HS else None
 
-conclude(args.json, results, checks.passed, world)
+conclude(args.json, results, checks)

@@ -396,4 +396,4 @@ results["bytes"] = sent
 checks.ok("bytes and messages per rank: degree x n and degree per step, as the tracer counted and costs() says;"
           " the final all-reduce is one average", bytes_ok)  # fmt: skip
 
-conclude(args.json, results, checks.passed, world)
+conclude(args.json, results, checks)

@@ -34,7 +34,6 @@ Things to try:
     g all-reduce after every row-parallel layer, the f all-reduce in backward.
 """
 
-import argparse
 import itertools
 import statistics
 import time
@@ -43,43 +42,31 @@ import numpy as np
 from lesson_util import (
     Checks,
     against_single,
+    big_model_parser,
+    big_model_widths,
     conclude,
     parse_and_start,
     say,
     single_reference,
     sleeping_barrier,
-    whole_numbers,
 )
 
 from dtrain.autograd import Tensor
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
-from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
+from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, parameter_count
 from dtrain.parallel.tensor_parallel import TensorGroup, TensorParallel, local_parameters, plan, shard
 from dtrain.train import TrainConfig, train
 
-parser = argparse.ArgumentParser(description="Lesson 7: tensor parallelism on MPI ranks")
-parser.add_argument("--epochs", type=int, default=3, help="epochs of section 4's training runs (default %(default)s)")
-parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
-parser.add_argument("--hidden", default="2048,2048", help="the wide model's hidden widths (default %(default)s)")
-parser.add_argument("--big-batch", type=int, default=256, help="global batch of the wide model (default %(default)s)")
-parser.add_argument("--steps", type=int, default=6, help="timed steps per contender in section 5 (default %(default)s)")
-parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-
+parser = big_model_parser("Lesson 7: tensor parallelism on MPI ranks", epochs=3, trained_in=4, model="wide",
+                          hidden="2048,2048", big_batch=256, steps=6, timed_in=5)  # fmt: skip
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
-HIDDEN = whole_numbers(args.hidden)
-if (args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not HIDDEN
-        or min(HIDDEN) < 1 or any(h % p for h in HIDDEN)):  # fmt: skip
-    mpi.refuse_arguments(
-        f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
-        f"{p} ranks, --epochs >= 1, --steps >= 2, --hidden widths >= 1 and divisible by {p} (they are split over "
-        f"the ranks; got {args.hidden!r})",
-    )
+HIDDEN = big_model_widths(args, p, split=True)  # the widths are split over the ranks
 
 checks = Checks(world)
 digits = load_dataset("digits")
@@ -213,19 +200,13 @@ common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.bat
               timeout=0, progress=False, quiet=True)  # fmt: skip
 single, alone = single_reference(TrainConfig(paradigm="single", **common), world)
 runs = {f"dp {dp} x tp {t}": train(TrainConfig(paradigm="tp", dp=dp, tp=t, **common), world) for dp, t in factorings}
-training_ok = bytes_ok = True
-if rank == 0:
-    steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
-    curves, training_ok, bytes_ok = against_single(single, runs, steps, ("tp/", "dp/"), args.epochs)
-    say(
-        "The same steps, however the model is held: tensor parallelism changes where each product is computed and "
-        "the order in which the row-parallel partial products are summed, nothing else. The bytes grow with the "
-        "batch (activations), not with the model; the data-parallel groups add one all-reduce of each rank's "
-        "share of the gradients."
-    )
-    results["training"] = curves
-checks.ok("every grid follows single's loss curve", training_ok)
-checks.ok("every rank's bytes per step equal TensorParallel.costs()", bytes_ok)
+results["training"] = against_single(
+    checks, single, runs, ("tp/", "dp/"), "grid", "TensorParallel.costs()",
+    "The same steps, however the model is held: tensor parallelism changes where each product is computed and the "
+    "order in which the row-parallel partial products are summed, nothing else. The bytes grow with the batch "
+    "(activations), not with the model; the data-parallel groups add one all-reduce of each rank's share of the "
+    "gradients.",
+)  # fmt: skip
 
 # ---------------------------------------------------------------------------------------- 5. the price, measured
 wide = load_dataset("synthetic", samples=2 * args.big_batch, features=784)
@@ -276,4 +257,4 @@ if rank == 0:
     )
     results["timing"] = {"tp1_ms": 1e3 * base, f"tp{p}_ms": ms, "comm_share": share}
 
-conclude(args.json, results, checks.passed, world)
+conclude(args.json, results, checks)

@@ -37,7 +37,7 @@ from lesson_util import Checks, against_single, conclude, parse_and_start, say, 
 
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
-from dtrain.data import load_dataset, steps_per_epoch
+from dtrain.data import load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
@@ -199,18 +199,12 @@ if P > 1 and 4 % P == 0:  # (interleaving: the 4 micro-batches must be a multipl
 if P % 2 == 0 and P > 2:
     configs[f"dp 2 x pp {P // 2}"] = dict(dp=2, pp=P // 2)
 runs = {label: train(TrainConfig(paradigm="pp", **flags, **common), world) for label, flags in configs.items()}
-training_ok = bytes_ok = True
-if rank == 0:
-    steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
-    curves, training_ok, bytes_ok = against_single(single, runs, steps, ("pp/", "dp/"), args.epochs)
-    say(
-        "The same steps, however the layers are spread: the pipeline runs each micro-batch through the same layers "
-        "and adds the M micro-batches' gradients, as one process accumulating M micro-batches does (to the last bit, "
-        "tests/test_pipeline.py checks). Each stage sends one activation per micro-batch forward and one gradient "
-        "back: bytes that grow with the batch and the width at the cut, not with the model."
-    )
-    results["training"] = curves
-checks.ok("every schedule and grid follows single's loss curve", training_ok)
-checks.ok("every rank's bytes per step equal Pipeline.costs()", bytes_ok)
+results["training"] = against_single(
+    checks, single, runs, ("pp/", "dp/"), "schedule and grid", "Pipeline.costs()",
+    "The same steps, however the layers are spread: the pipeline runs each micro-batch through the same layers and "
+    "adds the M micro-batches' gradients, as one process accumulating M micro-batches does (to the last bit, "
+    "tests/test_pipeline.py checks). Each stage sends one activation per micro-batch forward and one gradient back: "
+    "bytes that grow with the batch and the width at the cut, not with the model.",
+)  # fmt: skip
 
-conclude(args.json, results, checks.passed, world)
+conclude(args.json, results, checks)

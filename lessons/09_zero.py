@@ -34,13 +34,12 @@ Things to try:
   * dtrain launch -n 4 -m dtrain train --paradigm zero --zero-stage 3 --trace z.json, then https://ui.perfetto.dev.
 """
 
-import argparse
 import itertools
 import statistics
 import time
 
 import numpy as np
-from lesson_util import conclude, everywhere, parse_and_start, say, single_reference, whole_numbers
+from lesson_util import Checks, big_model_parser, big_model_widths, conclude, parse_and_start, say, single_reference
 
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
@@ -54,24 +53,12 @@ from dtrain.parallel.zero import Zero, paper_formula
 from dtrain.parallel.zero_shards import KINDS, units_of
 from dtrain.train import TrainConfig, train
 
-parser = argparse.ArgumentParser(description="Lesson 9: ZeRO on MPI ranks")
-parser.add_argument("--epochs", type=int, default=3, help="epochs of section 3's training runs (default %(default)s)")
-parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
-parser.add_argument("--hidden", default="1024,1024", help="the big model's hidden widths (default %(default)s)")
-parser.add_argument("--big-batch", type=int, default=192, help="global batch of the big model (default %(default)s)")
-parser.add_argument("--steps", type=int, default=8, help="timed steps per contender in section 4 (default %(default)s)")
-parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-
+parser = big_model_parser("Lesson 9: ZeRO on MPI ranks", epochs=3, trained_in=3, model="big", hidden="1024,1024",
+                          big_batch=192, steps=8, timed_in=4)  # fmt: skip
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
-HIDDEN = whole_numbers(args.hidden)
-if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not HIDDEN or min(HIDDEN) < 1:
-    mpi.refuse_arguments(
-        f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
-        f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 2, --hidden widths >= 1 (got "
-        f"{args.hidden!r})",
-    )
+HIDDEN = big_model_widths(args, p, split=False)
 
 digits = load_dataset("digits")
 wide = load_dataset("synthetic", samples=2 * args.big_batch, features=784)
@@ -79,6 +66,7 @@ SMALL = [digits.n_features, 128, 128, digits.n_classes]  # the default model of 
 BIG = [wide.n_features, *HIDDEN, wide.n_classes]
 STAGES = (1, 2, 3)
 results = {"world": p}
+checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
 
 
 def name(sizes) -> str:
@@ -129,14 +117,13 @@ for what, nbytes in state.items():
 cells = "".join(f"{mb(activations[b]):>10s}" for b in batches)
 mpi.print0(f"   {'activations (measured)':28s} {'the batch':>14s} {cells}   never")
 per_sample = [(activations[b] - 4) / b for b in batches]  # (the loss itself is one float32)
-linear_ok = everywhere(max(per_sample) - min(per_sample) < 1e-9, world)
 say(
     f"Per sample, the forward keeps {per_sample[0] / 1e3:.1f} KB (every layer's x@W, +b and ReLU outputs). With "
     "Adam, the state that grows with the model is 4x the weights; ZeRO divides it by the ranks. Activations are the "
     "business of other tools: smaller micro-batches (--accumulate), recomputing them in backward (activation "
     "checkpointing), or splitting the layers themselves (tensor and pipeline parallelism)."
 )
-mpi.print0(f"   OK: activations grow linearly with the batch: {'yes' if linear_ok else 'NO'}")
+checks.ok("activations grow linearly with the batch", max(per_sample) - min(per_sample) < 1e-9)
 results["memory"] = {"state": state, "activations": {str(b): a for b, a in activations.items()}}
 
 # ---------------------------------------------------------------------------------------- 2. who owns what
@@ -183,8 +170,7 @@ if rank == 0:
     peak = max(held["parameters"] for _, held in history)
     peak_ok = history[-1][1] == history[0][1] and peak == history[0][1]["parameters"] + largest
     results["history"] = history
-peak_ok = everywhere(peak_ok, world)
-mpi.print0(f"   OK: every layer is freed after use; the peak is chunks + largest layer: {'yes' if peak_ok else 'NO'}")
+checks.ok("every layer is freed after use; the peak is chunks + largest layer", peak_ok)
 
 # ------------------------------------------------------------------------------ 3. training on real ranks
 # The driver's train() on digits in float64 (so that rounding hides nothing): single on rank 0 alone, then ddp and
@@ -255,10 +241,9 @@ if rank == 0:
         "forward and before its backward): 1.5x."
     )
     results["training"] = curves
-training_ok, held_ok, bytes_ok = (everywhere(flag, world) for flag in (training_ok, held_ok, bytes_ok))
-mpi.print0(f"   OK: every stage follows single's loss curve: {'yes' if training_ok else 'NO'}")
-mpi.print0(f"   OK: the bytes held at the peak equal Zero.costs() on every rank: {'yes' if held_ok else 'NO'}")
-mpi.print0(f"   OK: bytes per step = Zero.costs(); stages 1-2 send ddp's, stage 3 1.5x: {'yes' if bytes_ok else 'NO'}")
+checks.ok("every stage follows single's loss curve", training_ok)
+checks.ok("the bytes held at the peak equal Zero.costs() on every rank", held_ok)
+checks.ok("bytes per step = Zero.costs(); stages 1-2 send ddp's, stage 3 1.5x", bytes_ok)
 
 # ----------------------------------------------------------------------------------- 4. when each stage pays
 # Memory: per parameter, ddp holds b (weights) + b (gradients) + k b (optimizer) on every rank; stage s divides the
@@ -357,4 +342,4 @@ if rank == 0:
     results["timing"] = timing
     results["largest_model_billions"] = largest_model
 
-conclude(args.json, results, linear_ok and peak_ok and training_ok and held_ok and bytes_ok, world)
+conclude(args.json, results, checks)

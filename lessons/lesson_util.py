@@ -11,7 +11,7 @@ job; all of them alike just exit, see dtrain.comm.run)::
     checks = Checks(world)
     checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)
     ...
-    conclude(args.json, results, checks.passed, world)   # --json, then "all checks passed: yes", or exit 1
+    conclude(args.json, results, checks)   # --json (with every claim's verdict), then "all checks passed: yes"
 """
 
 from __future__ import annotations
@@ -38,6 +38,40 @@ def parse_and_start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace
 
     world = MPI.COMM_WORLD
     return args, world, world.Get_size(), world.Get_rank()
+
+
+def big_model_parser(description: str, *, epochs: int, trained_in: int, model: str, hidden: str, big_batch: int,
+                     steps: int, timed_in: int) -> argparse.ArgumentParser:  # fmt: skip
+    """The arguments of a lesson that trains a small model on digits (in section ``trained_in``) and times a big
+    ``model`` ("wide", "big", in section ``timed_in``): --epochs and --batch-size of the training runs, --hidden,
+    --big-batch and --steps of the timed one, and --json. big_model_widths() checks them once MPI has started."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=epochs,
+                        help=f"epochs of section {trained_in}'s training runs (default %(default)s)")  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
+    parser.add_argument("--hidden", default=hidden, help=f"the {model} model's hidden widths (default %(default)s)")
+    parser.add_argument("--big-batch", type=int, default=big_batch,
+                        help=f"global batch of the {model} model (default %(default)s)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=steps,
+                        help=f"timed steps per contender in section {timed_in} (default %(default)s)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+    return parser
+
+
+def big_model_widths(args: argparse.Namespace, p: int, split: bool) -> tuple[int, ...]:
+    """The big model's hidden widths (``--hidden``), once big_model_parser's arguments are checked on ``p`` ranks:
+    each rank takes an equal slice of both batches (and, if ``split``, of every width); a refusal says what is wrong
+    and ends the job."""
+    widths = whole_numbers(args.hidden)
+    if (args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not widths
+            or min(widths) < 1 or (split and any(h % p for h in widths))):  # fmt: skip
+        slices = "" if split else " (each takes an equal slice)"
+        widths_must = f"and divisible by {p} (they are split over the ranks; got" if split else "(got"
+        mpi.refuse_arguments(
+            f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
+            f"{p} ranks{slices}, --epochs >= 1, --steps >= 2, --hidden widths >= 1 {widths_must} {args.hidden!r})",
+        )
+    return widths
 
 
 def whole_numbers(text: str) -> tuple[int, ...]:
@@ -67,15 +101,27 @@ def sleeping_barrier(comm) -> None:
 
 
 class Checks:
-    """The lesson's claims, each checked on every rank and printed as an OK line by rank 0."""
+    """The lesson's claims, each checked on every rank and printed as an OK line by rank 0. ``verdicts`` keeps them
+    ({claim: passed}, in order): conclude() writes them to the --json file, which is what tests read."""
 
     def __init__(self, comm):
-        self.comm, self.passed = comm, True
+        self.comm, self.verdicts = comm, {}
 
-    def ok(self, claim: str, flag: bool) -> bool:
-        flag = everywhere(flag, self.comm)
-        self.passed = self.passed and flag
-        mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}")
+    @property
+    def passed(self) -> bool:
+        return all(self.verdicts.values())
+
+    def ok(self, claim: str, flag: bool, note: str = "") -> bool:
+        """``claim`` holds iff ``flag`` holds on every rank (every rank must call this); printed on rank 0 as
+        "   OK: claim: yes" (or NO), then ``note``. Returns the verdict, the same on every rank."""
+        return self.ok_here(claim, everywhere(flag, self.comm), note)
+
+    def ok_here(self, claim: str, flag: bool, note: str = "") -> bool:
+        """A claim that only the calling rank can check (rank 0, on the figures it gathered), recorded and printed
+        there without communicating; conclude() gives every rank the verdict."""
+        flag = self.verdicts.get(claim, True) and bool(flag)  # (a claim made again holds only if it held each time)
+        self.verdicts[claim] = flag
+        mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}{note}")
         return flag
 
 
@@ -94,12 +140,14 @@ def single_reference(config: TrainConfig, world) -> tuple[dict | None, object]:
     return single, alone
 
 
-def conclude(json_path: str | None, results: dict, passed: bool, comm) -> None:
-    """The lesson's last lines: write its measurements ``results`` to ``json_path`` (--json; rank 0 writes), then
-    say whether all its checks passed, and exit 1 on every rank if not (``passed`` must be the same on every rank)."""
+def conclude(json_path: str | None, results: dict, checks: Checks) -> None:
+    """The lesson's last lines: write its measurements ``results`` and its claims' verdicts (under "checks") to
+    ``json_path`` (--json; rank 0 writes), then say whether all its checks passed, and exit 1 on every rank if not."""
+    comm = checks.comm
+    passed = everywhere(checks.passed, comm)  # (a claim checked on rank 0 alone is known there only)
     if json_path and comm.Get_rank() == 0:
         with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({**results, "checks": checks.verdicts}, f, indent=1)
         print(f"\nmeasurements written to {json_path}")
     mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
     if not passed:
@@ -107,27 +155,39 @@ def conclude(json_path: str | None, results: dict, passed: bool, comm) -> None:
         raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
 
 
-def against_single(single: dict, runs: dict, steps: int, prefixes: tuple, epochs: int) -> tuple[dict, bool, bool]:
-    """Print (on the rank holding the metrics) every run's loss curve beside ``single``'s and every rank's bytes per
-    step (the traffic labelled with ``prefixes``) beside the run's cost function. Returns the curves, whether every
-    curve is single's to 1e-10, and whether every rank's bytes equal ``costs()["sent_per_step"]``."""
-    curves = {"single": [e["train_loss"] for e in single["epochs"]]}
-    curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
-    width = max(19, *(len(label) + 2 for label in curves))
-    print(f"   {'epoch':>5s}" + "".join(f"{label:>{width}s}" for label in curves))
-    for e in range(epochs):
-        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:{width}.14f}" for label in curves))
-    worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
-    print(f"   largest relative difference from single: {worst:.1e}")
-    print("\n   bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank")
-    bytes_ok = True
-    for label, metrics in runs.items():
-        sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes)) / steps
-                for mine in metrics["communication"]["per_rank"]]  # fmt: skip
-        exact = sent == metrics["costs"]["sent_per_step"]
-        bytes_ok = bytes_ok and exact
-        print(f"   {label:{width}s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
-    return curves, worst < 1e-10, bytes_ok
+def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tuple, what: str, costs: str,
+                   why: str) -> dict | None:  # fmt: skip
+    """A lesson's training on real ranks, checked: on rank 0 (which holds the metrics), every run's loss curve beside
+    ``single``'s and every rank's bytes per step (the traffic labelled with ``prefixes``) beside the run's cost
+    function, then ``why``; on every rank, the claims that every ``what`` follows single's loss curve (to 1e-10) and
+    that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``). Returns the curves on rank 0,
+    None on the others."""
+    from dtrain.data import steps_per_epoch
+
+    curves, training_ok, bytes_ok = None, True, True
+    if checks.comm.Get_rank() == 0:
+        epochs = len(single["epochs"])
+        steps = epochs * steps_per_epoch(single["dataset"]["train_samples"], single["config"]["batch_size"])
+        curves = {"single": [e["train_loss"] for e in single["epochs"]]}
+        curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
+        width = max(19, *(len(label) + 2 for label in curves))
+        print(f"   {'epoch':>5s}" + "".join(f"{label:>{width}s}" for label in curves))
+        for e in range(epochs):
+            print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:{width}.14f}" for label in curves))
+        worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
+        training_ok = worst < 1e-10
+        print(f"   largest relative difference from single: {worst:.1e}")
+        print("\n   bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank")
+        for label, metrics in runs.items():
+            sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes))
+                    / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+            exact = sent == metrics["costs"]["sent_per_step"]
+            bytes_ok = bytes_ok and exact
+            print(f"   {label:{width}s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+        say(why)
+    checks.ok(f"every {what} follows single's loss curve", training_ok)
+    checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)
+    return curves
 
 
 def _min():

@@ -7,10 +7,14 @@ timeout: a bug is a failed test, never a hung suite.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import textwrap
+from pathlib import Path
 
 from dtrain.comm import launcher
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 
 
 def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = True, cwd=None):
@@ -37,3 +41,19 @@ def run_mpi_code(nranks: int, code: str, tmp_path, timeout: float = 180, check: 
     script = tmp_path / f"mpi_script_{nranks}.py"
     script.write_text(textwrap.dedent(code))
     return run_mpi(nranks, [str(script)], timeout=timeout, check=check)
+
+
+def run_lesson(
+    nranks: int, lesson: str, flags: list[str], tmp_path, claims=(), timeout: float = 240
+) -> tuple[dict, str]:
+    """Run ``lessons/<lesson>`` with ``flags`` on ``nranks`` ranks and read what it wrote with ``--json``: every
+    measurement, and under "checks" the verdict of every claim it checked ({claim: passed}). Every verdict must be a
+    pass and each of ``claims`` must be among them (the lesson made it). Returns the measurements and the output."""
+    measurements = tmp_path / "lesson.json"
+    out = run_mpi(nranks, [str(LESSONS / lesson), *flags, "--json", str(measurements)], timeout=timeout).stdout
+    results = json.loads(measurements.read_text())
+    failed = [claim for claim, passed in results["checks"].items() if not passed]
+    assert not failed, f"claims that failed: {failed}\n{out}"
+    missing = [claim for claim in claims if claim not in results["checks"]]
+    assert not missing, f"claims not made: {missing}\n{out}"
+    return results, out

@@ -12,15 +12,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_util import run_mpi
+from mpi_util import LESSONS, run_lesson, run_mpi
 
 from dtrain.collectives import ALGORITHMS
-
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 
 
 def test_lesson_01_single_device_trains():
@@ -73,18 +70,16 @@ def test_lesson_02_exits_nonzero_on_bad_arguments(nranks):
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_lesson_03_data_parallel_checks_its_claims(nranks, tmp_path):
-    """Lesson 3 checks the gradient average, the loss curves and every rank's bytes; here its OK lines and its
-    measurements file say so, and its trace holds each rank's backward and bucket spans."""
-    measurements, trace = tmp_path / "lesson.json", tmp_path / "trace.json"
-    args = [str(LESSONS / "03_data_parallel.py"), "--epochs", "2", "--steps", "8", "--big-batch", "192"]
-    out = run_mpi(nranks, [*args, "--json", str(measurements), "--trace", str(trace)], timeout=240).stdout
-    assert "OK: the average of the slice gradients is the whole batch's gradient: yes" in out, out
-    assert re.search(r"OK: the loss curves on \[[\d, ]+\] ranks agree: yes", out), out
-    assert "OK: bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank: yes" in out, out
-    assert "all checks passed: yes" in out, out
-
-    results = json.loads(measurements.read_text())
+    """Lesson 3 checks the gradient average, the loss curves and every rank's bytes; here its measurements file says
+    so, and its trace holds each rank's backward and bucket spans."""
+    trace = tmp_path / "trace.json"
     ranks = [k for k in (1, 2, 4) if k <= nranks]
+    flags = ["--epochs", "2", "--steps", "8", "--big-batch", "192", "--trace", str(trace)]
+    results, out = run_lesson(nranks, "03_data_parallel.py", flags, tmp_path, claims=(
+        "the average of the slice gradients is the whole batch's gradient",
+        f"the loss curves on {ranks} ranks agree",
+        "bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank",
+    ))  # fmt: skip
     assert results["world"] == nranks and results["ranks"] == ranks
     assert results["gradient"]["max_difference"] < 1e-12 and results["gradient"]["loss_difference"] < 1e-12
     curves = [results["training"][str(k)]["train_loss"] for k in ranks]
@@ -115,20 +110,16 @@ def test_lesson_03_exits_nonzero_on_bad_arguments():
 @pytest.mark.parametrize("nranks", [3, 4])
 def test_lesson_04_parameter_server_checks_its_claims(nranks, tmp_path):
     """Lesson 4 checks ps-sync against one process, bound 0 against ps-sync, the staleness histograms against the
-    tracer's pushes and the bound, and every rank's bytes against the cost functions; its OK lines and its
-    measurements file say so."""
-    measurements = tmp_path / "lesson.json"
-    args = [str(LESSONS / "04_parameter_server.py"), "--epochs", "2", "--quick", "--json", str(measurements)]
-    out = run_mpi(nranks, args, timeout=240).stdout
-    assert "OK: ps-sync's weights are one process's on the whole global batch: yes" in out, out
-    assert "OK: ps-async reaches 90% test accuracy (with and without a bound): yes" in out, out
-    assert "OK: ps-sync's loss curve is ddp's: yes" in out, out
-    assert "OK: with bound 0 and plain SGD, ps-async is ps-sync: yes" in out, out
-    assert "OK: every push is in the histogram once, and within the bound: yes" in out, out
-    assert "OK: bytes per step match the cost functions on every rank, and the server sends W n / S: yes" in out, out
-    assert "all checks passed: yes" in out, out
-
-    results = json.loads(measurements.read_text())
+    tracer's pushes and the bound, and every rank's bytes against the cost functions; its measurements file says
+    so."""
+    results, _ = run_lesson(nranks, "04_parameter_server.py", ["--epochs", "2", "--quick"], tmp_path, claims=(
+        "ps-sync's weights are one process's on the whole global batch",
+        "ps-async reaches 90% test accuracy (with and without a bound)",
+        "ps-sync's loss curve is ddp's",
+        "with bound 0 and plain SGD, ps-async is ps-sync",
+        "every push is in the histogram once, and within the bound",
+        "bytes per step match the cost functions on every rank, and the server sends W n / S",
+    ))  # fmt: skip
     workers, servers = nranks - 1, [1, 2] if nranks >= 4 else [1]
     assert results["world"] == nranks and results["workers"] == workers and results["servers"] == servers
     assert all(d < 1e-12 for d in results["protocol"]["relative_difference"].values())

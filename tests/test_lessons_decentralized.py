@@ -2,38 +2,25 @@
 
 Each lesson checks its own claims (H = 1 against ddp, bytes against the cost functions, drift against distances
 computed from the weights, mixing matrices and spectral gaps against closed forms, gossip rounds against W x) and
-prints an OK line per claim, then ``all checks passed: yes``; here small runs must pass every check and write their
-measurements, and bad arguments must end the job with a message that says what was wrong.
+prints an OK line per claim, then ``all checks passed: yes``; here small runs must pass every check (the verdicts in
+their measurements file), and bad arguments must end the job with a message that says what was wrong.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-from pathlib import Path
 
 import pytest
-from mpi_util import run_mpi
-
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
-
-
-def ok_lines(out: str) -> list[str]:
-    return [line.strip() for line in out.splitlines() if line.strip().startswith("OK:")]
+from mpi_util import LESSONS, run_lesson, run_mpi
 
 
 @pytest.mark.mpi
 def test_lesson_05_local_sgd_checks_its_claims(tmp_path):
-    measurements = tmp_path / "lesson.json"
-    args = [str(LESSONS / "05_local_sgd.py"), "--epochs", "2", "--seeds", "2", "--warmup-sync-steps", "10"]
-    out = run_mpi(4, [*args, "--json", str(measurements)], timeout=120).stdout
-    lines = ok_lines(out)
-    assert len(lines) == 6 and all(line.endswith(": yes") for line in lines), out
-    assert "all checks passed: yes" in out, out
+    flags = ["--epochs", "2", "--seeds", "2", "--warmup-sync-steps", "10"]
+    results, out = run_lesson(4, "05_local_sgd.py", flags, tmp_path, timeout=120)
+    assert len(results["checks"]) == 6, results["checks"]  # every one passed (run_lesson)
     assert "H = 8 on 4 ranks:" in out, out
-
-    results = json.loads(measurements.read_text())
     assert results["world"] == 4 and results["steps"] == 2 * results["steps_per_epoch"] == 28
     for via in ("allreduce", "master"):
         assert results["equality"][via]["weights"] < 1e-12 and results["equality"][via]["mean_velocity"] < 1e-12
@@ -56,14 +43,8 @@ def test_lesson_05_local_sgd_checks_its_claims(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [4, 8])
 def test_lesson_06_gossip_checks_its_claims(nranks, tmp_path):
-    measurements = tmp_path / "lesson.json"
-    args = [str(LESSONS / "06_gossip.py"), "--epochs", "2", "--rounds", "6", "--json", str(measurements)]
-    out = run_mpi(nranks, args, timeout=120).stdout
-    lines = ok_lines(out)
-    assert len(lines) == 5 and all(line.endswith(": yes") for line in lines), out
-    assert "all checks passed: yes" in out, out
-
-    results = json.loads(measurements.read_text())
+    results, _ = run_lesson(nranks, "06_gossip.py", ["--epochs", "2", "--rounds", "6"], tmp_path, timeout=120)
+    assert len(results["checks"]) == 5, results["checks"]  # every one passed (run_lesson)
     assert results["world"] == nranks and results["topologies"] == ["ring", "exponential", "torus", "random"]
     gaps = results["spectral_gap"][str(nranks)]
     assert gaps["ring"] == pytest.approx(1 - (1 + 2 * math.cos(2 * math.pi / nranks)) / 3, abs=1e-12)

@@ -4,13 +4,9 @@ closed form of the activations each schedule keeps, and single's loss curve."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from mpi_util import run_mpi
+from mpi_util import LESSONS, run_lesson, run_mpi
 
-LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 TP = LESSONS / "07_tensor_parallel.py"
 PP = LESSONS / "08_pipeline_parallel.py"
 
@@ -18,20 +14,15 @@ PP = LESSONS / "08_pipeline_parallel.py"
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_lesson_07_tensor_parallel_checks_its_claims(nranks, tmp_path):
-    measurements = tmp_path / "lesson.json"
     shrink = ["--epochs", "2", "--hidden", "256,256", "--big-batch", "64", "--steps", "2"]
-    out = run_mpi(nranks, [str(TP), *shrink, "--json", str(measurements)], timeout=240).stdout
-    for line in (
-        "OK: the split block computes the whole block, gradients included: yes",
-        "OK: one all-reduce forward (g) and one backward (f); none backward for data: yes",
-        "OK: each rank's sub-communicators hold the ranks its groups name: yes",
-        "OK: each rank holds what TensorParallel.costs() and the formula say: yes",
-        "OK: every grid follows single's loss curve: yes",
-        "OK: every rank's bytes per step equal TensorParallel.costs(): yes",
-        "all checks passed: yes",
-    ):
-        assert line in out, out
-    results = json.loads(measurements.read_text())
+    results, _ = run_lesson(nranks, TP.name, shrink, tmp_path, claims=(
+        "the split block computes the whole block, gradients included",
+        "one all-reduce forward (g) and one backward (f); none backward for data",
+        "each rank's sub-communicators hold the ranks its groups name",
+        "each rank holds what TensorParallel.costs() and the formula say",
+        "every grid follows single's loss curve",
+        "every rank's bytes per step equal TensorParallel.costs()",
+    ))  # fmt: skip
     assert results["world"] == nranks
     h = 256
     for t, held in results["memory"]["rows"]:  # the column/row block split t ways, the output layer whole
@@ -46,21 +37,15 @@ def test_lesson_07_tensor_parallel_checks_its_claims(nranks, tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 3, 4])
 def test_lesson_08_pipeline_parallel_checks_its_claims(nranks, tmp_path):
-    measurements = tmp_path / "lesson.json"
-    out = run_mpi(nranks, [str(PP), "--epochs", "2", "--max-microbatches", "4", "--json", str(measurements)],
-                  timeout=240).stdout  # fmt: skip
-    for line in (
-        "OK: every simulated bubble is the formula's: yes",
-        "OK: each micro-batch went forward stage by stage and came back in reverse: yes",
-        "OK: the measured bubble is the formula's, within 0.1, and falls as M grows: yes",
-        "OK: the interpreter's peaks equal Pipeline.costs(): yes",
-        "OK: 1F1B keeps at most P/M of GPipe's activations on every stage: yes",
-        "OK: every schedule and grid follows single's loss curve: yes",
-        "OK: every rank's bytes per step equal Pipeline.costs(): yes",
-        "all checks passed: yes",
-    ):
-        assert line in out, out
-    results = json.loads(measurements.read_text())
+    results, _ = run_lesson(nranks, PP.name, ["--epochs", "2", "--max-microbatches", "4"], tmp_path, claims=(
+        "every simulated bubble is the formula's",
+        "each micro-batch went forward stage by stage and came back in reverse",
+        "the measured bubble is the formula's, within 0.1, and falls as M grows",
+        "the interpreter's peaks equal Pipeline.costs()",
+        "1F1B keeps at most P/M of GPipe's activations on every stage",
+        "every schedule and grid follows single's loss curve",
+        "every rank's bytes per step equal Pipeline.costs()",
+    ))  # fmt: skip
     P = results["world"]
     assert P == nranks
     for row in results["bubble"]:
