@@ -31,13 +31,12 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
+from bench_util import run_meta, write_json
 
 from dtrain import kernels
 
@@ -204,16 +203,8 @@ def main(argv=None):
     print(f"dispatcher: {kernels.describe()}")
     results = run(cases(args.quick), samples)
     if args.json:
-        meta = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(["python", *sys.argv]),
-            "machine": platform.platform(),
-            "header": header,
-            "thresholds": dict(zip(("NUMBA_MIN_SIZE", "FUSED_MIN_SIZE"), DEFAULT_THRESHOLDS)),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
-        print(f"saved {args.json}")
+        meta = run_meta(header=header, thresholds=dict(zip(("NUMBA_MIN_SIZE", "FUSED_MIN_SIZE"), DEFAULT_THRESHOLDS)))
+        print(f"saved {write_json(args.json, {'meta': meta, 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from bench_util import (
+    add_round_flags,
+    exit_if_failed,
+    launch,
+    rotated,
+    samples_for,
+    sent_per_rank,
+    train_metrics,
+    training_steps,
+    write_json,
+    write_results,
+)
 
 MB = 1e6
 TP_CONTENDERS = {"tp 1": (1, ["--tp", "1"]), "tp 2": (2, ["--tp", "2"]), "tp 4": (4, ["--tp", "4"]),
@@ -51,32 +62,6 @@ GRIDS = {
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 
 
-def launch(ranks: int, target: list[str]) -> None:
-    command = [sys.executable, "-m", "dtrain", "launch", "-n", str(ranks), *target]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-
-
-def cli(ranks: int, flags: list[str], folder: Path) -> dict:
-    """One training job through the CLI; its metrics.json."""
-    launch(ranks, ["-m", "dtrain", "train", *flags, "--no-progress", "--quiet", "--out", str(folder)])
-    return json.loads((folder / "metrics.json").read_text())
-
-
-def sent_per_rank(metrics: dict, prefixes: tuple) -> list[int]:
-    return [sum(o["bytes_sent"] for label, o in mine["operations"].items() if label.startswith(prefixes))
-            for mine in metrics["communication"]["per_rank"]]  # fmt: skip
-
-
-def steps_of(metrics: dict) -> int:
-    from dtrain.data import steps_per_epoch
-
-    return len(metrics["epochs"]) * steps_per_epoch(
-        metrics["dataset"]["train_samples"], metrics["config"]["batch_size"]
-    )
-
-
 # --- 1. tensor parallelism ------------------------------------------------------------------------------------------
 
 
@@ -85,15 +70,15 @@ def tensor_parallel(args, scratch: Path) -> tuple[list, list, dict]:
 
     sizes = [784, *map(int, args.hidden.split(",")), 10]
     flags = ["--paradigm", "tp", "--allreduce", "ring", "--dataset", "synthetic", "--features", "784", "--samples",
-             str(-(-args.steps * 256 * 5 // 4)), "--hidden", args.hidden, "--batch-size", "256", "--epochs",
+             str(samples_for(args.steps, 256)), "--hidden", args.hidden, "--batch-size", "256", "--epochs",
              str(args.epochs), "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01"]  # fmt: skip
     runs = {label: [] for label in TP_CONTENDERS}
-    order = list(TP_CONTENDERS)
     for repeat in range(args.repeats):
-        for label in order[repeat % len(order) :] + order[: repeat % len(order)]:
+        for label in rotated(list(TP_CONTENDERS), repeat):
             ranks, own = TP_CONTENDERS[label]
-            metrics = cli(ranks, [*flags, *own], scratch / f"tp-{label.replace(' ', '')}-{repeat}")
-            steps, per_epoch = steps_of(metrics), steps_of(metrics) // len(metrics["epochs"])
+            metrics = train_metrics(ranks, [*flags, *own], scratch / f"tp-{label.replace(' ', '')}-{repeat}")
+            steps = training_steps(metrics)
+            per_epoch = steps // len(metrics["epochs"])
             per_rank = metrics["communication"]["per_rank"]
             runs[label].append({
                 "sent": sent_per_rank(metrics, ("tp/", "dp/")),
@@ -203,8 +188,8 @@ def worker(args) -> None:
                                                        for o, _, _, s, e in line if o == op)
                                                        for op in ("forward", "backward")}})  # fmt: skip
     if rank == 0:
-        Path(args.out, f"pipeline_{args.worker}.json").write_text(json.dumps({"P": P, "sizes": sizes, "rows": rows,
-                                                                              "results": results}))  # fmt: skip
+        write_json(Path(args.out, f"pipeline_{args.worker}.json"), {"P": P, "sizes": sizes, "rows": rows,
+                                                                       "results": results})  # fmt: skip
 
 
 def pipeline_report(data: dict, title: str) -> tuple[list, list]:
@@ -242,8 +227,8 @@ def grids(args, scratch: Path) -> tuple[list, list]:
     lines.append(f"{'grid':26s} {'ranks':>5s} {'KB sent/step by rank':>40s} {'peak KB activations':>28s}")
     checks = []
     for label, (ranks, own) in GRIDS.items():
-        metrics = cli(ranks, [*flags, *own], scratch / f"grid-{len(checks)}")
-        steps, costs = steps_of(metrics), metrics["costs"]
+        metrics = train_metrics(ranks, [*flags, *own], scratch / f"grid-{len(checks)}")
+        steps, costs = training_steps(metrics), metrics["costs"]
         per_rank = metrics["communication"]["per_rank"]
         sent = sent_per_rank(metrics, ("pp/", "tp/", "dp/"))
         peaks = [r["paradigm"]["per_rank"][i]["peak_activation_bytes"] for i, r in enumerate(per_rank)]
@@ -329,13 +314,10 @@ def plot(sleep: dict, real: dict, tp_runs: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", default="2048,2048", help="tensor parallelism's model (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=6, help="tp: steps per epoch (default %(default)s)")
-    parser.add_argument("--epochs", type=int, default=3, help="tp: the last one is timed (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="tp: rounds, interleaved (default %(default)s)")
+    add_round_flags(parser, steps=6, epochs=3, of="tp: ", quick="one round, fewer sizes: checks the script",
+                    results="the results")  # fmt: skip
     parser.add_argument("--sleep-ms", type=float, default=20.0, help="a layer's forward, sleep-calibrated")
     parser.add_argument("--pp-steps", type=int, default=3, help="pp: measured steps per schedule and M")
-    parser.add_argument("--quick", action="store_true", help="one round, fewer sizes: checks the script")
-    parser.add_argument("--out", default="docs/bench", help="folder for the results")
     parser.add_argument("--worker", choices=("sleep", "real"), help=argparse.SUPPRESS)  # (the mpiexec side)
     parser.add_argument("--microbatches", type=lambda t: [int(m) for m in t.split(",")], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -372,15 +354,12 @@ def main() -> None:
     checks = tp_checks + sleep_checks + real_checks + grid_checks
     text = "\n".join([f"# {command}", *tp_lines, *sleep_lines, *real_lines, *grid_lines, "", *checks])
     print(text)
-    (out / "model_parallel.txt").write_text(text + "\n")
-    (out / "model_parallel.json").write_text(json.dumps({"command": command, "tp": tp_runs, "sleep": sleep,
-                                                         "real": real}, indent=1))  # fmt: skip
+    write_results(out, "model_parallel", {"command": command, "tp": tp_runs, "sleep": sleep, "real": real}, text)
     for name in ("pipeline_sleep.json", "pipeline_real.json"):
         (out / name).unlink()
     plot(sleep, real, tp_runs, out)
-    print(f"\nwritten: {out}/model_parallel.txt, .json, .png, pipeline_timeline.png, pipeline_trace.json")
-    if any(line.startswith("FAIL") for line in checks):
-        raise SystemExit("some checks FAILED (above)")
+    print(f"and {out}/model_parallel.png, pipeline_timeline.png, pipeline_trace.json")
+    exit_if_failed(checks)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 
 import argparse
 import itertools
-import json
 import platform
 import statistics
 import time
 
 import numpy as np
+from bench_util import forward_by_hand, run_meta, write_json
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.nn import MLP
@@ -73,23 +73,11 @@ class NumpyStep:
         model = MLP(SIZES, seed=0)  # same initial weights as dtrain's
         self.params = [p.data.copy() for p in model.parameters()]  # W1 b1 W2 b2 W3 b3
         self.x, self.y = x, y
-        self.rows = np.arange(BATCH)
 
     def __call__(self):
-        W1, b1, W2, b2, W3, b3 = self.params
-        x, y = self.x, self.y
-        z1 = x @ W1 + b1
-        h1 = np.maximum(z1, 0)
-        z2 = h1 @ W2 + b2
-        h2 = np.maximum(z2, 0)
-        z3 = h2 @ W3 + b3
-        shifted = z3 - z3.max(axis=1, keepdims=True)
-        e = np.exp(shifted)
-        s = e.sum(axis=1, keepdims=True)
-        loss = (np.log(s[:, 0]) - shifted[self.rows, y]).mean()
-        dz3 = e / s
-        dz3[self.rows, y] -= 1
-        dz3 *= 1.0 / BATCH
+        _, _, W2, _, W3, _ = self.params
+        x = self.x
+        loss, dz3, (z1, h1, z2, h2) = forward_by_hand(self.params, x, self.y)  # (shared with bench_ddp's floor)
         dW3, db3 = h2.T @ dz3, dz3.sum(axis=0)
         dz2 = (dz3 @ W3.T) * (z2 > 0)
         dW2, db2 = h1.T @ dz2, dz2.sum(axis=0)
@@ -97,7 +85,7 @@ class NumpyStep:
         dW1, db1 = x.T @ dz1, dz1.sum(axis=0)
         for p, g in zip(self.params, (dW1, db1, dW2, db2, dW3, db3)):
             p -= LR * g
-        return float(loss)
+        return loss
 
 
 class TorchStep:
@@ -178,16 +166,9 @@ def main():
         print(f"dtrain samples/s / torch samples/s = {speed:.3f}")
         results["dtrain_over_torch_samples_per_s"] = speed
     if args.json:
-        meta = {
-            "sizes": SIZES,
-            "batch": BATCH,
-            "rounds": args.rounds,
-            "numpy": np.__version__,
-            "machine": platform.platform(),
-            "processor": platform.processor(),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        meta = run_meta(sizes=SIZES, batch=BATCH, rounds=args.rounds, numpy=np.__version__,
+                        processor=platform.processor())  # fmt: skip
+        write_json(args.json, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""What every benchmark script shares: its hidden worker flags, and how it writes its results.
+"""What every benchmark script shares: its hidden worker flags, how it runs training jobs, and how it writes its
+results.
 
 A benchmark that needs ranks starts itself again under ``mpiexec`` with ``--worker --result FILE`` (the ranks' part:
-measure, and rank 0 writes FILE), and the first process gathers the files into one table. At the end it writes the
-table as text and the numbers as JSON into its ``--out`` folder, with the command that made them and the machine
-they were made on (docs/benchmarks.md quotes them).
+measure, and rank 0 writes FILE), and the first process gathers the files into one table. A benchmark of whole
+training jobs runs them through the CLI (``train_metrics``), in rounds whose order rotates (``rotated``), and reads
+their metrics.json (``training_steps``, ``sent_per_rank``). At the end it writes the table as text and the numbers as
+JSON into its ``--out`` folder, with the command that made them and the machine they were made on
+(docs/benchmarks.md quotes them), and exits non-zero if an exact check failed (``exit_if_failed``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +42,14 @@ def run_meta(**fields) -> dict:
     }
 
 
+def write_json(path, data: dict) -> Path:
+    """Write ``data`` as JSON to ``path`` (its folder made if need be); return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
 def write_results(out, name: str, data: dict, text: str | None = None) -> list[Path]:
     """Write ``data`` to ``out/name.json`` and, if given, ``text`` to ``out/name.txt``; say so; return the paths."""
     out = Path(out)
@@ -44,7 +58,88 @@ def write_results(out, name: str, data: dict, text: str | None = None) -> list[P
     if text is not None:
         written.append(out / f"{name}.txt")
         written[-1].write_text(text.rstrip("\n") + "\n")
-    written.append(out / f"{name}.json")
-    written[-1].write_text(json.dumps(data, indent=1))
+    written.append(write_json(out / f"{name}.json", data))
     print(f"\nwrote {' and '.join(map(str, written))}")
     return written
+
+
+def exit_if_failed(checks: list[str]) -> None:
+    """End the benchmark with a non-zero status if any of its exact checks (lines "PASS ..." or "FAIL ...") failed."""
+    if any(line.startswith("FAIL") for line in checks):
+        raise SystemExit("some checks FAILED (above)")
+
+
+def add_round_flags(parser: argparse.ArgumentParser, *, steps: int, epochs: int, quick: str, results: str,
+                    of: str = "") -> None:  # fmt: skip
+    """The flags of a benchmark that times training jobs in interleaved rounds: ``--steps`` per epoch, ``--epochs``
+    (the last one timed), ``--repeats`` (rounds), ``--quick`` (``quick`` says what it cuts) and ``--out`` (the folder
+    for ``results``). ``of``: which of the script's parts they are for, e.g. "tp: "."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"{of}steps per epoch (default %(default)s)")
+    parser.add_argument("--epochs", type=int, default=epochs, help=f"{of}the last one is timed (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help=f"{of}rounds, interleaved (default %(default)s)")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", default="docs/bench", help=f"folder for {results}")
+
+
+def samples_for(steps: int, batch_size: int) -> int:
+    """The ``--samples`` that make ``steps`` training steps of ``batch_size`` per epoch: 80% of the samples train
+    (dtrain.data.TEST_FRACTION)."""
+    return -(-steps * batch_size * 5 // 4)
+
+
+def rotated(labels: list, repeat: int) -> list:
+    """Round ``repeat``'s order of the contenders ``labels``: rotated by one each round, so that no contender always
+    runs first (or right after the same other one) on a machine whose speed drifts."""
+    shift = repeat % len(labels)
+    return labels[shift:] + labels[:shift]
+
+
+def launch(ranks: int, target: list[str], env: dict | None = None) -> None:
+    """``dtrain launch -n RANKS TARGET`` (a script and its arguments, or ``-m module ...``); if it fails, the benchmark
+    ends with the command and its output."""
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", str(ranks), *target]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def train_metrics(ranks: int, flags: list[str], folder, env: dict | None = None) -> dict:
+    """One training job through the CLI, ``dtrain launch -n RANKS -m dtrain train FLAGS --out FOLDER`` (no progress
+    bar, quiet): its metrics.json."""
+    launch(ranks, ["-m", "dtrain", "train", *flags, "--no-progress", "--quiet", "--out", str(folder)], env)
+    return json.loads((Path(folder) / "metrics.json").read_text())
+
+
+def training_steps(metrics: dict) -> int:
+    """The optimizer steps of a training job, from its metrics.json."""
+    from dtrain.data import steps_per_epoch
+
+    per_epoch = steps_per_epoch(metrics["dataset"]["train_samples"], metrics["config"]["batch_size"])
+    return len(metrics["epochs"]) * per_epoch
+
+
+def sent_per_rank(metrics: dict, prefixes: str | tuple) -> list[int]:
+    """Bytes each rank of a training job sent under the labels starting with ``prefixes`` (the tracer's)."""
+    return [sum(o["bytes_sent"] for label, o in mine["operations"].items() if label.startswith(prefixes))
+            for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+
+
+def forward_by_hand(params: list, x, y) -> tuple:
+    """A ReLU MLP of three Linear layers (``params``: W1 b1 W2 b2 W3 b3) and its mean softmax cross-entropy on
+    ``(x, y)``, written out in NumPy with no graph and no objects: the hand-written floor's forward. Returns the loss,
+    its gradient with respect to the logits, and what the backward needs: (z1, h1, z2, h2)."""
+    W1, b1, W2, b2, W3, b3 = params
+    rows = np.arange(len(y))
+    z1 = x @ W1 + b1
+    h1 = np.maximum(z1, 0)
+    z2 = h1 @ W2 + b2
+    h2 = np.maximum(z2, 0)
+    z3 = h2 @ W3 + b3
+    shifted = z3 - z3.max(axis=1, keepdims=True)
+    e = np.exp(shifted)
+    s = e.sum(axis=1, keepdims=True)
+    loss = (np.log(s[:, 0]) - shifted[rows, y]).mean()
+    dz3 = e / s
+    dz3[rows, y] -= 1
+    dz3 *= 1.0 / len(y)
+    return float(loss), dz3, (z1, h1, z2, h2)

@@ -31,14 +31,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from dtrain.data import steps_per_epoch
+from bench_util import (
+    add_round_flags,
+    exit_if_failed,
+    rotated,
+    samples_for,
+    sent_per_rank,
+    train_metrics,
+    training_steps,
+    write_results,
+)
+
 from dtrain.parallel import parameter_count
 from dtrain.parallel.zero import paper_formula
 
@@ -60,14 +67,10 @@ MB = 1e6
 
 def run_once(args, hidden: str, n_ranks: int, contender: str, optimizer: str, folder: Path) -> dict:
     """One training job; its metrics.json, read back."""
-    command = [sys.executable, "-m", "dtrain", "launch", "-n", str(n_ranks), "-m", "dtrain", "train",
-               *CONTENDERS[contender][1], *OPTIMIZERS[optimizer][1], "--dataset", "synthetic", "--features", "784",
-               "--samples", str(args.samples), "--hidden", hidden, "--batch-size", str(args.batch_size),
-               "--epochs", str(args.epochs), "--no-progress", "--quiet", "--out", str(folder)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    return json.loads((folder / "metrics.json").read_text())
+    flags = [*CONTENDERS[contender][1], *OPTIMIZERS[optimizer][1], "--dataset", "synthetic", "--features", "784",
+             "--samples", str(args.samples), "--hidden", hidden, "--batch-size", str(args.batch_size),
+             "--epochs", str(args.epochs)]  # fmt: skip
+    return train_metrics(n_ranks, flags, folder)
 
 
 def per_rank(costs: dict, kind: str, world: int) -> list:
@@ -77,13 +80,8 @@ def per_rank(costs: dict, kind: str, world: int) -> list:
 
 def figures(metrics: dict, stage: int) -> dict:
     """What one run measured, per rank, and what its cost function says."""
-    world, costs = metrics["world_size"], metrics["costs"]
-    steps = len(metrics["epochs"]) * steps_per_epoch(
-        metrics["dataset"]["train_samples"], metrics["config"]["batch_size"]
-    )
-    prefix = "zero/" if stage else "allreduce/"
-    sent = [sum(ops["bytes_sent"] for label, ops in mine["operations"].items() if label.startswith(prefix))
-            for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+    world, costs, steps = metrics["world_size"], metrics["costs"], training_steps(metrics)
+    sent = sent_per_rank(metrics, "zero/" if stage else "allreduce/")
     if stage:
         held = metrics["communication"]["per_rank"][0]["paradigm"]["held_bytes"]  # the ledger's peaks, by rank
     else:  # a ddp replica holds all of it, all the time: its cost function (no ledger to read)
@@ -214,11 +212,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), metavar="HIDDEN",
                         help="hidden widths of each model, e.g. 2048,2048 (default: %(default)s)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=256, help="global batch (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=6, help="steps per epoch (default %(default)s)")
-    parser.add_argument("--epochs", type=int, default=2, help="the last one is timed (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds, interleaved (default %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="N = 2, one round: checks the script in a minute")
-    parser.add_argument("--out", default="docs/bench", help="folder for zero.{txt,json,png}")
+    add_round_flags(parser, steps=6, epochs=2, quick="N = 2, one round: checks the script in a minute",
+                    results="zero.{txt,json,png}")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.repeats = "2", 1
@@ -226,15 +221,14 @@ def main() -> None:
     optimizers = args.optimizers.split(",")
     if any(o not in OPTIMIZERS for o in optimizers) or min(ranks) < 1 or args.batch_size % max(ranks):
         raise SystemExit(f"bad arguments: --optimizers from {list(OPTIMIZERS)}, ranks >= 1 dividing --batch-size")
-    args.samples = -(-args.steps * args.batch_size * 5 // 4)  # 80% of the samples train (dtrain.data.TEST_FRACTION)
+    args.samples = samples_for(args.steps, args.batch_size)
 
     all_results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for hidden, world, optimizer in itertools.product(args.models, ranks, optimizers):
             results = {c: [] for c in CONTENDERS}
-            order = list(CONTENDERS)
             for repeat in range(args.repeats):
-                for contender in order[repeat % len(order) :] + order[: repeat % len(order)]:
+                for contender in rotated(list(CONTENDERS), repeat):
                     folder = Path(scratch) / f"{hidden}-{world}-{optimizer}-{contender.replace(' ', '')}-{repeat}"
                     metrics = run_once(args, hidden, world, contender, optimizer, folder)
                     results[contender].append(figures(metrics, CONTENDERS[contender][0]))
@@ -253,15 +247,11 @@ def main() -> None:
     ]
     text = "\n".join(header + lines + ["", *checks])
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "zero.txt").write_text(text + "\n")
     raw = {f"{h} N={w} {o}": results for (h, w, o), results in all_results.items()}
-    (out / "zero.json").write_text(json.dumps({"command": command, "results": raw}, indent=1))
-    plot(all_results, out / "zero.png")
-    print(f"\nwritten: {out}/zero.txt, .json, .png")
-    if any(line.startswith("FAIL") for line in checks):
-        raise SystemExit("some checks FAILED (above)")
+    write_results(args.out, "zero", {"command": command, "results": raw}, text)
+    plot(all_results, Path(args.out) / "zero.png")
+    print(f"and {args.out}/zero.png")
+    exit_if_failed(checks)
 
 
 if __name__ == "__main__":

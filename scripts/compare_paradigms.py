@@ -22,13 +22,12 @@ accuracy against bytes per rank and accuracy against wall time (``docs/bench/com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from bench_util import train_metrics, write_results
 
 RUNS = {  # label: flags after --paradigm
     "ddp": ["--paradigm", "ddp"],
@@ -50,16 +49,11 @@ RUNS = {  # label: flags after --paradigm
 
 def run_once(flags: list[str], args, folder: Path) -> dict:
     """One training job; its metrics.json, read back."""
-    command = [sys.executable, "-m", "dtrain", "launch", "-n", str(args.ranks), "-m", "dtrain", "train",
-               "--dataset", "digits", "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
-               "--seed", str(args.seed), "--no-progress", "--quiet", "--out", str(folder), *flags]  # fmt: skip
+    common = ["--dataset", "digits", "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
+              "--seed", str(args.seed)]  # fmt: skip
     # NumPy's reductions, not Numba's: a process's first large reduction would import Numba and load its compiled
     # loops (about 0.7 s here), which in jobs this short would be most of ddp's time and little of the others'.
-    env = {**os.environ, "DTRAIN_KERNELS": "numpy"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr}")
-    return json.loads((folder / "metrics.json").read_text())
+    return train_metrics(args.ranks, [*common, *flags], folder, env={**os.environ, "DTRAIN_KERNELS": "numpy"})
 
 
 def traffic(metrics: dict) -> tuple[float, int, float]:
@@ -153,12 +147,9 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_paradigms.txt").write_text(text + "\n")
-    (out / "compare_paradigms.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    plot(rows, out / "compare_paradigms.png")
-    print(f"\nwritten: {out}/compare_paradigms.txt, .json, .png")
+    write_results(args.out, "compare_paradigms", {"command": command, "rows": rows}, text)
+    plot(rows, Path(args.out) / "compare_paradigms.png")
+    print(f"and {args.out}/compare_paradigms.png")
 
 
 def plot(rows: dict, path: Path) -> None:
