@@ -37,6 +37,12 @@ def metrics_of(folder) -> dict:
     return json.loads((folder / "metrics.json").read_text())
 
 
+def trained(tmp_path, *flags) -> tuple[dict, subprocess.CompletedProcess]:
+    """``dtrain train FLAGS --out TMP_PATH/run`` in ``tmp_path``, which must succeed: its metrics.json, and the run."""
+    result = ok(dtrain("train", *flags, "--out", tmp_path / "run", cwd=tmp_path))
+    return metrics_of(tmp_path / "run"), result
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Three short digits runs: seed 0 twice and seed 1 once."""
@@ -105,8 +111,7 @@ def test_weights_digest_is_sha256_of_all_the_bytes():
 
 
 def test_default_digits_run_reaches_96_percent(tmp_path):
-    result = ok(dtrain("train", "--out", tmp_path / "run", cwd=tmp_path))
-    m = metrics_of(tmp_path / "run")
+    m, result = trained(tmp_path)
     assert len(m["epochs"]) == 20 and m["config"]["hidden"] == [128, 128]
     assert m["final"]["test_accuracy"] >= 0.96, m["final"]
     assert "metrics written to" in result.stdout
@@ -114,50 +119,16 @@ def test_default_digits_run_reaches_96_percent(tmp_path):
 
 
 def test_synthetic_dataset(tmp_path):
-    ok(
-        dtrain(
-            "train",
-            "--dataset",
-            "synthetic",
-            "--features",
-            20,
-            "--classes",
-            3,
-            "--samples",
-            300,
-            *TRAIN_FAST,
-            "--batch-size",
-            32,
-            "--quiet",
-            "--out",
-            tmp_path / "run",
-            cwd=tmp_path,
-        )
-    )
-    m = metrics_of(tmp_path / "run")
+    synthetic = ["--dataset", "synthetic", "--features", 20, "--classes", 3, "--samples", 300]
+    m, _ = trained(tmp_path, *synthetic, *TRAIN_FAST, "--batch-size", 32, "--quiet")
     assert m["dataset"] == {"name": "synthetic", "train_samples": 240, "test_samples": 60, "features": 20, "classes": 3}
     assert m["model"]["sizes"] == [20, 32, 3]
     assert len(m["epochs"]) == 3
 
 
 def test_mnist_from_a_data_dir(tmp_path, fake_mnist_dir):
-    ok(
-        dtrain(
-            "train",
-            "--dataset",
-            "mnist",
-            "--data-dir",
-            fake_mnist_dir,
-            "--batch-size",
-            10,
-            *TRAIN_FAST,
-            "--quiet",
-            "--out",
-            tmp_path / "run",
-            cwd=tmp_path,
-        )
-    )
-    m = metrics_of(tmp_path / "run")
+    mnist = ["--dataset", "mnist", "--data-dir", fake_mnist_dir]
+    m, _ = trained(tmp_path, *mnist, "--batch-size", 10, *TRAIN_FAST, "--quiet")
     assert m["dataset"] == {"name": "mnist", "train_samples": 20, "test_samples": 10, "features": 784, "classes": 10}
     assert m["model"]["sizes"] == [784, 32, 10]
 

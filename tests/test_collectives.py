@@ -319,6 +319,17 @@ def test_a_traced_communicators_topology_counts_into_its_tracer():
         assert traced_subs and other_sent == 0 and counted > 0 and value == 4.0
 
 
+def _fails_in_debug_mode(fn) -> Exception:
+    """Run fn on 2 simulated ranks in debug mode; the run must fail: the exception a rank raised."""
+    collectives.set_debug(True)
+    try:
+        with pytest.raises(sim.SimRankError) as info:
+            sim.run(2, fn)
+    finally:
+        collectives.set_debug(None)
+    return info.value.exception
+
+
 @pytest.mark.parametrize("given", [True, False], ids=["topology", "per-call"])
 def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node(given):
     def fn(comm):
@@ -328,14 +339,9 @@ def test_debug_mode_catches_ranks_that_disagree_on_ranks_per_node(given):
         else:
             collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", ranks_per_node=k)
 
-    collectives.set_debug(True)
-    try:
-        with pytest.raises(sim.SimRankError) as info:
-            sim.run(2, fn)
-    finally:
-        collectives.set_debug(None)
-    assert isinstance(info.value.exception, collectives.CollectiveMismatchError)
-    assert "ranks_per_node" in str(info.value.exception)
+    error = _fails_in_debug_mode(fn)
+    assert isinstance(error, collectives.CollectiveMismatchError)
+    assert "ranks_per_node" in str(error)
 
 
 def test_debug_mode_catches_a_topology_given_on_one_rank_and_not_another():
@@ -343,10 +349,5 @@ def test_debug_mode_catches_a_topology_given_on_one_rank_and_not_another():
         topo = hierarchical.topology(comm, 1)
         collectives.allreduce(comm, np.ones(4), algorithm="hierarchical", topology=topo if comm.Get_rank() else None)
 
-    collectives.set_debug(True)
-    try:
-        with pytest.raises(sim.SimRankError) as info:
-            sim.run(2, fn)
-    finally:
-        collectives.set_debug(None)
-    assert "topology='given'" in str(info.value.exception) and "topology='per call'" in str(info.value.exception)
+    error = _fails_in_debug_mode(fn)
+    assert "topology='given'" in str(error) and "topology='per call'" in str(error)

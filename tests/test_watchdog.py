@@ -177,6 +177,20 @@ def run_until_aborted(fn, release, after: float) -> None:
         timer.cancel()
 
 
+def rank_0_waits_for_rank_1(receive, after: float) -> None:
+    """On 3 simulated ranks, rank 0 calls ``receive(comm, buf)`` (a receive from rank 1, tag 7) while rank 1 is still
+    computing (asleep until ``after`` seconds in): the watchdog must abort the run."""
+    release = threading.Event()
+
+    def fn(comm):
+        if comm.Get_rank() == 0:
+            receive(comm, np.zeros(4))
+        elif comm.Get_rank() == 1:
+            release.wait(30)  # the peer is still computing
+
+    run_until_aborted(fn, release, after)
+
+
 def test_the_simulator_reports_a_stalled_rank_and_aborts_the_run(capfd):
     limit = 2
     watchdog.configure(limit)
@@ -240,17 +254,12 @@ def test_a_later_simulated_run_is_watched_too(capfd):
 
 def test_a_paradigm_wait_around_a_watched_receive_reports_the_whole_stack(capfd):
     watchdog.configure(1)
-    release = threading.Event()
 
-    def parameter_server(comm):
-        buf = np.zeros(4)
-        if comm.Get_rank() == 0:
-            with watchdog.watching(comm, "parameter server: waiting for a gradient from worker 1", peer=1, tag=7):
-                watchdog.WatchedComm(comm).Recv(buf, source=1, tag=7)
-        elif comm.Get_rank() == 1:
-            release.wait(30)  # the worker is still computing
+    def parameter_server(comm, buf):
+        with watchdog.watching(comm, "parameter server: waiting for a gradient from worker 1", peer=1, tag=7):
+            watchdog.WatchedComm(comm).Recv(buf, source=1, tag=7)
 
-    run_until_aborted(parameter_server, release, after=3)
+    rank_0_waits_for_rank_1(parameter_server, after=3)
     err = capfd.readouterr().err
     stack = "parameter server: waiting for a gradient from worker 1 (call #1, peer rank 1, tag 7) > Recv from rank 1"
     assert reports(err) == [(0, stack + " (tag 7)")], err
@@ -259,16 +268,11 @@ def test_a_paradigm_wait_around_a_watched_receive_reports_the_whole_stack(capfd)
 
 def test_a_bare_receive_on_a_watched_comm_is_a_wait_of_its_own(capfd):
     watchdog.configure(0.5)
-    release = threading.Event()
 
-    def stage(comm):
-        buf = np.zeros(4)
-        if comm.Get_rank() == 0:
-            watchdog.WatchedComm(comm).Recv(buf, source=1, tag=7)  # no wait open around it
-        elif comm.Get_rank() == 1:
-            release.wait(30)
+    def stage(comm, buf):
+        watchdog.WatchedComm(comm).Recv(buf, source=1, tag=7)  # no wait open around it
 
-    run_until_aborted(stage, release, after=2)
+    rank_0_waits_for_rank_1(stage, after=2)
     assert reports(capfd.readouterr().err) == [(0, "Recv from rank 1 (call #1, tag 7)")]
 
 
