@@ -89,7 +89,6 @@ from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 from dtrain.parallel.ps_worker import Worker
 
-# the protocol's tags and both sides, for the lesson and the notebook
 __all__ = ["DONE", "END", "PULL", "PUSH", "WEIGHTS", "AsyncParameterServer", "ParameterServer", "Server", "Worker",
            "shards"]  # fmt: skip
 

@@ -60,8 +60,8 @@ from dtrain.nn import Sequential
 from dtrain.parallel import register, schedules
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
+from dtrain.parallel.instructions import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
 from dtrain.parallel.model_parallel import ModelParallel
-from dtrain.parallel.schedules import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
 from dtrain.parallel.stages import check_cut, costs_per_rank, cut
 from dtrain.parallel.tensor_parallel import TensorGroup, check_splittable, plan, shard
 
@@ -93,9 +93,8 @@ class PipelineForward:
 
 @dataclasses.dataclass
 class Step:
-    """What one step's instructions share: this rank's slice (x, y) of the batch, cut into micro-batches of ``rows``;
-    the messages received and to be sent, keyed by (kind, stage, micro) and (stage, micro); each micro-batch's saved
-    activations until its backward; the sends in flight; the last stage's losses."""
+    """What one step's instructions share: this rank's slice (x, y), in micro-batches of ``rows``; the messages
+    received and to send; each micro-batch's activations until its backward; the sends in flight; the losses."""
 
     x: object
     y: object

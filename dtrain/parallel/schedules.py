@@ -2,7 +2,7 @@
 
 A pipeline of P stages trains on M micro-batches per step. *When* each stage runs each micro-batch's forward (F) and
 backward (B) is the schedule; everything else (what a forward computes, how a message travels) is the interpreter's
-business (pipeline.py). So a schedule is a plain function returning lists of :class:`Instruction` records, and
+business (pipeline.py). So a schedule is a plain function returning lists of instruction records (instructions.py), and
 this module can check it, time it and draw it without MPI::
 
     gpipe(P, M)              all M forwards, then all M backwards (GPipe): every stage keeps M micro-batches'
@@ -38,107 +38,30 @@ keeps.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
+from dtrain.parallel.instructions import (
+    END_OF_STEP,
+    KINDS,
+    OPS,
+    AllReduceGradients,
+    Backward,
+    Compute,
+    Forward,
+    Instruction,
+    Message,
+    OptimizerStep,
+    Recv,
+    Send,
+    WaitSends,
+)
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-KINDS = ("activation", "gradient")
-
-
-class Instruction:
-    """One thing a pipeline rank does: one small record per kind below. ``stage`` is the virtual stage (chunk c of
-    rank r is stage c P + r); ``op`` names the kind (the interpreter's method for it, ``simulate``'s and ``check``'s
-    tests)."""
-
-    op = ""
-    phase = ""  # (a forward's or backward's; the others are in none)
-
-    def __str__(self) -> str:
-        return self.op
-
-
-@dataclasses.dataclass(frozen=True)
-class Compute(Instruction):
-    """A computation of stage ``stage`` on micro-batch ``micro``, in ``phase`` ("warm-up", "steady", "cool-down")."""
-
-    stage: int
-    micro: int
-    phase: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.op[0].upper()}{self.micro}" + (f"@{self.stage}" if self.stage else "")
-
-
-class Forward(Compute):
-    """The stage's forward of the micro-batch: its activations are kept until its backward."""
-
-    op = "forward"
-
-
-class Backward(Compute):
-    """The stage's backward of the micro-batch: its gradients accumulate into the stage's."""
-
-    op = "backward"
-
-
-@dataclasses.dataclass(frozen=True)
-class Message(Instruction):
-    """The ``kind`` ("activation" forward, "gradient" backward) of stage ``stage`` for micro-batch ``micro``, to or
-    from pipeline rank ``peer``."""
-
-    stage: int
-    micro: int
-    kind: str
-    peer: int
-
-    def __str__(self) -> str:
-        return f"{self.op} {self.kind} {self.micro} {'->' if self.op == 'send' else '<-'} {self.peer}"
-
-    def message(self) -> tuple:
-        """What it carries: (kind, the stage boundary it crosses, micro-batch); a send and its receive have the same
-        message."""
-        boundary = self.stage + 1 if (self.op == "send") == (self.kind == "activation") else self.stage
-        return self.kind, boundary, self.micro
-
-
-class Send(Message):
-    """Send what the stage made (an ``Isend``: it does not wait for the receiver)."""
-
-    op = "send"
-
-
-class Recv(Message):
-    """Receive what the stage needs (it waits for it)."""
-
-    op = "recv"
-
-
-@dataclasses.dataclass(frozen=True)
-class WaitSends(Instruction):
-    """Wait until this step's sends have left (their arrays may then be dropped)."""
-
-    stage = micro = 0  # (every stage of the rank: a step's end)
-    op = "wait"
-
-
-@dataclasses.dataclass(frozen=True)
-class AllReduceGradients(Instruction):
-    """Average the stage's gradients with its replicas' (the dp group; nothing to do without data parallelism)."""
-
-    stage = micro = 0  # (every stage of the rank: a step's end)
-    op = "allreduce"
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerStep(Instruction):
-    """The optimizer's step on this rank's layers."""
-
-    stage = micro = 0  # (every stage of the rank: a step's end)
-    op = "step"
-
-
-END_OF_STEP = (WaitSends(), AllReduceGradients(), OptimizerStep())  # every rank's program ends so
-OPS = ("forward", "backward", "send", "recv", "wait", "allreduce", "step")
+# the instruction records (instructions.py), for whoever reads a schedule
+__all__ = ["END_OF_STEP", "KINDS", "OPS", "SCHEDULES", "AllReduceGradients", "Backward", "Compute", "Forward",
+           "Instruction", "Message", "OptimizerStep", "Recv", "Send", "WaitSends", "bars", "bubble", "bubble_formula",
+           "build", "check", "gpipe", "idle_fraction", "in_flight", "interleaved_1f1b", "one_f_one_b", "simulate",
+           "tag", "text"]  # fmt: skip
 
 
 def tag(message: tuple, microbatches: int) -> int:
