@@ -1,0 +1,209 @@
+"""``dtrain exercises init | list | check``: the learner's side of the course's exercises (see the package docstring).
+
+``check`` runs an exercise's parts in order, each in a process of its own with a time limit (:mod:`.run`): the
+simulated ranks first, then ``mpiexec -n P`` for each rank count; the first part that fails ends the check, with its
+message and the exercise's hint. What each check found is kept in ``DIR/.dtrain-progress.json`` (with the file's
+hash), which is how ``list`` knows an exercise's status without running anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dtrain import exercises
+from dtrain.errors import UserError
+
+STUBS = Path(__file__).parent / "stubs"
+PROGRESS = ".dtrain-progress.json"
+SIM_LIMIT_S = 120.0  # the whole simulated part (every world size) of one exercise
+MPI_LIMIT_S = 90.0  # one mpiexec run, start-up included
+WAIT_LIMIT_S = 20.0  # the watchdog's: one wait of one rank under mpiexec
+STATUS_WIDTH = 44
+
+
+# --- init ----------------------------------------------------------------------------------------------------------
+def init(folder) -> int:
+    """Copy every stub into ``folder`` (made if need be); an existing file is kept, and said so."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a folder: give a folder for your exercises")
+    folder.mkdir(parents=True, exist_ok=True)
+    copied, kept = [], []
+    for name in sorted({e.file for e in exercises.EXERCISES}):
+        target = folder / name
+        if target.exists():
+            kept.append(name)
+        else:
+            shutil.copyfile(STUBS / name, target)
+            copied.append(name)
+    if copied:
+        print(f"copied {len(copied)} exercise files into {folder}/: {', '.join(copied)}")
+    if kept:
+        print(f"kept your {len(kept)} existing files (never overwritten): {', '.join(kept)}")
+    print(f"next: dtrain exercises list --path {folder}    then: dtrain exercises check 2.1 --path {folder}")
+    return 0
+
+
+# --- list ----------------------------------------------------------------------------------------------------------
+def status_of(exercise, folder: Path, progress: dict) -> str:
+    path = folder / exercise.file
+    if not path.is_file():
+        return "no file (dtrain exercises init)"
+    if path.read_bytes() == (STUBS / exercise.file).read_bytes():
+        return "not started"
+    seen = progress.get(exercise.id)
+    if seen is None or seen["sha256"] != digest(path):
+        return "not checked since it changed" if seen else "not checked yet"
+    return seen["status"]
+
+
+def show_list(folder) -> int:
+    folder = Path(folder)
+    progress = read_progress(folder)
+    print(f"{'exercise':9s} {'lesson script':32s} {'file:function':38s} status")
+    for e in exercises.EXERCISES:
+        print(f"{e.id:9s} {e.lesson_script:32s} {e.file + ':' + e.function:38s} {status_of(e, folder, progress)}"
+              f"  ({e.title})")  # fmt: skip
+    return 0
+
+
+# --- check ---------------------------------------------------------------------------------------------------------
+def check(which: str, folder, mpi: bool = True) -> int:
+    """Check one exercise (``which`` = "2.1") or every one ("all"); 0 when all checked pass, 1 otherwise."""
+    folder = Path(folder)
+    chosen = exercises.EXERCISES if which == "all" else (exercises.get(which),)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder: run `dtrain exercises init {folder}` first")
+    if which != "all":
+        path = folder / chosen[0].file
+        if not path.is_file():
+            raise UserError(f"exercise {which}: {path} does not exist: run `dtrain exercises init {folder}` (it "
+                            "copies the stubs and never overwrites a file)")  # fmt: skip
+    results = {}
+    for exercise in chosen:
+        results[exercise.id] = check_one(exercise, folder, mpi)
+    if which == "all":
+        passing = sum(status == "passing" for status in results.values())
+        print(f"\ncourse progress: {passing} of {len(results)} exercises passing")
+    return 0 if all(status == "passing" for status in results.values()) else 1
+
+
+def check_one(exercise, folder: Path, mpi: bool) -> str:
+    path = (folder / exercise.file).resolve()
+    print(f"exercise {exercise.id} (lesson {exercise.lesson}): {exercise.title} — {folder / exercise.file}:"
+          f"{exercise.function}", flush=True)  # fmt: skip
+    if not path.is_file():
+        say_part("your file", {"status": "error", "message": f"{path} does not exist: dtrain exercises init"})
+        return "no file"
+    parts = [("simulated ranks " + ", ".join(map(str, exercise.sim_ranks)) if exercise.sim_ranks else "one process",
+              lambda: run_sim(exercise, path))]  # fmt: skip
+    if mpi:
+        parts += [(f"mpiexec -n {p}", lambda p=p: run_mpi(exercise, path, p)) for p in exercise.mpi_ranks]
+    status = "passing"
+    for number, (name, run) in enumerate(parts):
+        found = run()
+        say_part(name, found)
+        if found["status"] != "pass":
+            status = "not started" if found["status"] == "not started" else "failing"
+            if found["status"] == "not started":
+                print(f"    its docstring says the task, the signature and a hint; lesson: {exercise.lesson_script}")
+            elif exercise.hint:
+                print(f"    hint: {exercise.hint}")
+            rest = parts[number + 1 :]
+            if rest:
+                print(f"  {'the other parts':{STATUS_WIDTH}s} skipped (fix this one first)")
+            break
+    if status == "passing" and exercise.mpi_ranks and not mpi:
+        status = "passing on simulated ranks"
+    record_progress(folder, exercise, path, status)
+    if status == "passing" and exercise.id == "2.1":
+        print(f"  train the MLP with it: dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce "
+              f"{folder / exercise.file}:{exercise.function}")  # fmt: skip
+    return status
+
+
+def say_part(name: str, found: dict) -> None:
+    words = {"pass": "pass", "not started": "not started", "fail": "FAIL", "error": "ERROR", "deadlock": "DEADLOCK",
+             "timeout": "TIMEOUT"}  # fmt: skip
+    where = f" on {found['ranks']} ranks" if found.get("ranks") and found["status"] != "not started" else ""
+    print(f"  {name:{STATUS_WIDTH}s} {words[found['status']]}{where}", flush=True)
+    if found["status"] != "pass" and found.get("message"):
+        for line in found["message"].splitlines():
+            print(f"    {line}")
+
+
+def run_sim(exercise, path: Path) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        result = Path(scratch) / "result.json"
+        sizes = ",".join(map(str, exercise.sim_ranks))
+        cmd = [sys.executable, "-m", "dtrain.exercises.run", "sim", exercise.id, str(path), str(result), sizes]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=SIM_LIMIT_S, env=child_env())
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "message": f"still running after {SIM_LIMIT_S:g} s: a loop that never "
+                    "ends? (a rank that only computes is not a deadlock the simulator can see)"}  # fmt: skip
+        if result.is_file():
+            return json.loads(result.read_text())
+        said = last_lines(done.stderr) or f"the check ended with status {done.returncode}"
+        return {"status": "error", "message": said}
+
+
+def run_mpi(exercise, path: Path, ranks: int) -> dict:
+    from dtrain.comm import launcher
+
+    with tempfile.TemporaryDirectory() as scratch:
+        target = ["-m", "dtrain.exercises.run", "mpi", exercise.id, str(path), scratch]
+        env = {**child_env(), "DTRAIN_TIMEOUT": f"{WAIT_LIMIT_S:g}"}
+        try:
+            done = launcher.launch(ranks, target, timeout=MPI_LIMIT_S, capture=True, env=env)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "message": f"mpiexec -n {ranks} did not end within {MPI_LIMIT_S:g} s"}
+        raised = sorted(Path(scratch).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+        if raised:
+            return json.loads(raised[0].read_text())
+        result = Path(scratch) / "result.json"
+        if result.is_file():
+            return json.loads(result.read_text())
+        stuck = [line for line in done.stderr.splitlines() if line.startswith("dtrain watchdog")]
+        if stuck:
+            return {"status": "deadlock", "message": "\n".join(stuck[:4])}
+        return {"status": "error", "message": last_lines(done.stderr) or f"mpiexec ended with {done.returncode}"}
+
+
+def child_env() -> dict:
+    """One thread per process, and dtrain importable from wherever the learner runs the checker."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env.setdefault(name, "1")
+    return env
+
+
+def last_lines(text: str, count: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[-count:])
+
+
+# --- progress ------------------------------------------------------------------------------------------------------
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_progress(folder: Path) -> dict:
+    try:
+        return json.loads((folder / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_progress(folder: Path, exercise, path: Path, status: str) -> None:
+    if not path.is_file():
+        return
+    progress = read_progress(folder)
+    progress[exercise.id] = {"status": status, "sha256": digest(path)}
+    (folder / PROGRESS).write_text(json.dumps(progress, indent=1, sort_keys=True))
