@@ -36,7 +36,7 @@ def init(folder) -> int:
         raise UserError(f"{folder} is a file, not a folder: give a folder for your exercises")
     folder.mkdir(parents=True, exist_ok=True)
     copied, kept = [], []
-    for name in sorted({e.file for e in exercises.EXERCISES}):
+    for name in sorted({e.file for e in exercises.catalogue()}):
         target = folder / name
         if target.exists():
             kept.append(name)
@@ -68,7 +68,7 @@ def show_list(folder) -> int:
     folder = Path(folder)
     progress = read_progress(folder)
     print(f"{'exercise':9s} {'lesson script':32s} {'file:function':38s} status")
-    for e in exercises.EXERCISES:
+    for e in exercises.catalogue():
         print(f"{e.id:9s} {e.lesson_script:32s} {e.file + ':' + e.function:38s} {status_of(e, folder, progress)}"
               f"  ({e.title})")  # fmt: skip
     return 0
@@ -78,7 +78,7 @@ def show_list(folder) -> int:
 def check(which: str, folder, mpi: bool = True) -> int:
     """Check one exercise (``which`` = "2.1") or every one ("all"); 0 when all checked pass, 1 otherwise."""
     folder = Path(folder)
-    chosen = exercises.EXERCISES if which == "all" else (exercises.get(which),)
+    chosen = exercises.catalogue() if which == "all" else (exercises.get(which),)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: run `dtrain exercises init {folder}` first")
     if which != "all":

@@ -20,8 +20,60 @@ its rank early: every rank always makes the same calls, so a wrong answer on one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 
 import numpy as np
+
+LESSONS = {
+    1: "lessons/01_single_device.py",
+    2: "lessons/02_allreduce.py",
+    3: "lessons/03_data_parallel.py",
+    4: "lessons/04_parameter_server.py",
+    5: "lessons/05_local_sgd.py",
+    6: "lessons/06_gossip.py",
+    7: "lessons/07_tensor_parallel.py",
+    8: "lessons/08_pipeline_parallel.py",
+    9: "lessons/09_zero.py",
+}
+RINGS = (1, 2, 3, 4, 5, 8)  # simulated world sizes for a collective: one rank, powers of two and others
+MPI = (2, 3, 4)  # under mpiexec: small, and a non-power-of-two
+
+
+@dataclasses.dataclass(frozen=True)
+class Exercise:
+    """One exercise: the function a learner writes, where, and how it is graded."""
+
+    id: str  # "2.1": lesson 2, first exercise
+    title: str
+    file: str  # the learner's file, in their folder (a copy of stubs/<file> to begin with)
+    function: str  # the function the learner writes in it
+    parameters: tuple[str, ...]  # its documented signature (the checker calls it with these, in this order)
+    reference: str  # "module:function": dtrain's own implementation, graded by the same check
+    check: str  # "module:function" of the check, called check(fn, comm, grade) on every rank (comm None: no ranks)
+    sim_ranks: tuple[int, ...] = ()  # simulated world sizes; () = the exercise needs no ranks (one process)
+    mpi_ranks: tuple[int, ...] = ()  # rank counts under mpiexec, a non-power-of-two among them
+    hint: str = ""  # shown under the first failure
+
+    @property
+    def lesson(self) -> int:
+        return int(self.id.split(".")[0])
+
+    @property
+    def lesson_script(self) -> str:
+        return LESSONS[self.lesson]
+
+    def load_check(self):
+        return resolve(self.check)
+
+    def load_reference(self):
+        return resolve(self.reference)
+
+
+def resolve(spec: str):
+    """``"package.module:name"`` -> the object."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class Wrong(Exception):

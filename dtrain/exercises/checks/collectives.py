@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtrain.exercises.grading import MPI, RINGS, Exercise
+
+EXERCISES = (
+    Exercise("2.1", "ring all-reduce", "ring.py", "ring_allreduce", ("comm", "buf"),
+             "dtrain.collectives.ring:allreduce", "dtrain.exercises.checks.collectives:ring_allreduce", RINGS, MPI,
+             "a reduce-scatter (p - 1 steps: send a chunk to the right, add the chunk from the left into yours) "
+             "then an all-gather (p - 1 steps: pass the finished chunks on); lessons/02_allreduce.py draws it"),
+)  # fmt: skip
 DTYPES = (np.float64, np.float32)
 
 
