@@ -247,3 +247,14 @@ def test_state_bytes_equal_what_a_rank_really_holds(optimizer, momentum, dtype):
     predicted = DataParallel.costs(SIZES, 2, cfg)
     for params, grads, held in sim.run(2, fn):
         assert (predicted["parameters"], predicted["gradients"], predicted["optimizer"]) == (params, grads, held)
+
+
+@pytest.mark.parametrize(("paradigm", "p"), [("ddp", 3), ("single", 1)])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_held_bytes_in_the_figures_equal_the_cost_function(paradigm, p, optimizer, data64):
+    """What every paradigm reports (``finish()["held_bytes"]``, one entry by rank, read off the arrays) is what its
+    ``costs()`` predicts: for ddp and single, the whole model, its gradients and the optimizer state on every rank."""
+    cfg = config(paradigm=paradigm, optimizer=optimizer)
+    predicted = parallel.get(paradigm).costs(SIZES, p, cfg)
+    for _, _, figures in sim.run(p, run, cfg, data64[:1]):
+        assert figures["held_bytes"] == [{k: predicted[k] for k in ("parameters", "gradients", "optimizer")}] * p

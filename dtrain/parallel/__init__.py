@@ -67,7 +67,7 @@ from dtrain.backend import weights_digest
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.optim import buffers_per_parameter
+from dtrain.optim import buffers_per_parameter, state_bytes
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.registry import MODULES_VAR, all_flags, get, names, readers, register
 
@@ -232,8 +232,15 @@ class Paradigm:
         return self.model
 
     def finish(self) -> dict:
-        """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json."""
-        return {}
+        """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json:
+        here, what every rank holds (``held_bytes``, a list by rank)."""
+        return {"held_bytes": self.comm.allgather(self.held_bytes())}
+
+    def held_bytes(self) -> dict:
+        """What this rank holds for training, by kind, read off its arrays: the accounting :meth:`costs` is checked
+        against (a paradigm that holds something more, or shards it, says so in its own)."""
+        return {"parameters": self.model.flat_params.nbytes, "gradients": self.model.flat_grads.nbytes,
+                "optimizer": state_bytes(self.optimizer)}  # fmt: skip
 
     # --- the cost as code ---------------------------------------------------------------------------------
     @classmethod

@@ -32,7 +32,6 @@ import numpy as np
 from dtrain import collectives
 from dtrain.collectives import costmodel
 from dtrain.layout import parameter_count
-from dtrain.optim import state_bytes
 from dtrain.parallel import Paradigm, register
 
 STORAGE = 0  # the rank that holds the variables
@@ -74,15 +73,7 @@ class CentralStorage(Paradigm):
         return self.comm.allreduce(local_mean) / self.world
 
     def finish(self) -> dict:
-        return {"storage_rank": STORAGE, "held_bytes": self.comm.allgather(self.held_bytes())}
-
-    def held_bytes(self) -> dict:
-        """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
-        return {
-            "parameters": self.model.flat_params.nbytes,
-            "gradients": self.model.flat_grads.nbytes,
-            "optimizer": state_bytes(self.optimizer),
-        }
+        return {"storage_rank": STORAGE, **super().finish()}  # (held_bytes: the optimizer's on rank 0 only)
 
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:

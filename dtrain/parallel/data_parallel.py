@@ -192,6 +192,7 @@ class DataParallel(Paradigm):
             **t,
             # of the time buckets were in flight, the part spent while backward was still computing
             "overlap_fraction": t["hidden_s"] / t["in_flight_s"] if t["in_flight_s"] else 0.0,
+            **super().finish(),  # held_bytes
         }
 
     # --- the cost as code ---------------------------------------------------------------------------------

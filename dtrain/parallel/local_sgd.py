@@ -51,7 +51,6 @@ from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.optim import state_bytes
 from dtrain.parallel import register
 from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
@@ -146,16 +145,14 @@ class LocalSGD(DataParallel):
     def finish(self) -> dict:
         if self.local_steps:  # the last steps were local: one more average, so every rank ends with the same model
             self.average()
-        held = self.comm.allgather(self.held_bytes())
         if self.config.checkpoint_dir:
             self.final_optimizer_state = self.averaged_optimizer_state()
-        figures = super().finish()  # (checks that the replicas are identical)
+        figures = super().finish()  # (checks that the replicas are identical; held_bytes, read off the arrays)
         return {
             **figures,
             "averages": self.averages,
             "average_via": self.config.average_via,
             "consensus_distance": self.consensus,
-            "held_bytes": held,
         }
 
     def averaged_optimizer_state(self) -> dict:
@@ -171,12 +168,9 @@ class LocalSGD(DataParallel):
         return getattr(self, "final_optimizer_state", None) or super().optimizer_state()
 
     def held_bytes(self) -> dict:
-        """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
-        return {
-            "parameters": self.model.flat_params.nbytes + self.average_model.flat_params.nbytes,
-            "gradients": self.model.flat_grads.nbytes,
-            "optimizer": state_bytes(self.optimizer),
-        }
+        """What every rank holds, and the copy the replicas' average is evaluated in."""
+        held = super().held_bytes()
+        return {**held, "parameters": held["parameters"] + self.average_model.flat_params.nbytes}
 
     # --- the cost as code ---------------------------------------------------------------------------------------
     @classmethod

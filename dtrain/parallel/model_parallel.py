@@ -14,7 +14,8 @@ Everything else a paradigm must do is the same for both, and lives here:
   a checkpoint of ``tp`` or ``pp`` is the flat format every paradigm writes and reads;
 * **the checks at the end**: dp replicas hold identical local buffers, and the replicated parameters (a row-parallel
   layer's bias, a layer that is not split) are identical across the tensor group;
-* **the bookkeeping**: the bytes a rank holds of each kind, read off its arrays, to hold against ``costs()``.
+* **the bookkeeping**: the bytes a rank holds of each kind, read off its (local) arrays as every paradigm's are
+  (:meth:`~dtrain.parallel.Paradigm.held_bytes`), to hold against ``costs()``.
 
 A subclass builds ``self.model`` (its local model), ``self.pieces``, ``self.regions`` (with a pipeline) and says how
 a step runs; ``fill`` names the grid axis a missing flag takes the rest of the world for.
@@ -28,7 +29,6 @@ from dtrain import collectives, kernels
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
-from dtrain.optim import state_bytes
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
 
 NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp flag
@@ -130,11 +130,6 @@ class ModelParallel(Paradigm):
         return Evaluating(self.model, self.comm)
 
     # --- the end ------------------------------------------------------------------------------------------
-    def held_bytes(self) -> dict:
-        """What this rank holds, read off its arrays: its pieces of the parameters, gradients and optimizer state."""
-        return {"parameters": self.model.flat_params.nbytes, "gradients": self.model.flat_grads.nbytes,
-                "optimizer": state_bytes(self.optimizer)}  # fmt: skip
-
     def finish(self) -> dict:
         flat = self.model.flat_params
         check_replicas(self.grid.dp_comm, flat, "(the same pieces on every replica) at the end of training")
@@ -150,5 +145,5 @@ class ModelParallel(Paradigm):
         return {
             "grid": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
             "coordinates": self.comm.allgather(self.grid.coordinates),
-            "held_bytes": self.comm.allgather(self.held_bytes()),
+            **super().finish(),  # held_bytes: its pieces of the parameters, gradients and optimizer state
         }
