@@ -1,0 +1,168 @@
+"""The exercises' checker, both ways: dtrain's reference implementations pass every exercise through the learner's
+own command, the untouched stubs fail every one, and each planted bug (tests/exercise_bugs/) fails with a message
+that points at its mistake. Also: ``init`` never overwrites, and every kind of bad input is one clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain import exercises
+from dtrain.exercises import checker
+
+BUGS = Path(__file__).resolve().parent / "exercise_bugs"
+ALL = exercises.catalogue()
+
+
+def dtrain_command(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def reference_folder(folder: Path) -> Path:
+    """A learner's folder whose every file hands over dtrain's own reference for each of its exercises."""
+    folder.mkdir(exist_ok=True)
+    lines = {}
+    for e in ALL:
+        module, _, name = e.reference.partition(":")
+        lines.setdefault(e.file, []).append(f"from {module} import {name} as {e.function}  # noqa: F401")
+    for file, imports in lines.items():
+        (folder / file).write_text("\n".join(imports) + "\n")
+    return folder
+
+
+def planted_bugs() -> list:
+    """(bug file, exercise id, learner's file name, expected text) from each bug file's docstring."""
+    found = []
+    for path in sorted(BUGS.glob("*.py")):
+        fields = dict(line.split(": ", 1) for line in path.read_text().split('"""')[1].splitlines() if ": " in line)
+        found.append(pytest.param(path, fields["exercise"], fields["file"], fields["expect"], id=path.stem))
+    return found
+
+
+def test_catalogue_is_complete_and_consistent():
+    ids = [e.id for e in ALL]
+    assert len(ids) == len(set(ids))
+    for e in ALL:
+        stub = checker.STUBS / e.file
+        assert stub.is_file(), f"exercise {e.id}: no stub {stub}"
+        assert f'raise NotImplementedError("exercise {e.id}: ' in stub.read_text(), f"exercise {e.id}: stub message"
+        assert callable(e.load_check()) and callable(e.load_reference())
+        assert Path(e.lesson_script).name in {p.name for p in (Path(__file__).parents[1] / "lessons").glob("*.py")}
+        if e.mpi_ranks:
+            assert any(p & (p - 1) for p in e.mpi_ranks), f"exercise {e.id}: no non-power-of-two rank count"
+
+
+@pytest.mark.parametrize("exercise", ALL, ids=[e.id for e in ALL])
+def test_reference_passes_on_simulated_ranks(exercise, tmp_path, capsys):
+    assert checker.check(exercise.id, reference_folder(tmp_path), mpi=False) == 0, capsys.readouterr().out
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_reference_passes_every_exercise_through_the_learners_command(tmp_path):
+    done = dtrain_command("exercises", "check", "all", "--path", str(reference_folder(tmp_path / "ref")))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"course progress: {len(ALL)} of {len(ALL)} exercises passing" in done.stdout
+    assert "mpiexec -n 3" in done.stdout  # the parts under mpiexec ran
+
+
+def test_untouched_stubs_fail_every_exercise(tmp_path, capsys):
+    checker.init(tmp_path)
+    assert checker.check("all", tmp_path, mpi=False) == 1
+    out = capsys.readouterr().out
+    assert out.count("not started") == len(ALL), out
+    assert f"course progress: 0 of {len(ALL)} exercises passing" in out
+
+
+@pytest.mark.parametrize(("bug", "exercise_id", "file", "expected"), planted_bugs())
+def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expected, tmp_path, capsys):
+    (tmp_path / file).write_text(bug.read_text())
+    assert checker.check(exercise_id, tmp_path, mpi=False) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and expected in out, out
+
+
+def test_every_subject_has_a_planted_bug():
+    lessons_with_bugs = {exercises.get(p.values[1]).lesson for p in planted_bugs()}
+    assert lessons_with_bugs >= {2}  # grows with the subjects
+
+
+def test_init_never_overwrites(tmp_path, capsys):
+    mine = tmp_path / "ring.py"
+    mine.write_text("# my work\n")
+    checker.init(tmp_path)
+    assert mine.read_text() == "# my work\n"
+    assert "kept your 1 existing files" in capsys.readouterr().out
+    assert all((tmp_path / e.file).is_file() for e in ALL)
+
+
+def test_list_shows_each_status(tmp_path, capsys):
+    checker.init(tmp_path)
+    reference_folder(tmp_path / "ref")
+    (tmp_path / "ring.py").write_text((tmp_path / "ref" / "ring.py").read_text())
+    checker.check("2.1", tmp_path, mpi=False)
+    capsys.readouterr()
+    checker.show_list(tmp_path)
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "passing on simulated ranks" in rows["2.1"]
+    (tmp_path / "ring.py").write_text("def ring_allreduce(comm, buf):\n    pass\n")
+    checker.show_list(tmp_path)
+    assert "not checked since it changed" in capsys.readouterr().out
+
+
+# --- bad input: one clear message each, never dtrain's traceback, never a hang --------------------------------------
+def test_unknown_exercise_and_missing_file_are_one_line(tmp_path):
+    done = dtrain_command("exercises", "check", "2.99", "--path", str(tmp_path))
+    assert done.returncode == 2 and "there is no exercise '2.99'" in done.stderr and "Traceback" not in done.stderr
+    done = dtrain_command("exercises", "check", "2.1", "--path", str(tmp_path))
+    assert done.returncode == 2 and "ring.py does not exist" in done.stderr and "dtrain exercises init" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def ring_allreduce(comm, buf)\n    pass\n", "line 1: expected ':'"),
+        ("def ring_allreduce(comm):\n    pass\n", "has the wrong parameters"),
+        ("def ring(comm, buf):\n    pass\n", "defines no ring_allreduce() (it defines: ring)"),
+        ("import nonexistent_module_xyz\n", "raised ModuleNotFoundError"),
+        (
+            "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 1:\n        raise ValueError('only me')\n"
+            "    comm.Barrier()\n",
+            "rank 1 raised ValueError: only me (ring.py line 3",
+        ),
+        ("def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 0:\n        comm.Recv(buf, source=1)\n", "rank 0"),
+    ],
+    ids=["syntax", "signature", "no-function", "import", "raises-on-one-rank", "hangs-on-one-rank"],
+)
+def test_a_broken_file_is_one_clear_message(source, expected, tmp_path, capsys):
+    (tmp_path / "ring.py").write_text(source)
+    assert checker.check("2.1", tmp_path, mpi=False) == 1
+    out = capsys.readouterr().out
+    assert expected in out and "Traceback" not in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (
+            "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 1:\n        raise ValueError('only me')\n"
+            "    comm.Barrier()\n",
+            "rank 1 raised ValueError: only me (ring.py line 3",
+        ),
+        (
+            "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 0:\n        comm.Recv(buf, source=1)\n",
+            "a deadlock",
+        ),
+    ],
+    ids=["raises-on-one-rank", "hangs-on-one-rank"],
+)
+def test_under_mpiexec_a_rank_that_raises_or_hangs_is_reported_in_time(source, expected, tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    monkeypatch.setattr(checker, "WAIT_LIMIT_S", 3.0)
+    (tmp_path / "ring.py").write_text(source)
+    found = checker.run_mpi(exercises.get("2.1"), tmp_path / "ring.py", 3)
+    assert found["status"] in ("error", "deadlock") and expected in found["message"], found
