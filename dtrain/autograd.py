@@ -120,11 +120,8 @@ class Tensor:
         other = _as_tensor(other, self)  # a plain array is a constant: no gradient flows to it
         a, b = self.data, other.data
 
-        def backward(g):
-            # dL/dA = g · B^T and dL/dB = A^T · g; skipped (None) for a parent that needs no gradient.
-            ga = g @ b.T if self.requires_grad else None
-            gb = a.T @ g if other.requires_grad else None
-            return ga, gb
+        def backward(g):  # skipped (None) for a parent that needs no gradient
+            return matmul_backward(g, a, b, need_a=self.requires_grad, need_b=other.requires_grad)
 
         return Tensor._make(a @ b, (self, other), backward)
 
@@ -275,6 +272,17 @@ class Tensor:
             stack.append((node, True))
             stack.extend((p, False) for p in node._parents if p.requires_grad and id(p) not in visited)
         return order
+
+
+def matmul_backward(grad, a, b, need_a: bool = True, need_b: bool = True):
+    """The backward rule of ``C = A @ B``: from ``grad`` = dL/dC (shape (m, n)), with ``a`` of shape (m, k) and ``b``
+    of shape (k, n), return ``(grad_a, grad_b)`` = (dL/dA, dL/dB) = ``(grad @ b.T, a.T @ grad)``, of the shapes of
+    ``a`` and ``b``. Each C[i, j] = sum_t A[i, t] B[t, j], so A[i, t] reaches the loss through row i of C, weighted by
+    row t of B, and B[t, j] through column j of C, weighted by column t of A. ``need_a``/``need_b`` False: that
+    gradient is not computed (None), as the engine does for an input that needs none (the batch of a first layer)."""
+    grad_a = grad @ b.T if need_a else None
+    grad_b = a.T @ grad if need_b else None
+    return grad_a, grad_b
 
 
 def softmax_cross_entropy(logits: Tensor, labels) -> Tensor:

@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dtrain.autograd import Tensor
+from dtrain.autograd import Tensor, matmul_backward, unbroadcast
 from dtrain.backend import DEFAULT_DTYPE, array_module, to_device, to_host
 from dtrain.layout import spans
 
@@ -140,6 +140,16 @@ class Linear(Module):
 
     def __repr__(self):
         return f"Linear({self.in_features}, {self.out_features})"
+
+
+def linear_backward(grad_out, x, weight):
+    """The backward rule of :class:`Linear`, ``y = x @ W + b``: from ``grad_out`` = dL/dy of shape (batch, out), the
+    input ``x`` (batch, in) and the weight ``W`` (in, out), return ``(grad_x, grad_weight, grad_bias)`` =
+    ``(grad_out @ W.T, x.T @ grad_out, grad_out summed over the batch)``. The engine never calls this: it composes
+    the same rule from its two ops, the matmul's (:func:`dtrain.autograd.matmul_backward`) and the broadcast add's
+    (the bias was added to every row, so its gradient sums the rows: :func:`dtrain.autograd.unbroadcast`)."""
+    grad_x, grad_weight = matmul_backward(grad_out, x, weight)
+    return grad_x, grad_weight, unbroadcast(grad_out, grad_out.shape[1:])
 
 
 class ReLU(Module):

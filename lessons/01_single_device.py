@@ -21,6 +21,12 @@ Things to try:
     spirals, no straight line separates them) against the same with the default hidden layers (~99%);
   * `dtrain train --dtype float64`: about the same accuracy, but other weights (the rounding differs);
   * `--seed 1`: another initialisation and another shuffle, so another weights_sha256 in metrics.json.
+
+Exercises (`dtrain exercises init ex` once, then `dtrain exercises check 1.1 --path ex`; one process, no ranks):
+  1.1  ex/backward.py: matmul_backward(grad, a, b) -> (grad_a, grad_b), the backward rule of C = A @ B that
+       autograd.py's matmul uses; checked against finite differences, on shapes down to a single row or column.
+  1.2  ex/backward.py: linear_backward(grad_out, x, weight) -> (grad_x, grad_weight, grad_bias), a Linear layer's
+       rule; checked against finite differences and against the autograd engine's gradients of nn.Linear.
 """
 
 import argparse
@@ -113,3 +119,8 @@ with tempfile.TemporaryDirectory() as out:
     if args.plot:
         print(f"   curves saved to {plot_metrics([out], args.plot, labels=['single device'])}")
 print("\nNext: lesson 2 runs the same arithmetic on several ranks, starting with the all-reduce.")
+print(
+    "\nExercises: write the backward rules yourself. `dtrain exercises init ex` once, then `dtrain exercises check "
+    "1.1 --path ex` grades ex/backward.py's matmul_backward(grad, a, b) (C = A @ B) and `... check 1.2 --path ex` "
+    "its linear_backward(grad_out, x, weight) (y = x @ W + b), against finite differences and autograd."
+)
