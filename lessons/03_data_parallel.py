@@ -29,6 +29,13 @@ Things to try:
   * --bucket-mb 0: one bucket, which can only start when the whole backward is done: nothing to overlap;
   * dtrain launch -n 2: one core per rank, no waiting for a core;
   * --trace ddp.json, then https://ui.perfetto.dev: each rank's backward, its buckets, every message.
+
+Exercises (`dtrain exercises init ex` once, then `dtrain exercises check 3.1 --path ex`; one process, no ranks):
+  3.1  ex/buckets.py: buckets_to_start(missing, started, bucket) -> list[int], the decision DDP's bucket-ready hook
+       takes (dtrain/parallel/buckets.py): count the ready parameter off, return the buckets that start now, strictly
+       in order; checked against a replay of random readiness orders over random bucket plans.
+  3.2  ex/buckets.py: plan_buckets(parameters, bucket_bytes), cutting the flat gradient into buckets in reverse
+       parameter order; checked against hand-computed plans and the plan's rules on random layouts.
 """
 
 import argparse
@@ -400,4 +407,9 @@ if rank == 0:
         " per rank."
     )
 
+mpi.print0(
+    "\nExercises: `dtrain exercises init ex` once, then `dtrain exercises check 3.1 --path ex` grades your "
+    "buckets_to_start(missing, started, bucket) (which buckets a gradient hook may start, in order) and `... "
+    "check 3.2 --path ex` your plan_buckets(parameters, bucket_bytes), both in ex/buckets.py."
+)
 conclude(args.json, results, checks)

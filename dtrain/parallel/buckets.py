@@ -55,6 +55,18 @@ def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int
     return buckets
 
 
+def buckets_to_start(missing: list[int], started: int, bucket: int) -> list[int]:
+    """A parameter of bucket ``bucket`` is ready: count it off in ``missing`` (each bucket's parameters still to come;
+    changed in place) and return the buckets that may start now, in order. Buckets start strictly in order 0, 1, 2,
+    ... (buckets 0 .. ``started`` - 1 have), each once all its parameters are ready: every rank then starts the same
+    collectives in the same order, whatever order its hooks fire in."""
+    missing[bucket] -= 1
+    now = []
+    while started + len(now) < len(missing) and missing[started + len(now)] == 0:
+        now.append(started + len(now))
+    return now
+
+
 @dataclasses.dataclass
 class InFlight:
     """A bucket whose non-blocking all-reduce has started: its state machine and the requests it waits on."""
@@ -93,9 +105,8 @@ class Buckets:
         """Parameter ``index``'s gradient is complete: start every complete bucket, in order; advance the rest."""
         if not self.armed:
             return
-        self.missing[self.bucket_of[index]] -= 1
-        while self.started < len(self.slices) and self.missing[self.started] == 0:
-            self.start(self.started)
+        for b in buckets_to_start(self.missing, self.started, self.bucket_of[index]):
+            self.start(b)
         if self.in_flight:
             with self.label():  # the tests and waits count as the all-reduce's time, not as "other"
                 self.advance(block=False)
