@@ -1,8 +1,10 @@
-"""``dtrain`` / ``python -m dtrain``: train, launch on N ranks, plot metrics.
+"""``dtrain`` / ``python -m dtrain``: train, launch on N ranks, plot metrics, take the tour.
 
     dtrain train --dataset digits --epochs 20 --out runs/single
     dtrain launch -n 4 lessons/02_allreduce.py
     dtrain plot runs/single/metrics.json -o runs/single/curves.png
+    dtrain tour                                    every paradigm in turn on 4 ranks, and one table
+    dtrain exercises init ex && dtrain exercises check 2.1 --path ex
 
 A mistake in what was asked for (a bad flag value, a missing data file, a diverging loss) is one line on stderr
 and exit status 2, never a traceback. Under several ranks it is still one line: a mistake every rank finds is said
@@ -159,9 +161,54 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments (or the module's)")
 
+    from dtrain import tour
+
+    t = sub.add_parser(
+        "tour",
+        help="every paradigm on the digits, one after another, and one table of what each costs",
+        description=tour.__doc__.split("\n\n")[0] + " Trains the same MLP with every paradigm on --ranks ranks (its "
+        "own mpiexec jobs) and prints one table: accuracy, time, bytes and messages per step, state per rank, each "
+        "measured beside the paradigm's own prediction.",
+    )
+    t.add_argument("--ranks", type=int, default=tour.DEFAULT_RANKS, help="ranks per job (default %(default)s)")
+    t.add_argument(
+        "--paradigms",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        metavar="A,B,...",
+        help=f"only these, in this order: the tour's ({', '.join(tour.entries(tour.DEFAULT_RANKS))}) or any "
+        "--paradigm name, with its defaults (default: the whole tour)",
+    )
+    t.add_argument("--epochs", type=int, default=tour.DEFAULT_EPOCHS, help="epochs per run (default %(default)s)")
+    t.add_argument("--out", default="runs/tour", metavar="DIR", help="where everything goes (default %(default)s)")
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=tour.DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help="a job still running after S seconds is stopped, and its ranks' watchdog ends a wait of S/2 seconds "
+        "with a report (default %(default)g)",
+    )
+
     plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
     plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
     plot.add_argument("-o", "--output", default="curves.png", help="PNG to write (default %(default)s)")
+
+    ex = sub.add_parser(
+        "exercises",
+        help="the course's exercises: copy them, list them, check yours",
+        description="Write dtrain's algorithms yourself: `init DIR` copies the exercise files into DIR, `list` "
+        "shows each exercise's status, `check ID` grades yours with the tests dtrain's own code passes, on "
+        "simulated ranks and then under mpiexec.",
+    )
+    ex_sub = ex.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ex_init = ex_sub.add_parser("init", help="copy the exercise files into DIR (never overwriting a file)")
+    ex_init.add_argument("path", metavar="DIR")
+    ex_list = ex_sub.add_parser("list", help="every exercise: its lesson, its file, its status in DIR")
+    ex_list.add_argument("--path", default=".", metavar="DIR", help="your exercises' folder (default: here)")
+    ex_check = ex_sub.add_parser("check", help="grade exercise ID (e.g. 2.1), or all of them")
+    ex_check.add_argument("exercise", metavar="ID", help="an exercise, e.g. 2.1, or all")
+    ex_check.add_argument("--path", default=".", metavar="DIR", help="your exercises' folder (default: here)")
+    ex_check.add_argument("--sim-only", action="store_true", help="only the simulated ranks (fast), no mpiexec")
     return parser
 
 
@@ -192,6 +239,12 @@ def main(argv=None) -> int:
             return _train(args)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "exercises":
+            return _exercises(args)
+        if args.command == "tour":
+            from dtrain.tour import tour
+
+            return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout)
         if args.command == "plot":
             from dtrain.report import plot_metrics
 
@@ -250,6 +303,16 @@ def _launch(args) -> int:
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
     return launcher.launch(args.ranks, target, env=env).returncode
+
+
+def _exercises(args) -> int:
+    from dtrain.exercises import checker
+
+    if args.action == "init":
+        return checker.init(args.path)
+    if args.action == "list":
+        return checker.show_list(args.path)
+    return checker.check(args.exercise, args.path, mpi=not args.sim_only)
 
 
 def _die_by(signum: int) -> int:

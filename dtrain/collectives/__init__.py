@@ -10,6 +10,7 @@
     hierarchical_rs   hierarchical.py   ring x 3        2 (K-1)/K n + ring on n/K              nodes, large n
     mpi               native.py         (MPI's own)     (MPI's own)                            the baseline
     auto              costmodel.py picks by message size and p
+    FILE.py:FUNCTION  yours.py          your own fn(comm, buf) that sums in place (a course exercise, say)
 
 Which file does what::
 
@@ -51,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, tree
+from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, tree, yours
 from dtrain.collectives._checks import CollectiveMismatchError, debug_enabled, set_debug
 from dtrain.collectives._chunks import chunk_bounds, chunk_offsets
 from dtrain.comm import watchdog
@@ -216,6 +217,8 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
         entry = TABLE[collective].get(algorithm) or _chosen.get((collective, algorithm, buf.nbytes, p))
     except TypeError:  # unhashable: not a name at all
         entry = None
+    if entry is None and collective == "allreduce" and yours.is_spec(algorithm):  # FILE.py:FUNCTION, your own
+        entry = yours.entry(algorithm)
     if entry is None:
         entry = _choose(collective, algorithm, buf.nbytes, p)
     if entry.power_of_two and p & (p - 1):

@@ -146,11 +146,11 @@ class Paradigm:
     def check_flags(cls, config) -> None:
         """This paradigm's flags hold values it can take; a flag of another paradigm (``--servers`` with ``ddp``) was
         not given (it is an error, not silently ignored). The first of :meth:`check`'s checks."""
-        mine = {flag.name for flag in cls.flags}
+        mine = {flag.name: flag for flag in cls.flags}  # (its own records: ddp's --allreduce takes a file too)
         for name, flag in sorted(all_flags().items()):
             value = getattr(config, name)
             if name in mine:
-                flag.check(value)
+                mine[name].check(value)
             elif value != flag.default:
                 raise ConfigError(f"{flag.option} is a flag of --paradigm {', '.join(readers(name))}, not of "
                                   f"{cls.name}")  # fmt: skip

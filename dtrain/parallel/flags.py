@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from dtrain.collectives import ALGORITHMS
 from dtrain.errors import ConfigError
+from dtrain.loading import is_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Flag:
     at_least: float | None = None  # the smallest value allowed (and always a finite one)
     meaning: str = ""  # what the value counts, said when it is refused: "(steps a worker may run ahead)"
     not_a_choice: str = ""  # said of a value not among the choices, instead of listing them: "is not a ZeRO stage"
+    accepts: Callable | None = None  # values it takes beyond the choices: accepts(value) is True for them
+    otherwise: str = ""  # added when a value is refused: where else it would be taken
 
     @property
     def option(self) -> str:
@@ -44,10 +47,11 @@ class Flag:
         """A :class:`ConfigError` for a value this flag cannot take (None is "not given" when that is the default)."""
         if value is None and self.default is None:
             return
-        if self.choices is not None and value not in self.choices:
+        if self.choices is not None and value not in self.choices and not (self.accepts and self.accepts(value)):
             if self.not_a_choice:
                 raise ConfigError(f"{self.option} {value} {self.not_a_choice}")
-            raise ConfigError(f"{self.option} {value!r} is not one of: {', '.join(map(str, self.choices))}")
+            raise ConfigError(f"{self.option} {value!r} is not one of: {', '.join(map(str, self.choices))}"
+                              f"{self.otherwise}")  # fmt: skip
         if self.at_least is not None and not self.at_least <= value < math.inf:  # (also refuses NaN)
             meaning = f" {self.meaning}" if self.meaning else ""
             raise ConfigError(f"{self.option} must be >= {self.at_least:g}{meaning}, got {value}")
@@ -59,12 +63,20 @@ class Flag:
             group.add_argument(self.option, action="store_true", help=self.help + shared)
             return
         shown = "" if self.default is None or "default" in self.help else f" (default {self.default})"
-        group.add_argument(self.option, type=self.type, choices=self.choices, default=self.default,
-                           metavar=self.metavar, help=self.help + shown + shared)  # fmt: skip
+        choices, metavar = self.choices, self.metavar
+        if self.accepts is not None:  # argparse would refuse the values beyond the choices: check() decides
+            choices, metavar = None, metavar or "{" + ",".join(map(str, self.choices)) + "}"
+        group.add_argument(self.option, type=self.type, choices=choices, default=self.default,
+                           metavar=metavar, help=self.help + shown + shared)  # fmt: skip
 
 
 # The all-reduce every data-parallel paradigm uses for its gradients or weights, and its emulated nodes.
 ALLREDUCE = Flag("allreduce", "auto", "the all-reduce algorithm (zero: its reduce-scatter and all-gather, ring or "
-                 "rabenseifner; tp, pp: the tensor and dp groups' all-reduce)", choices=ALGORITHMS)  # fmt: skip
+                 "rabenseifner; tp, pp: the tensor and dp groups' all-reduce)", choices=ALGORITHMS,
+                 otherwise=" (your own all-reduce, FILE.py:FUNCTION, works with --paradigm ddp)")  # fmt: skip
+# ddp's: the same, or your own all-reduce (dtrain/collectives/yours.py), e.g. a course exercise's ring
+ALLREDUCE_OR_YOURS = dataclasses.replace(
+    ALLREDUCE, accepts=is_spec, otherwise="", help=ALLREDUCE.help + ", or FILE.py:FUNCTION: your own "
+    "fn(comm, buf) that sums buf in place (e.g. ex/ring.py:ring_allreduce, a course exercise)")  # fmt: skip
 RANKS_PER_NODE = Flag("ranks_per_node", None, "emulate nodes of K ranks for the hierarchical all-reduces (default: "
                       "the real nodes)", type=int, metavar="K", at_least=1)  # fmt: skip
