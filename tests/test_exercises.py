@@ -166,3 +166,30 @@ def test_under_mpiexec_a_rank_that_raises_or_hangs_is_reported_in_time(source, e
     (tmp_path / "ring.py").write_text(source)
     found = checker.run_mpi(exercises.get("2.1"), tmp_path / "ring.py", 3)
     assert found["status"] in ("error", "deadlock") and expected in found["message"], found
+
+
+# --- a passing exercise trains the MLP --------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_ddp_trains_with_the_learners_allreduce_and_follows_single(tmp_path):
+    import json
+
+    from mpi_util import run_mpi
+
+    ring = reference_folder(tmp_path / "ex") / "ring.py"  # a ring that passes exercise 2.1
+    flags = ["--dataset", "digits", "--epochs", "2", "--batch-size", "96", "--quiet", "--no-progress"]
+    run_mpi(3, ["-m", "dtrain", "train", "--paradigm", "ddp", "--allreduce", f"{ring}:ring_allreduce",
+                *flags, "--out", str(tmp_path / "yours")])  # fmt: skip
+    done = dtrain_command("train", *flags, "--out", str(tmp_path / "single"))
+    assert done.returncode == 0, done.stderr
+    yours, single = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("yours", "single"))
+    for mine, reference in zip(yours["epochs"], single["epochs"], strict=True):
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)
+    assert "allreduce/yours:ring_allreduce" in yours["communication"]["per_rank"][0]["operations"]
+
+
+def test_a_learners_allreduce_that_cannot_load_is_refused_before_training(tmp_path):
+    (tmp_path / "ring.py").write_text("def ring_allreduce(comm):\n    pass\n")
+    done = dtrain_command("train", "--paradigm", "ddp", "--allreduce", f"{tmp_path}/ring.py:ring_allreduce")
+    assert done.returncode == 2 and "has the wrong parameters" in done.stderr and "epoch" not in done.stdout
+    done = dtrain_command("train", "--paradigm", "zero", "--allreduce", f"{tmp_path}/ring.py:ring_allreduce")
+    assert done.returncode == 2 and "works with --paradigm ddp" in done.stderr
