@@ -1,13 +1,17 @@
 """Checks of lesson 2's collectives: the learner's function against the sum over ranks, and the algorithm's traffic.
 
 Every rank starts from values of its own that are small integers (exact in float32 and float64), so the sum over the
-ranks is exact whatever order an algorithm adds in, and a result either is the sum or is wrong.
+ranks is exact whatever order an algorithm adds in, and a result either is the sum or is wrong. The traffic is held
+against closed forms written here (a binomial tree's edges, recursive doubling's partners), not against dtrain's own
+implementations: the check wraps the communicator in a :class:`Recorder` that notes where every message went, so a
+failure can say who sent to whom.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dtrain.comm.wrapper import CommWrapper, forward
 from dtrain.exercises.grading import MPI, RINGS, Exercise
 
 EXERCISES = (
@@ -15,6 +19,20 @@ EXERCISES = (
              "dtrain.collectives.ring:allreduce", "dtrain.exercises.checks.collectives:ring_allreduce", RINGS, MPI,
              "a reduce-scatter (p - 1 steps: send a chunk to the right, add the chunk from the left into yours) "
              "then an all-gather (p - 1 steps: pass the finished chunks on); lessons/02_allreduce.py draws it"),
+    Exercise("2.2", "binomial-tree broadcast", "tree.py", "tree_broadcast", ("comm", "buf", "root"),
+             "dtrain.collectives.tree:broadcast", "dtrain.exercises.checks.collectives:tree_broadcast", RINGS, MPI,
+             "v = (rank - root) % p; receive from v - lowbit(v) (the root receives nothing), then send to v + m for "
+             "m = lowbit(v) / 2, lowbit(v) / 4, ..., 1 (the root: every power of two below p) while v + m < p; add "
+             "root back (mod p) to every partner"),
+    Exercise("2.3", "binomial-tree reduce", "tree.py", "tree_reduce", ("comm", "buf", "root"),
+             "dtrain.collectives.tree:reduce", "dtrain.exercises.checks.collectives:tree_reduce", RINGS, MPI,
+             "v = (rank - root) % p; for mask = 1, 2, 4, ...: if v & mask, send buf to v - mask and stop; else if "
+             "v + mask < p, receive from v + mask and add; partners are (v -/+ mask + root) % p"),
+    Exercise("2.4", "recursive-doubling all-reduce", "doubling.py", "doubling_allreduce", ("comm", "buf"),
+             "dtrain.collectives.doubling:allreduce", "dtrain.exercises.checks.collectives:doubling_allreduce",
+             (1, 2, 3, 4, 5, 6, 7, 8), MPI,
+             "p' = the largest power of two <= p, r = p - p'; ranks < 2r fold (odd sends to even - 1, which adds); "
+             "the p' left exchange whole buffers with v XOR 1, 2, 4, ...; then each even rank < 2r sends back"),
 )  # fmt: skip
 DTYPES = (np.float64, np.float32)
 
@@ -37,21 +55,177 @@ def unchanged(grade, buf, before, what: str) -> None:
                    "(buf[a:b] += ..., comm.Recv(buf[a:b], ...)), not returned as a new array")  # fmt: skip
 
 
+def summed(call, comm, grade, lengths):
+    """One step per dtype and length: rank r's own values in ``buf``, ``call(buf)``, then ``buf`` must hold the sum
+    over all ranks. Yields ``buf`` inside each step, for the caller's traffic comparisons."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    for step, (dtype, n) in enumerate([(dtype, n) for dtype in DTYPES for n in lengths], 1):
+        buf = rank_values(r, n, dtype)
+        with grade.step(step, f"{p} ranks, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, 100 r + 2, "
+                        "..."):  # fmt: skip
+            call(buf)
+            if not grade.same(buf, sum(rank_values(q, n, dtype) for q in range(p)), "buf after the call (the sum "
+                              "over all ranks)"):  # fmt: skip
+                unchanged(grade, buf, rank_values(r, n, dtype), "buf")
+            yield buf
+
+
 def ring_allreduce(fn, comm, grade) -> None:
     """``fn(comm, buf)`` leaves the sum over all ranks in every rank's ``buf``, sending 2(p - 1) messages per rank and
     2(p - 1) n elements over all ranks (each chunk once around the ring to be reduced, once to be shared)."""
+    p = comm.Get_size()
+    for buf in summed(lambda buf: fn(comm, buf), comm, grade, sizes(p)):
+        # (with empty chunks a ring may rightly skip their messages: then the count only explains a failure)
+        grade.traffic(2 * (p - 1), 2 * (p - 1) * buf.nbytes, "a ring all-reduce", strict=buf.size >= p)
+
+
+# --- who sent to whom -----------------------------------------------------------------------------------------------
+
+
+class Recorder(CommWrapper):
+    """A communicator that notes every message this rank sends, ``(dest, bytes)``, in ``sent`` (the check reads
+    and clears it after each call of the learner's function). Sub-communicators are passed through unrecorded."""
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.sent: list[tuple[int, int]] = []
+
+    def p2p(self, call):
+        if call.sends:
+            self.sent.append((int(call.dest), int(call.sendbuf.nbytes)))
+        return forward(self.comm, call)
+
+    def sibling(self, comm):
+        return comm
+
+    def take(self) -> list[tuple[int, int]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def messages(comm, recorder) -> list[tuple[int, int, int]]:
+    """Every message of the world since the last call, ``(source, dest, bytes)`` (an object all-gather: uncounted)."""
+    everyone = comm.allgather(recorder.take())
+    return sorted((source, dest, nbytes) for source, sent in enumerate(everyone) for dest, nbytes in sent)
+
+
+def arrows(edges) -> str:
+    return ", ".join(f"{a} -> {b}" for a, b in edges) or "none"
+
+
+def tree_parents(p: int, root: int) -> dict[int, int]:
+    """The binomial tree rooted at ``root``: each other rank's parent. Relative to the root (v = (rank - root) % p),
+    v's parent is v with its lowest set bit cleared."""
+    return {(v + root) % p: (v - (v & -v) + root) % p for v in range(1, p)}
+
+
+def tree_traffic(sent, p: int, root: int, nbytes: int, upward: bool, what: str) -> str | None:
+    """``sent`` (every message of the step) against the binomial tree rooted at ``root``: each edge once, the whole
+    buffer each time, child to parent (``upward``, a reduce) or parent to child (a broadcast). Returns what is wrong,
+    or None."""
+    parents = tree_parents(p, root)
+    expected = sorted((c, q) if upward else (q, c) for c, q in parents.items())
+    actual = [(a, b) for a, b, _ in sent]
+    if actual == expected:
+        wrong_size = [(a, b, n) for a, b, n in sent if n != nbytes]
+        if not wrong_size:
+            return None
+        a, b, n = wrong_size[0]
+        return f"the message {a} -> {b} carried {n} bytes; {what} sends the whole buffer ({nbytes} bytes) each time"
+    lines = [f"the messages went {arrows(actual)}; {what} rooted at {root} sends exactly {arrows(expected)} "
+             f"(p - 1 = {p - 1} messages, one {'from' if upward else 'to'} every rank but the root)"]  # fmt: skip
+    for a, b in actual:
+        child = a if upward else b
+        if child == root:
+            lines.append(f"rank {a} sent to rank {b}, but the root {'sends nothing' if upward else 'receives nothing'} "
+                         f"in {what}")  # fmt: skip
+            break
+        if child in parents and (b if upward else a) != parents[child]:
+            v = (child - root) % p
+            lines.append(f"rank {a} sent to rank {b}: rank {child}'s parent is rank {parents[child]} (v = (rank - "
+                         f"root) % p = {v}; parent v - lowbit(v) = {v - (v & -v)}, plus the root {root}, "
+                         "mod p)")  # fmt: skip
+            break
+    return "\n".join(lines)
+
+
+def tree_calls(fn, comm, grade):
+    """Call ``fn(comm, buf, root)`` for roots 0, p - 1 and p // 2 and a few buffers, each in a step of its own;
+    yields ``(root, buf, every message of the step)`` inside the step, for the caller's comparisons."""
     p, r = comm.Get_size(), comm.Get_rank()
-    step = 0
-    for dtype in DTYPES:
-        for n in sizes(p):
-            step += 1
-            buf = rank_values(r, n, dtype)
-            before = buf.copy()
-            expected = sum(rank_values(q, n, dtype) for q in range(p))
-            with grade.step(step, f"{p} ranks, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, 100 r + 2, "
-                            "..."):  # fmt: skip
-                fn(comm, buf)
-                if not grade.same(buf, expected, "buf after the call (the sum over all ranks)"):
-                    unchanged(grade, buf, before, "buf")
-                # (with empty chunks a ring may rightly skip their messages: then the count only explains a failure)
-                grade.traffic(2 * (p - 1), 2 * (p - 1) * buf.nbytes, "a ring all-reduce", strict=n >= p)
+    recorder = Recorder(comm)
+    cases = [(root, dtype, n) for root in dict.fromkeys((0, p - 1, p // 2))
+             for dtype, n in ((np.float64, 1), (np.float64, 1000), (np.float32, 7 * p + 3))]  # fmt: skip
+    for step, (root, dtype, n) in enumerate(cases, 1):
+        buf = rank_values(r, n, dtype)
+        with grade.step(step, f"{p} ranks, root {root}, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, "
+                        "100 r + 2, ..."):  # fmt: skip
+            recorder.take()
+            fn(recorder, buf, root)
+            yield root, buf, messages(comm, recorder)
+
+
+def tree_broadcast(fn, comm, grade) -> None:
+    """``fn(comm, buf, root)`` leaves the root's values in every rank's ``buf``, along the binomial tree rooted at
+    ``root``: every rank but the root receives one message, the whole buffer, from its parent (p - 1 in all)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    for root, buf, sent in tree_calls(fn, comm, grade):
+        right = grade.same(buf, rank_values(root, buf.size, buf.dtype), f"buf after the call (the root's, rank "
+                           f"{root}'s, values)")  # fmt: skip
+        wrong = tree_traffic(sent, p, root, buf.nbytes, False, "a binomial-tree broadcast")
+        if wrong:
+            (grade.fail if right and r == root else grade.note)(wrong)
+
+
+def tree_reduce(fn, comm, grade) -> None:
+    """``fn(comm, buf, root)`` leaves the sum over all ranks in the root's ``buf`` (the others' are not checked),
+    along the binomial tree rooted at ``root``: every rank but the root sends one message, the whole buffer, to its
+    parent (p - 1 in all)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    for root, buf, sent in tree_calls(fn, comm, grade):
+        if r != root:
+            continue
+        expected = sum(rank_values(q, buf.size, buf.dtype) for q in range(p))
+        right = grade.same(buf, expected, f"the root's (rank {root}'s) buf after the call (the sum over all ranks)")
+        wrong = tree_traffic(sent, p, root, buf.nbytes, True, "a binomial-tree reduce")
+        if wrong:
+            grade.fail(wrong)
+        elif not right:
+            unchanged(grade, buf, rank_values(r, buf.size, buf.dtype), "the root's buf")
+
+
+def doubling_partners(p: int, rank: int) -> list[int]:
+    """The ranks ``rank`` sends to, in order, in recursive doubling with the fold for a non-power-of-two p: p' the
+    largest power of two <= p, r = p - p'; odd ranks < 2r send to the even one below and wait; the others, numbered
+    0 .. p'-1, exchange with v XOR 1, 2, 4, ...; each even rank < 2r then sends the result to the odd one above."""
+    p2 = 1 << (p.bit_length() - 1)
+    extra = p - p2
+    if rank < 2 * extra and rank % 2:
+        return [rank - 1]
+    v = rank // 2 if rank < 2 * extra else rank - extra
+    real = [2 * u if u < extra else u + extra for u in range(p2)]
+    partners = [real[v ^ d] for d in (1 << k for k in range(p2.bit_length() - 1))]
+    return partners + ([rank + 1] if rank < 2 * extra else [])
+
+
+def doubling_allreduce(fn, comm, grade) -> None:
+    """``fn(comm, buf)`` leaves the sum over all ranks in every rank's ``buf``, by recursive doubling: for a power of
+    two p, log2 p messages per rank of the whole buffer each; otherwise the fold adds one message on the first 2r
+    ranks (an odd one sends once, an even one sends log2 p' + 1 times: costmodel.messages_sent("doubling", ...))."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    recorder = Recorder(comm)
+    partners = doubling_partners(p, r)
+    for buf in summed(lambda buf: fn(recorder, buf), comm, grade, dict.fromkeys((1, p, 7 * p + 3, 1000))):
+        sent = recorder.take()
+        dests = [dest for dest, _ in sent]
+        if dests != partners:
+            (grade.note if grade.problems else grade.fail)(f"rank {r} sent to ranks {dests}; recursive doubling sends "
+                                                           f"to {partners}, in that order")  # fmt: skip
+        elif any(nbytes != buf.nbytes for _, nbytes in sent):
+            grade.fail(f"rank {r} sent messages of {[nb for _, nb in sent]} bytes; recursive doubling sends the whole "
+                       f"buffer ({buf.nbytes} bytes) each time")  # fmt: skip
+        if grade.problems and p & (p - 1):
+            p2 = 1 << (p.bit_length() - 1)
+            grade.note(f"p = {p} is not a power of two: the first {2 * (p - p2)} ranks fold first (odd rank q sends "
+                       f"its buffer to q - 1, which adds it and stands in for both), the {p2} ranks left run recursive "
+                       "doubling under new numbers, and the folded ranks get the result back at the end")  # fmt: skip
