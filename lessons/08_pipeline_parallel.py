@@ -28,6 +28,12 @@ Things to try:
   * --sleep-ms 0: the real compute of a small model is tens of microseconds, and the bubble drowns in overhead;
   * dtrain launch -n 4 -m dtrain train --paradigm pp --pp 4 --hidden 64,64,64 --trace pp.json, then
     https://ui.perfetto.dev: each rank's forwards and backwards on its row, the bubble between them.
+
+Exercises (`dtrain exercises init ex` once, then `dtrain exercises check 8.1 --path ex`; one process, no ranks):
+  8.1  ex/schedules.py: one_f_one_b(stages, microbatches), each stage's order of Forward/Backward records in 1F1B
+       (dtrain/parallel/schedules.py adds the messages); checked against a schedule's rules, a deadlock-free
+       simulation, the bubble (P - 1) / (M + P - 1), and at most P - s micro-batches in flight on stage s.
+  8.2  ex/schedules.py: gpipe(stages, microbatches), the same for GPipe (all forwards, then all backwards).
 """
 
 import argparse
@@ -207,4 +213,9 @@ results["training"] = against_single(
     "bytes that grow with the batch and the width at the cut, not with the model.",
 )  # fmt: skip
 
+mpi.print0(
+    "\nExercises: `dtrain exercises init ex` once, then `dtrain exercises check 8.1 --path ex` grades your "
+    "one_f_one_b(stages, microbatches) in ex/schedules.py (each stage's order of forwards and backwards) and `... "
+    "check 8.2 --path ex` your gpipe(stages, microbatches): the rules, no deadlock, the bubble, the memory."
+)
 conclude(args.json, results, checks)

@@ -60,8 +60,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # the instruction records (instructions.py), for whoever reads a schedule
 __all__ = ["END_OF_STEP", "KINDS", "OPS", "SCHEDULES", "AllReduceGradients", "Backward", "Compute", "Forward",
            "Instruction", "Message", "OptimizerStep", "Recv", "Send", "WaitSends", "bars", "bubble", "bubble_formula",
-           "build", "check", "gpipe", "idle_fraction", "in_flight", "interleaved_1f1b", "one_f_one_b", "simulate",
-           "tag", "text"]  # fmt: skip
+           "build", "check", "gpipe", "gpipe_order", "idle_fraction", "in_flight", "interleaved_1f1b", "one_f_one_b",
+           "one_f_one_b_order", "simulate", "tag", "text", "with_messages"]  # fmt: skip
 
 
 def tag(message: tuple, microbatches: int) -> int:
@@ -70,26 +70,36 @@ def tag(message: tuple, microbatches: int) -> int:
     return (boundary * microbatches + micro) * 2 + KINDS.index(kind)
 
 
-def gpipe(stages: int, microbatches: int) -> list[list[Instruction]]:
-    """All forwards, then all backwards (in the same order), on every stage."""
+def gpipe_order(stages: int, microbatches: int) -> list[list[Compute]]:
+    """Each stage's computations in GPipe: all forwards, then all backwards (in the same order)."""
     _check_sizes(stages, microbatches, 1)
-    order = [("forward", i, "warm-up") for i in range(microbatches)]
-    order += [("backward", i, "cool-down") for i in range(microbatches)]
-    return _with_messages([[(op, s, i, phase) for op, i, phase in order] for s in range(stages)], stages, 1)
+    return [[Forward(s, i, "warm-up") for i in range(microbatches)]
+            + [Backward(s, i, "cool-down") for i in range(microbatches)] for s in range(stages)]  # fmt: skip
 
 
-def one_f_one_b(stages: int, microbatches: int) -> list[list[Instruction]]:
-    """Warm-up (P - s - 1 forwards), steady state (one forward, one backward), cool-down (the backwards left)."""
+def gpipe(stages: int, microbatches: int) -> list[list[Instruction]]:
+    """All forwards, then all backwards (in the same order), on every stage: :func:`gpipe_order`, with messages."""
+    return with_messages(gpipe_order(stages, microbatches), stages)
+
+
+def one_f_one_b_order(stages: int, microbatches: int) -> list[list[Compute]]:
+    """Each stage's computations in 1F1B: warm-up (P - s - 1 forwards), steady state (one forward, one backward),
+    cool-down (the backwards left)."""
     _check_sizes(stages, microbatches, 1)
     programs = []
     for s in range(stages):
         warmup = min(stages - s - 1, microbatches)
-        order = [("forward", s, i, "warm-up") for i in range(warmup)]
+        order = [Forward(s, i, "warm-up") for i in range(warmup)]
         for k in range(microbatches - warmup):
-            order += [("forward", s, warmup + k, "steady"), ("backward", s, k, "steady")]
-        order += [("backward", s, i, "cool-down") for i in range(microbatches - warmup, microbatches)]
+            order += [Forward(s, warmup + k, "steady"), Backward(s, k, "steady")]
+        order += [Backward(s, i, "cool-down") for i in range(microbatches - warmup, microbatches)]
         programs.append(order)
-    return _with_messages(programs, stages, 1)
+    return programs
+
+
+def one_f_one_b(stages: int, microbatches: int) -> list[list[Instruction]]:
+    """1F1B's computations (:func:`one_f_one_b_order`), with messages."""
+    return with_messages(one_f_one_b_order(stages, microbatches), stages)
 
 
 def interleaved_1f1b(stages: int, microbatches: int, virtual: int) -> list[list[Instruction]]:
@@ -121,8 +131,9 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int) -> list[list[
         for k in range(total - warmup):
             order += [("forward", *forwards[warmup + k]), ("backward", *backwards[k])]
         order += [("backward", *backwards[k]) for k in range(total - warmup, total)]
-        programs.append([(op, chunk * stages + r, micro, phase) for op, chunk, micro, phase in order])
-    return _with_messages(programs, stages, virtual)
+        programs.append([(Forward if op == "forward" else Backward)(chunk * stages + r, micro, phase)
+                         for op, chunk, micro, phase in order])  # fmt: skip
+    return with_messages(programs, stages, virtual)
 
 
 def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Instruction]]:
@@ -142,23 +153,24 @@ def _check_sizes(stages: int, microbatches: int, virtual: int) -> None:
             raise ValueError(f"a schedule needs >= 1 {what}, got {value}")
 
 
-def _with_messages(programs, stages: int, virtual: int) -> list[list[Instruction]]:
-    """Each rank's computations ``(op, stage, micro, phase)`` with a receive before each one whose input lives on
-    another rank, a send after each one whose output does, and at the end: the sends awaited, the gradients averaged
-    over the replicas, the optimizer step."""
+def with_messages(programs: list[list[Compute]], stages: int, virtual: int = 1) -> list[list[Instruction]]:
+    """Each rank's computations (:class:`Forward`/:class:`Backward`, in order) with a receive before each one whose
+    input lives on another rank, a send after each one whose output does, and at the end: the sends awaited, the
+    gradients averaged over the replicas, the optimizer step."""
     last = stages * virtual - 1
     result = []
     for rank, order in enumerate(programs):
         program = []
-        for op, stage, micro, phase in order:
-            source = stage - 1 if op == "forward" else stage + 1  # who makes this computation's input
-            dest = stage + 1 if op == "forward" else stage - 1  # who needs its output
-            kind = "activation" if op == "forward" else "gradient"
+        for ins in order:
+            forward = ins.op == "forward"
+            source = ins.stage - 1 if forward else ins.stage + 1  # who makes this computation's input
+            dest = ins.stage + 1 if forward else ins.stage - 1  # who needs its output
+            kind = "activation" if forward else "gradient"
             if 0 <= source <= last and source % stages != rank:
-                program.append(Recv(stage, micro, kind, source % stages))
-            program.append((Forward if op == "forward" else Backward)(stage, micro, phase))
+                program.append(Recv(ins.stage, ins.micro, kind, source % stages))
+            program.append(ins)
             if 0 <= dest <= last and dest % stages != rank:
-                program.append(Send(stage, micro, kind, dest % stages))
+                program.append(Send(ins.stage, ins.micro, kind, dest % stages))
         result.append([*program, *END_OF_STEP])
     return result
 
