@@ -32,6 +32,13 @@ Things to try:
   * --hidden 4096,4096: the split layers' share of the memory grows; does the step time follow?
   * dtrain launch -n 4 -m dtrain train --paradigm tp --tp 2 --trace tp.json, then https://ui.perfetto.dev: the
     g all-reduce after every row-parallel layer, the f all-reduce in backward.
+
+Exercises (write f and g yourself; `dtrain exercises init ex` once copies the stubs into ex/):
+  7.1  f, identity forward and all-reduce of the gradient backward, with Tensor._make:
+       dtrain exercises check 7.1 --path ex
+  7.2  g, all-reduce forward and identity backward:   dtrain exercises check 7.2 --path ex
+Each is checked alone (what it sends, and when) and inside a column-then-row block against the unsharded layers, on
+simulated ranks and under mpiexec.
 """
 
 import itertools
@@ -257,4 +264,5 @@ if rank == 0:
     )
     results["timing"] = {"tp1_ms": 1e3 * base, f"tp{p}_ms": ms, "comm_share": share}
 
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 conclude(args.json, results, checks)
