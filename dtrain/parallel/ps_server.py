@@ -29,6 +29,14 @@ PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
 
 
+def stale_synchronous_ready(waiting, clock, running, bound):
+    """The held workers that may be answered now: those of ``waiting`` (in its order) no more than ``bound`` steps
+    ahead of the slowest worker of ``running``, ``clock[w]`` being worker w's steps (pushes) so far. ``bound`` 0 is
+    lockstep (ps-sync's pace), None no bound at all (ps-async: everyone); with no worker running the slowest is at 0."""
+    slowest = min((clock[w] for w in running), default=0)
+    return [w for w in waiting if bound is None or clock[w] - slowest <= bound]
+
+
 class ProtocolError(RuntimeError):
     """A message the protocol has no place for (a bug, reported instead of a hang)."""
 
@@ -200,10 +208,9 @@ class ServerLoop:
         """Answer every held worker no more than K steps ahead of the slowest still in the epoch (all of them once
         the epoch's budget is spent); an answer can end the epoch for its worker, which can free others."""
         while True:
-            running = [self.clock[w] for w in range(self.workers) if w not in self.done and w not in self.ended]
-            slowest = min(running, default=0)
+            running = [w for w in range(self.workers) if w not in self.done and w not in self.ended]
             spent = self.pushes >= self.budget
-            ready = [w for w in self.waiting if self.bound is None or self.clock[w] - slowest <= self.bound or spent]
+            ready = stale_synchronous_ready(self.waiting, self.clock, running, None if spent else self.bound)
             if not ready:
                 return
             self.waiting = [w for w in self.waiting if w not in ready]
