@@ -67,6 +67,112 @@ def load_metrics(path) -> dict:
     return metrics
 
 
+# --- what one run cost, read from its metrics.json ----------------------------------------------------------------
+def training_steps(metrics: dict) -> int:
+    """The optimizer steps of a training run (every epoch's, of the global batch)."""
+    from dtrain.data import steps_per_epoch
+
+    per_epoch = steps_per_epoch(metrics["dataset"]["train_samples"], metrics["config"]["batch_size"])
+    return len(metrics["epochs"]) * per_epoch
+
+
+def training_traffic(metrics: dict, key: str = "bytes_sent", setup: bool = False) -> list:
+    """What each rank sent for training (``key``: the tracer's ``bytes_sent`` or ``messages_sent``): all it sent,
+    but the "evaluation" and "checkpoint" labels, and unless ``setup``, what it sent while the paradigm was built (the
+    initial broadcast of the weights: once a run, not once a step)."""
+    from dtrain.comm.trace import NOT_TRAINING  # (here: importing the tracer starts MPI, which plotting needs not)
+
+    sent = []
+    for mine in metrics["communication"]["per_rank"]:
+        aside = sum(mine["operations"].get(label, {}).get(key, 0) for label in NOT_TRAINING)
+        once = 0 if setup else mine.get("setup", {}).get(key, 0)
+        sent.append(mine["totals"][key] - aside - once)
+    return sent
+
+
+def state_bytes(metrics: dict) -> tuple[list | None, list]:
+    """(measured, predicted): the bytes of parameters, gradients and optimizer state each rank held, as the paradigm
+    read them off its arrays (``held_bytes`` in its figures; None if it reports none) and as its ``costs()`` says (a
+    number there: every rank alike; a list: by rank)."""
+    kinds, world, costs = ("parameters", "gradients", "optimizer"), metrics["world_size"], metrics["costs"]
+    predicted = [0] * world
+    for kind in kinds:
+        values = costs[kind] if isinstance(costs[kind], list) else [costs[kind]] * world
+        predicted = [a + b for a, b in zip(predicted, values)]
+    held = metrics["communication"]["per_rank"][0]["paradigm"].get("held_bytes")
+    return ([sum(h[k] for k in kinds) for h in held] if held else None), predicted
+
+
+def run_summary(metrics: dict) -> dict:
+    """One run's results and costs, from its metrics.json: accuracy, times, and per rank the training bytes and
+    messages it sent per step (measured: :func:`training_traffic` over :func:`training_steps`; predicted:
+    ``costs()``) and the state it held (:func:`state_bytes`)."""
+    steps = training_steps(metrics)
+    held, predicted = state_bytes(metrics)
+    return {
+        "test_accuracy": metrics["final"]["test_accuracy"],
+        "wall_time_s": metrics["wall_time_s"],
+        "samples_per_s": metrics["samples_per_s"],
+        "world_size": metrics["world_size"],
+        "steps": steps,
+        "sent_per_step": [b / steps for b in training_traffic(metrics)],
+        "predicted_sent_per_step": metrics["costs"]["sent_per_step"],
+        "messages_per_step": [m / steps for m in training_traffic(metrics, "messages_sent")],
+        "state_bytes": held,
+        "predicted_state_bytes": predicted,
+        "train_loss": [e["train_loss"] for e in metrics["epochs"]],
+        "test_accuracies": [e["test_accuracy"] for e in metrics["epochs"]],
+    }
+
+
+def text_table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
+    """Columns as wide as their widest cell, the ``left`` ones aligned left and the others right; a rule under the
+    header."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, [""] * len(header), *rows]:
+        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    lines[1] = "  ".join("-" * w for w in widths)
+    return "\n".join(lines)
+
+
+def plot_paradigms(plt, runs: dict, path, reference: str | None = None) -> Path:
+    """Three panels for runs of several paradigms (``runs``: label -> :func:`run_summary`): the training loss per
+    epoch (``reference``'s dashed in black), the final test accuracy against the bytes the busiest rank sent per
+    step, and the state each rank held (a dot per rank, ``costs()``'s prediction for the fullest rank a cross)."""
+    fig, (curves, by_bytes, state) = plt.subplots(1, 3, figsize=(19, 5.5))
+    palette = plt.get_cmap("tab20")
+    for i, (label, r) in enumerate(runs.items()):
+        colour, marker = ("black", "s") if label == reference else (palette(i % 20), "osD^v<>pPXh*"[i % 12])
+        style = dict(ls="--", lw=2.5, zorder=5) if label == reference else dict(lw=1.2)
+        curves.plot(range(1, len(r["train_loss"]) + 1), r["train_loss"], color=colour, label=label, **style)
+        sent = max(r["sent_per_step"])
+        if sent > 0:
+            by_bytes.scatter(sent, 100 * r["test_accuracy"], color=colour, marker=marker, s=50, label=label)
+        else:
+            by_bytes.axhline(100 * r["test_accuracy"], color=colour, ls="--", lw=1, label=f"{label}: sends nothing")
+        held = r["state_bytes"] or []
+        state.scatter([b / 1e3 for b in held], [i] * len(held), color=colour, marker=marker, s=30)
+        state.scatter(max(r["predicted_state_bytes"]) / 1e3, i, marker="x", color="black", s=50)
+    curves.set(xlabel="epoch", ylabel="training loss (global batch)", yscale="log", title="Loss, every paradigm")
+    by_bytes.set(xscale="log", xlabel="bytes the busiest rank sent per step (training)",
+                 ylabel="final test accuracy (%)", title="Accuracy against bytes")  # fmt: skip
+    by_bytes.xaxis.set_minor_formatter(plt.NullFormatter())  # (labels on the powers of ten only: no overlap)
+    for axis in (curves, by_bytes):
+        axis.legend(fontsize=7)
+    state.set_yticks(range(len(runs)), list(runs), fontsize=7)
+    state.invert_yaxis()
+    state.set(xlabel="kB held: parameters + gradients + optimizer state", title="State per rank (dots: each rank; "
+              "x: costs(), fullest rank)")  # fmt: skip
+    for axis in (curves, by_bytes, state):
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def pyplot():
     """matplotlib's pyplot, drawing to files (Agg), or a one-line error saying how to install it. Call it before
     the work whose results are to be drawn, so that a missing matplotlib is said before, not after."""

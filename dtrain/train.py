@@ -207,6 +207,7 @@ def train(config: TrainConfig, comm=None) -> dict:
         lambda: MLP(sizes, seed=config.seed, xp=xp, dtype=dtype),
         lambda model: make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay),
     )
+    setup = comm.tracer.summary()["totals"]  # what building sent (ddp's broadcast of rank 0's weights): not a step's
     position = resume(paradigm, comm, config, sizes) if config.resume else Position()
     paradigm.run(Epochs(paradigm, loader, data, config, sizes, position, xp))  # (a server: a loop of its own)
     epochs = position.epochs
@@ -229,7 +230,8 @@ def train(config: TrainConfig, comm=None) -> dict:
         "environment": report.environment(),
         "costs": kind.costs(sizes, world, config),
     }
-    mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time}
+    mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time,
+            "setup": {k: setup[k] for k in ("bytes_sent", "messages_sent")}}  # fmt: skip
     totals = mine["totals"]
     # time in communication operations, their waits included (a server's reply, a slower rank); not evaluation's
     outside = sum(mine["operations"].get(label, {}).get("time_s", 0.0) for label in NOT_TRAINING)

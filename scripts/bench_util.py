@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dtrain.report import training_steps  # noqa: F401  (the benchmarks' too)
+
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """``--worker`` (this process is one of the benchmark's ranks) and ``--result FILE`` (where rank 0 writes),
@@ -108,14 +110,6 @@ def train_metrics(ranks: int, flags: list[str], folder, env: dict | None = None)
     bar, quiet): its metrics.json."""
     launch(ranks, ["-m", "dtrain", "train", *flags, "--no-progress", "--quiet", "--out", str(folder)], env)
     return json.loads((Path(folder) / "metrics.json").read_text())
-
-
-def training_steps(metrics: dict) -> int:
-    """The optimizer steps of a training job, from its metrics.json."""
-    from dtrain.data import steps_per_epoch
-
-    per_epoch = steps_per_epoch(metrics["dataset"]["train_samples"], metrics["config"]["batch_size"])
-    return len(metrics["epochs"]) * per_epoch
 
 
 def sent_per_rank(metrics: dict, prefixes: str | tuple) -> list[int]:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from bench_util import train_metrics, write_results
 
+from dtrain import report
+
 RUNS = {  # label: flags after --paradigm
     "ddp": ["--paradigm", "ddp"],
     "local-sgd H=1": ["--paradigm", "local-sgd", "--sync-every", "1"],
@@ -58,25 +60,12 @@ def run_once(flags: list[str], args, folder: Path) -> dict:
 
 def traffic(metrics: dict) -> tuple[float, int, float]:
     """(mean training bytes sent per rank, the largest rank's, mean evaluation bytes per rank). Not training: the
-    "evaluation" label, and "checkpoint" (ZeRO-3 gathers the final model from its chunks)."""
-    training, evaluation = [], []
-    for mine in metrics["communication"]["per_rank"]:
-        ops = mine["operations"]
-        evaluation.append(ops.get("evaluation", {}).get("bytes_sent", 0))
-        final_gather = ops.get("checkpoint", {}).get("bytes_sent", 0)
-        training.append(mine["totals"]["bytes_sent"] - evaluation[-1] - final_gather)
+    "evaluation" label, and "checkpoint" (ZeRO-3 gathers the final model from its chunks); the initial broadcast of
+    the weights is counted (``setup=True``)."""
+    training = report.training_traffic(metrics, setup=True)
+    evaluation = [mine["operations"].get("evaluation", {}).get("bytes_sent", 0)
+                  for mine in metrics["communication"]["per_rank"]]  # fmt: skip
     return statistics.mean(training), max(training), statistics.mean(evaluation)
-
-
-def state_held(metrics: dict) -> float:
-    """Bytes of parameters, gradients and optimizer state the fullest rank holds, from the paradigm's cost function
-    (a number: every rank alike; a list: per rank), which tests hold against each paradigm's own accounting."""
-    costs = metrics["costs"]
-    per_rank = [0] * metrics["world_size"]
-    for kind in ("parameters", "gradients", "optimizer"):
-        values = costs[kind] if isinstance(costs[kind], list) else [costs[kind]] * metrics["world_size"]
-        per_rank = [a + b for a, b in zip(per_rank, values)]
-    return max(per_rank)
 
 
 def main() -> None:
@@ -113,7 +102,7 @@ def main() -> None:
             "bytes_mean": mean_bytes,
             "bytes_max": max_bytes,
             "evaluation_bytes": eval_bytes,
-            "state_bytes": state_held(first),
+            "state_bytes": max(report.state_bytes(first)[1]),  # the fullest rank's, from the cost function
             "steps": len(first["epochs"]) * steps_per_epoch,
         }
     base = rows["ddp"]

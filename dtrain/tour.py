@@ -1,0 +1,300 @@
+"""``dtrain tour``: the whole subject in one command.
+
+The tour trains one model, the MLP 64-64-64-64-10, on the shipped 8x8 digits with every paradigm in turn, each a
+job of its own on ``--ranks`` ranks (4 by default) started with this environment's ``mpiexec``: ``single`` on one
+process first (the reference), then ddp with a ring all-reduce and with a hierarchical one over 2 emulated nodes,
+central storage, synchronous and asynchronous parameter servers (the latter with a straggler), local SGD, gossip,
+ZeRO stage 3, tensor parallelism, a 1F1B pipeline, and a grid of tensor-parallel pipeline stages. Every run has the
+same model, seed, epochs and global batch (a multiple of the ranks and of the parameter servers' workers), so their
+curves compare. Then one table says, per paradigm, what it bought and what it paid:
+
+* the final test accuracy, the run's wall time and its samples/s;
+* the bytes the busiest rank sent per step, measured by the tracer (training traffic only: not evaluation's, not a
+  checkpoint's, not the initial broadcast of the weights), beside the paradigm's own prediction (``costs()``);
+* the messages the busiest rank sent per step;
+* the bytes of parameters, gradients and optimizer state the fullest rank held, read off its arrays, beside
+  ``costs()``'s prediction;
+* what to notice, in a line.
+
+Everything lands in one folder (``runs/tour/`` by default): each run's ``metrics.json`` and output, the table as
+``tour.txt``, the numbers as ``tour.json`` and a figure, ``tour.png``. A run that fails shows its error in its row;
+the tour goes on, and ends with a non-zero status. Each job has ``--timeout`` seconds, its ranks' watchdog half of
+that, so nothing hangs; Ctrl-C stops the job that runs and the tour.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dtrain import kernels, parallel, report, tour_notes
+from dtrain.comm import launcher
+from dtrain.errors import ConfigError, MissingPackage, UserError
+from dtrain.train import TrainConfig
+
+HIDDEN = (64, 64, 64)  # one model for every run: four Linear layers, so a pipeline can cut four stages
+COMMON = {"dataset": "digits", "hidden": HIDDEN, "seed": 0}
+DEFAULT_RANKS, DEFAULT_EPOCHS, DEFAULT_TIMEOUT_S = 4, 20, 120.0
+KERNELS = kernels.ENV_VAR  # NumPy's reductions unless said otherwise: Numba's start-up would be most of a short job
+EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/")  # what rank 0 prints at the end of each epoch
+
+
+@dataclass
+class Entry:
+    """One run of the tour: its name (for ``--paradigms``), its row's label, its flags and its ranks."""
+
+    name: str
+    label: str
+    options: dict  # TrainConfig's fields and paradigm flags, as a TrainConfig takes them
+    ranks: int
+    skip: str | None = None  # why it cannot run on these ranks
+    explicit: bool = False  # asked for by name
+
+    def config(self, batch: int, epochs: int) -> TrainConfig:
+        return TrainConfig(**COMMON, batch_size=batch, epochs=epochs, **self.options)
+
+    def flags(self, batch: int, epochs: int) -> list[str]:
+        """The ``dtrain train`` command line of :meth:`config`."""
+        flags = []
+        for key, value in {**COMMON, "batch_size": batch, "epochs": epochs, **self.options}.items():
+            value = ",".join(map(str, value)) if isinstance(value, tuple) else value
+            flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+        return flags
+
+
+def entries(ranks: int) -> dict[str, Entry]:
+    """The tour on ``ranks`` ranks, in the lessons' order; an entry that cannot fit them says why (``skip``)."""
+    per_node = -(-ranks // 2)  # two emulated nodes
+    nodes = f"2 nodes of {per_node}" + ("" if ranks == 2 * per_node else f" and {ranks - per_node}")
+    stages = max(d for d in range(1, 5) if ranks % d == 0)  # a pipeline of up to four stages, one Linear layer each
+    tp = ranks & -ranks  # the largest power of two that divides the ranks (the widths, 64, must divide by it)
+    workers = ranks - 1
+    straggler = {"slow_rank": 1, "slow_factor": 3} if workers >= 2 else {}
+    e = [
+        Entry("single", "single (1 process)", {"paradigm": "single"}, 1),
+        Entry("ddp-ring", "ddp ring", {"paradigm": "ddp", "allreduce": "ring"}, ranks),
+        Entry("ddp-hier", f"ddp hierarchical ({nodes if ranks > 1 else '1 node'})",
+              {"paradigm": "ddp", "allreduce": "hierarchical", "ranks_per_node": per_node}, ranks),
+        Entry("central-storage", "central-storage", {"paradigm": "central-storage"}, ranks),
+        Entry("ps-sync", f"ps-sync (1 server, {workers} worker{'s' * (workers > 1)})" if workers else "ps-sync",
+              {"paradigm": "ps-sync"}, ranks),
+        Entry("ps-async", "ps-async (rank 1 3x slower)" if straggler else "ps-async",
+              {"paradigm": "ps-async", **straggler}, ranks),
+        Entry("local-sgd", "local-sgd (H = 8)", {"paradigm": "local-sgd", "sync_every": 8}, ranks),
+        Entry("gossip", "gossip (ring)", {"paradigm": "gossip", "topology": "ring"}, ranks),
+        Entry("zero-3", "zero stage 3", {"paradigm": "zero", "zero_stage": 3}, ranks),
+        Entry("tp", "tp" if tp == 1 else f"tp {tp}" if tp == ranks else f"tp (dp{ranks // tp} x tp{tp})",
+              {"paradigm": "tp", "tp": tp}, ranks,
+              None if tp > 1 else "tensor parallelism needs an even number of ranks (the widths are 64)"),
+        Entry("pp", "pp 1f1b" + (f", {stages} stages" if stages > 1 else "") + (f" x dp{ranks // stages}" if
+              1 < stages < ranks else ""), {"paradigm": "pp", "pp": stages, "schedule": "1f1b"}, ranks,
+              None if stages > 1 else "a pipeline needs 2 ranks or more"),
+        Entry("grid", f"grid dp{ranks // 4} x tp2 x pp2" if ranks % 4 == 0 else "grid tp2 x pp2",
+              {"paradigm": "pp", "dp": ranks // 4, "tp": 2, "pp": 2}, ranks,
+              None if ranks % 4 == 0 else "a grid of tp 2 x pp 2 needs a multiple of 4 ranks"),
+    ]  # fmt: skip
+    return {entry.name: entry for entry in e}
+
+
+def global_batch(ranks: int) -> int:
+    """The batch every run splits: the multiple nearest 96 of the ranks, of the parameter servers' workers and of a
+    pipeline's 4 micro-batches."""
+    step = math.lcm(ranks, max(ranks - 1, 1), 4)
+    return max(step, round(96 / step) * step)
+
+
+def choose(names: list[str] | None, ranks: int, batch: int, epochs: int) -> list[Entry]:
+    """The entries to run: the tour's (``names`` None) or those named, each checked by its paradigm for these ranks
+    before anything is launched. A named one that cannot run is a :class:`UserError`; one of the tour's is skipped."""
+    tour = entries(ranks)
+    if names is None:
+        chosen = list(tour.values())
+    else:
+        chosen = []
+        for name in names:
+            if name not in tour and name not in parallel.names():
+                raise UserError(f"--paradigms: {name!r} is neither one of the tour's ({', '.join(tour)}) nor a "
+                                f"registered paradigm ({', '.join(parallel.names())})")  # fmt: skip
+            entry = tour.get(name) or Entry(name, name, {"paradigm": name}, 1 if name == "single" else ranks)
+            chosen.append(Entry(**{**vars(entry), "explicit": True}))
+    for entry in chosen:
+        if entry.skip is None:
+            try:
+                parallel.get(entry.options["paradigm"]).check(entry.config(batch, epochs), entry.ranks)
+            except ConfigError as exc:
+                entry.skip = str(exc)
+        if entry.skip and entry.explicit:
+            raise UserError(f"--paradigms {entry.name} cannot run on --ranks {ranks}: {entry.skip}")
+    return chosen
+
+
+@dataclass
+class Run:
+    """What became of one entry: its metrics, or why it did not run or failed."""
+
+    entry: Entry
+    metrics: dict | None = None
+    error: str | None = None
+    job_s: float = 0.0
+    command: list[str] = field(default_factory=list)
+
+
+def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: float, env: dict, progress) -> Run:
+    """One job: ``dtrain train`` on the entry's ranks under ``mpiexec``, its output in ``folder``; stopped after
+    ``timeout`` seconds (its ranks' watchdog after half of that, with a report)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in ("metrics.json", "stdout.txt", "stderr.txt"):
+        (folder / old).unlink(missing_ok=True)
+    target = ["-m", "dtrain", "train", *entry.flags(batch, epochs), "--out", str(folder), "--timeout",
+              f"{timeout / 2:g}", "--no-progress"]  # fmt: skip
+    run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *target])
+    cmd, started = launcher.mpiexec_command(entry.ranks, target), time.monotonic()
+    with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
+        with launcher.Job(cmd, env=launcher.launch_env(entry.ranks, env), stdout=out, stderr=err, text=True) as job:
+            while job.process.poll() is None:  # (Ctrl-C: JobInterrupted from here; the Job stops every rank)
+                if time.monotonic() - started > timeout:
+                    job.stop(signal.SIGKILL)
+                    run.error = f"timed out after {timeout:g} s"
+                    break
+                progress(sum(bool(EPOCH_LINE.match(line)) for line in (folder / "stdout.txt").open()))
+                time.sleep(0.1)
+    run.job_s = time.monotonic() - started
+    if run.error is None and job.process.returncode != 0:
+        run.error = one_line_error((folder / "stderr.txt").read_text(), job.process.returncode)
+    elif run.error is None:
+        run.metrics = report.load_metrics(folder)
+    return run
+
+
+def one_line_error(stderr: str, status: int) -> str:
+    """Why a job failed, in a line: the watchdog's report's first line, else the last ``dtrain: error`` line, else
+    the last line that names an exception (a traceback's), else its exit status."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for pick in (lambda s: s.startswith("dtrain watchdog:"), lambda s: "dtrain: error" in s):
+        found = [line for line in lines if pick(line)]
+        if found:
+            return found[0] if "watchdog" in found[0] else found[-1]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b.*", line)]
+    return raised[-1] if raised else f"exited with status {status}"
+
+
+def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: float) -> int:
+    """The ``dtrain tour`` command: the runs, then the table (printed and written), tour.json and the figure."""
+    if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
+        raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
+    started, batch = time.monotonic(), global_batch(ranks)
+    chosen = choose(names, ranks, batch, epochs)
+    try:
+        plt = report.pyplot()
+    except MissingPackage as exc:  # the table and the metrics do not need it
+        plt, no_figure = None, str(exc)
+    folder, env = Path(out), {**os.environ}
+    env.setdefault(KERNELS, "numpy")
+    print(f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
+          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {KERNELS}={env[KERNELS]}; every run's "
+          f"metrics in {folder}/", flush=True)  # fmt: skip
+    runs = []
+    for i, entry in enumerate(chosen, 1):
+        head = f"[{i}/{len(chosen)}] {entry.label}"
+        if entry.skip:
+            print(f"{head} ... skipped: {entry.skip}", flush=True)
+            runs.append(Run(entry, error=entry.skip))
+            continue
+        with Bar(head, epochs) as bar:  # (a terminal: a bar of the run's epochs; else the line's start, now)
+            run = run_entry(entry, folder / entry.name, batch, epochs, timeout, env, bar.update)
+        runs.append(run)
+        done = f"{100 * run.metrics['final']['test_accuracy']:.2f}%" if run.metrics else f"FAILED: {run.error}"
+        print(f"{head if bar.bar else ''} ... {done} ({run.job_s:.1f} s)", flush=True)
+    summary, footnotes = rows(runs)
+    text = table(summary, footnotes)
+    print(f"\n{text}\n\n(the tour took {time.monotonic() - started:.0f} s)")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tour.txt").write_text(text + "\n")
+    meta = {"ranks": ranks, "epochs": epochs, "batch_size": batch, "hidden": list(HIDDEN), "dataset": "digits",
+            "tour_s": time.monotonic() - started}  # fmt: skip
+    (folder / "tour.json").write_text(json.dumps({**meta, "runs": summary}, indent=1, default=str) + "\n")
+    written = [folder / "tour.txt", folder / "tour.json"]
+    if plt is not None and any(r.metrics for r in runs):
+        done = {r["label"]: r for r in summary if "error" not in r}
+        written.append(report.plot_paradigms(plt, done, folder / "tour.png", reference=chosen[0].label))
+    print(f"wrote {', '.join(map(str, written))}" + ("" if plt else f" (no figure: {no_figure})"))
+    failed = [r.entry.name for r in runs if r.error and not r.entry.skip]
+    if failed:
+        print(f"dtrain tour: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
+    """tour.json's rows, each run's numbers (:func:`dtrain.report.run_summary`) and what to notice, or its error;
+    and a footnote for each run whose measured bytes differ from its ``costs()``."""
+    done = {run.entry.name: report.run_summary(run.metrics) for run in runs if run.metrics}
+    context, out, footnotes = tour_notes.Context(done.get("single")), [], []
+    for run in runs:
+        status = "ok" if run.metrics else "skipped" if run.entry.skip else "FAILED"
+        row = {"name": run.entry.name, "label": run.entry.label, "ranks": run.entry.ranks, "status": status}
+        if run.metrics is None:
+            row["error"] = run.error
+        else:
+            s = done[run.entry.name]
+            row.update(s, note=tour_notes.note(run.entry.name, s, run.metrics, context), job_s=run.job_s,
+                       command=" ".join(run.command))  # fmt: skip
+            footnotes.append(tour_notes.footnote(run.entry.name, run.entry.label, s, run.metrics))
+        out.append(row)
+    return out, [f for f in footnotes if f]
+
+
+def table(summary: list[dict], footnotes: list[str]) -> str:
+    """The tour's table: a row per run (a failed or skipped one says why), what its columns are, the footnotes."""
+    header = ["paradigm", "test acc", "wall s", "samples/s", "sent B/step", "costs()", "msgs/step", "state B",
+              "costs()", "what to notice"]  # fmt: skip
+    lines = []
+    for r in summary:
+        if "error" in r:
+            lines.append([r["label"], *["-"] * 8, f"{r['status']}: {r['error']}"])
+            continue
+        held = f"{max(r['state_bytes']):,}" if r["state_bytes"] else "?"
+        predicted = r["predicted_sent_per_step"]  # (None where costs() cannot say: a learner's all-reduce)
+        predicted = "?" if None in predicted else f"{max(predicted):,.0f}"
+        lines.append([r["label"], f"{100 * r['test_accuracy']:.2f}%", f"{r['wall_time_s']:.2f}",
+                      f"{r['samples_per_s']:,.0f}", f"{max(r['sent_per_step']):,.0f}",
+                      predicted, f"{max(r['messages_per_step']):.1f}", held,
+                      f"{max(r['predicted_state_bytes']):,}", r["note"]])  # fmt: skip
+    legend = [
+        "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's,",
+        "  a checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer",
+        "  state the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same.",
+    ]
+    if footnotes:
+        footnotes = ["", "Where the measured bytes differ from costs():", *footnotes]
+    return "\n".join([report.text_table(header, lines, left=(0, 9)), "", *legend, *footnotes])
+
+
+class Bar:
+    """A progress bar of a run's epochs, on stderr when it is a terminal (else the run's title, on stdout)."""
+
+    def __init__(self, title: str, epochs: int):
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=epochs, desc=title, leave=False, dynamic_ncols=True, unit="epoch")
+        else:
+            print(title, end="", flush=True)
+
+    def update(self, done: int) -> None:
+        if self.bar is not None and done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.bar is not None:
+            self.bar.close()
