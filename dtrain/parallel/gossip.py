@@ -112,6 +112,23 @@ def spectral_gap(w: np.ndarray) -> float:
     return float(1.0 - moduli[1]) if len(moduli) > 1 else 1.0
 
 
+def gossip_step(comm, flat, around, inbox=None) -> None:
+    """One gossip round, in place: send ``flat`` to each neighbour in ``around``, receive theirs (into ``inbox``, one
+    buffer per neighbour; made here if None), and set ``flat = (flat + sum of theirs) / (d + 1)``, d = len(around):
+    the row of W for this rank. No neighbours: nothing is sent and ``flat`` stays as it is."""
+    if not around:
+        return
+    inbox = inbox or [array_module(flat).empty_like(flat) for _ in around]
+    with watchdog.watching(comm, f"gossip: weights from ranks {around}"):
+        requests = [comm.Irecv(inbox[i], peer, TAG) for i, peer in enumerate(around)]
+        requests += [comm.Isend(flat, peer, TAG) for peer in around]
+        waitall(requests)
+    weight = 1.0 / (len(around) + 1)
+    flat *= weight
+    for i in range(len(around)):  # in neighbour order: the same sums on every run
+        flat += weight * inbox[i]
+
+
 @register
 class Gossip(LocalSGD):
     name = "gossip"
@@ -140,21 +157,13 @@ class Gossip(LocalSGD):
         return loss
 
     def mix(self) -> None:
-        """One gossip round: send my weights to my neighbours, receive theirs, take the weighted average."""
+        """One gossip round with this step's neighbours (:func:`gossip_step`), counted under "gossip/<topology>"."""
         flat = self.model.flat_params
         around = neighbours(self.config.topology, self.world, self.rank, self.steps, self.config.seed)
-        if not around:
+        if not around:  # (random pairing, odd p: the odd one out; no operation to count)
             return
-        comm = self.grad_comm
-        label = labelled(comm, f"gossip/{self.config.topology}", flat.nbytes)
-        with label, watchdog.watching(comm, f"gossip: weights from ranks {around}"):
-            requests = [comm.Irecv(self.inbox[i], peer, TAG) for i, peer in enumerate(around)]
-            requests += [comm.Isend(flat, peer, TAG) for peer in around]
-            waitall(requests)
-        weight = 1.0 / (len(around) + 1)
-        flat *= weight
-        for i in range(len(around)):  # in neighbour order: the same sums on every run
-            flat += weight * self.inbox[i]
+        with labelled(self.grad_comm, f"gossip/{self.config.topology}", flat.nbytes):
+            gossip_step(self.grad_comm, flat, around, self.inbox)
 
     def finish(self) -> dict:
         before = self.consensus_distance(self.model.flat_params, self.replicas_average())
