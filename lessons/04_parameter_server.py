@@ -35,6 +35,13 @@ Things to try:
   * dtrain launch -n 6: 5 workers through one server's link, against 4 and 2 through two;
   * dtrain train --paradigm ps-async --staleness 1 --slow-rank 1 --slow-factor 5: the bound makes the fast workers
     wait for the straggler, and the staleness histogram shrinks (see metrics.json, docs/metrics.md).
+
+Exercises (write them yourself; `dtrain exercises init ex` once copies the stubs into ex/):
+  4.1  a worker's push and pull: each server its slice of the gradient (PUSH), its slice of the weights back
+       (WEIGHTS), all in flight together:     dtrain exercises check 4.1 --path ex
+  4.2  the stale-synchronous gate: which held workers a server may answer, within K steps of the slowest:
+       dtrain exercises check 4.2 --path ex
+4.1 runs on simulated ranks and under mpiexec, the checker's own servers on the last ranks; 4.2 in one process.
 """
 
 import argparse
@@ -449,4 +456,5 @@ if rank == 0:
     )
 checks.ok("central storage is one process's training, its bytes and its state are costs()", storage_ok)
 
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 conclude(args.json, results, checks)

@@ -16,6 +16,20 @@ from dtrain.comm.trace import labelled
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS
 
 
+def push_and_pull(comm, params, grads, servers) -> None:
+    """Send each server its slice of the gradient (tag PUSH) and receive its slice of the new weights (tag WEIGHTS)
+    into ``params``, every message in flight together, then wait for them all. ``servers``: (server rank, (start,
+    stop) of its shard), for each; ``params``, ``grads``: the whole flat buffers."""
+    waitall(start_push_and_pull(comm, params, grads, servers))
+
+
+def start_push_and_pull(comm, params, grads, servers) -> list:
+    """:func:`push_and_pull`'s messages, posted: their requests, to wait for. A server may hold its reply until other
+    workers catch up (stale-synchronous), so no wait comes between them: the worker's wait is for the slowest shard."""
+    requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in servers]
+    return requests + [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in servers]
+
+
 class Worker:
     """A worker's side of the protocol: the whole model for forward and backward, and no optimizer (the servers
     have it). After its backward, it pushes each server its slice of the gradient and pulls the new weights."""
@@ -38,8 +52,8 @@ class Worker:
         (coordinator, (a0, b0)), others = self.served[0], self.served[1:]  # the coordinator's reply: epoch over?
         started = time.perf_counter()
         with labelled(comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
-            requests = [comm.Irecv(params[a:b], server, WEIGHTS) for server, (a, b) in others]
-            requests += [comm.Isend(grads[a:b], server, PUSH) for server, (a, b) in self.served]
+            requests = [comm.Isend(grads[a0:b0], coordinator, PUSH)]
+            requests += start_push_and_pull(comm, params, grads, others)
             probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
             epoch_over = self.status.Get_tag() == END
             comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())

@@ -1,7 +1,37 @@
-"""Exercises of lesson 4 (parameter servers): a server's stale-synchronous gate.
+"""Exercises 4.1 and 4.2 (lesson 4, parameter servers): a worker's push and pull, and a server's stale-synchronous
+gate.
 
-Check it:   dtrain exercises check 4.2 --path .
+Check them: dtrain exercises check 4.1 --path .
+            dtrain exercises check 4.2 --path .
 """
+
+from dtrain.comm import waitall  # noqa: F401  (waitall(requests) waits for a list of requests, on any communicator)
+from dtrain.parallel.ps_server import PUSH, WEIGHTS  # noqa: F401  (the protocol's tags)
+
+
+def push_and_pull(comm, params, grads, servers):
+    """A parameter-server worker's step after its backward: push the gradient, pull the new weights.
+
+    Signature: ``push_and_pull(comm, params, grads, servers) -> None``. ``comm`` has mpi4py's buffer methods
+    (``Isend``, ``Irecv``, ...). ``params`` and ``grads`` are this worker's whole flat buffers (1-D float64 NumPy
+    arrays of n elements). ``servers`` lists the servers as ``(server rank, (start, stop))``: server s owns the
+    shard ``[start, stop)`` of the flat buffer (the shards are contiguous and cover it).
+
+    Before: ``grads`` holds this worker's gradient; ``params`` the weights it computed it with.
+    After:  every server has received exactly its slice of the gradient, ``grads[start:stop]``, tagged ``PUSH``;
+            ``params[start:stop]`` holds what that server sent back, tagged ``WEIGHTS``, for every server.
+            ``grads`` is unchanged. One message sent to each server, one received from each.
+
+    Every message must be in flight together: post all the receives (``comm.Irecv(params[a:b], server, WEIGHTS)``,
+    straight into ``params``) and all the sends (``comm.Isend(grads[a:b], server, PUSH)``), then wait for all of the
+    requests. A server may hold its reply back until other messages have arrived (a stale-synchronous server waits
+    for slow workers; the checker's servers reply only once *every* server has its push), so a worker that waits for
+    one server's reply before pushing to the next waits forever.
+
+    Hint: a slice of a NumPy array is a view: receiving into ``params[a:b]`` fills ``params``. Keep the requests in a
+    list and pass it to ``waitall``.
+    """
+    raise NotImplementedError("exercise 4.1: a worker's push and pull — see lessons/04_parameter_server.py")
 
 
 def stale_synchronous_ready(waiting, clock, running, bound):
