@@ -64,6 +64,32 @@ WARMUP_SYNC_STEPS = Flag("warmup_sync_steps", 0, "the first W steps average grad
                          type=int, metavar="W", at_least=0)  # fmt: skip
 
 
+def average_weights(comm, flat, via: str = "allreduce", algorithm: str = "ring", topology=None) -> None:
+    """Replace every rank's ``flat`` by its average over the ranks, in place: one all-reduce (op "avg") with
+    ``algorithm``, or (``via="master"``) everything summed on rank 0, scaled there and sent back."""
+    if via == "master":  # gathered and summed on rank 0, sent back from there
+        collectives.reduce(comm, flat, root=0, op="sum", algorithm="naive")
+        if comm.Get_rank() == 0:
+            flat *= 1.0 / comm.Get_size()
+        collectives.broadcast(comm, flat, root=0, algorithm="naive")
+    else:
+        collectives.allreduce(comm, flat, "avg", algorithm, topology=topology)
+
+
+def local_sgd_step(comm, flat, step: int, sync_every: int, average=None) -> bool:
+    """Local SGD's communication after local step number ``step`` (1-based): every ``sync_every``-th step, average
+    ``flat`` over the ranks in place; otherwise send nothing. Returns whether it averaged. ``average``: a callable
+    that does the averaging instead (the paradigm's :meth:`LocalSGD.average`, with its --average-via, its all-reduce
+    and its counts); by default :func:`average_weights` with the ring."""
+    if step % sync_every:
+        return False
+    if average is None:
+        average_weights(comm, flat)
+    else:
+        average()
+    return True
+
+
 @register
 class LocalSGD(DataParallel):
     name = "local-sgd"
@@ -102,22 +128,16 @@ class LocalSGD(DataParallel):
         self.optimizer.step()
         self.steps += 1
         self.local_steps += 1
-        if self.local_steps == self.config.sync_every:
-            self.average()
+        if local_sgd_step(self.grad_comm, self.model.flat_params, self.local_steps, self.config.sync_every,
+                          self.average):  # fmt: skip
             if collectives.debug_enabled():
                 self.check_replicas(f"after the average at step {self.steps}")
         return loss
 
     def average(self) -> None:
-        """Replace every rank's weights by their average over the ranks."""
-        flat = self.model.flat_params
-        if self.config.average_via == "master":  # gathered and summed on rank 0, sent back from there
-            collectives.reduce(self.grad_comm, flat, root=0, op="sum", algorithm="naive")
-            if self.rank == 0:
-                flat *= 1.0 / self.world
-            collectives.broadcast(self.grad_comm, flat, root=0, algorithm="naive")
-        else:
-            collectives.allreduce(self.grad_comm, flat, "avg", self.average_algorithm, topology=self.topology)
+        """Replace every rank's weights by their average over the ranks (:func:`average_weights`)."""
+        average_weights(self.grad_comm, self.model.flat_params, self.config.average_via, self.average_algorithm,
+                        self.topology)  # fmt: skip
         self.local_steps = 0
         self.averages += 1
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.checks.collectives import Recorder, rank_values
+from dtrain.exercises.checks.collectives import Recorder, rank_values, unchanged
 from dtrain.exercises.grading import MPI, Exercise
 from dtrain.parallel import gossip
 
 EXERCISES = (
+    Exercise("5.1", "local SGD's averaging step", "local_sgd.py", "local_sgd_step",
+             ("comm", "flat", "step", "sync_every"), "dtrain.parallel.local_sgd:local_sgd_step",
+             "dtrain.exercises.checks.decentralized:local_sgd_step", (1, 2, 3, 4, 5), MPI,
+             "if step % sync_every == 0: all-reduce flat (the sum over ranks, e.g. "
+             "dtrain.collectives.allreduce(comm, flat, 'sum', 'ring')), divide by p, return True; else send nothing "
+             "and return False"),
     Exercise("6.1", "one gossip round", "gossip.py", "gossip_step", ("comm", "flat", "neighbours"),
              "dtrain.parallel.gossip:gossip_step", "dtrain.exercises.checks.decentralized:gossip_step",
              (2, 3, 4, 5, 6, 8), MPI,
@@ -79,3 +85,50 @@ def applied(grade, used: np.ndarray, w: np.ndarray) -> None:
                f" and its columns to {np.round(columns, 4).tolist()}; rows must sum to 1 (a weighted average) and "
                f"columns too (the mean over ranks stays put). Each rank gives 1/(d + 1) to itself and to each of "
                f"its d neighbours. Applied: {words}")  # fmt: skip
+
+
+def local_update(rank: int, step: int, n: int) -> np.ndarray:
+    """What rank ``rank``'s own optimizer step ``step`` adds to its weights in the check (different on every rank)."""
+    return (rank + 1) * step + np.arange(n) % 5 - 2.0
+
+
+def local_sgd_step(fn, comm, grade) -> None:
+    """Several runs of local steps (rank-specific updates to ``flat``), each followed by ``fn(comm, flat, step,
+    sync_every)``: at steps with step % sync_every == 0 every rank's ``flat`` must become the mean over ranks and fn
+    return True; at the others ``flat`` must stay as it is, fn return False, and nothing be sent."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    n, number = 23, 0
+    for sync_every in (1, 3, 4):
+        weights = np.stack([rank_values(q, n) for q in range(p)])  # every rank's flat, as the check expects it
+        flat = weights[r].copy()
+        for step in range(1, 2 * sync_every + 2):
+            number += 1
+            weights += np.stack([local_update(q, step, n) for q in range(p)])
+            flat += local_update(r, step, n)
+            due = step % sync_every == 0
+            with grade.step(number, f"{p} ranks, sync_every {sync_every}, after local step {step} (rank-specific "
+                            "weights)"):  # fmt: skip
+                before = flat.copy()
+                returned = fn(comm, flat, step, sync_every)
+                if due:
+                    weights[:] = weights.mean(axis=0)
+                    what = f"flat after step {step} (a multiple of sync_every: the mean over ranks)"
+                else:
+                    what = f"flat after step {step} (not a multiple of sync_every: unchanged)"
+                if not grade.same(flat, weights[r], what):
+                    explain(grade, flat, before, weights[r], p, due)
+                grade.equal(returned, due, f"what local_sgd_step returned after step {step}")
+                if not due:
+                    grade.traffic(0, 0, "a local step (no average)")
+            flat[...] = weights[r]  # (after a failure, go on from what it should have been)
+
+
+def explain(grade, flat, before, mean, p: int, due: bool) -> None:
+    """A note that names the likely mistake: the sum instead of the mean, an average on the wrong step, none."""
+    if due and np.allclose(flat, p * mean):
+        grade.note(f"flat holds the sum over ranks, not the mean: divide by p = {p}")
+    elif due:
+        unchanged(grade, flat, before, "flat")
+    elif np.allclose(flat, mean) or not np.array_equal(flat, before):
+        grade.note("flat changed on a step that is not a multiple of sync_every: average only when "
+                   "step % sync_every == 0 (step counts from 1)")  # fmt: skip
