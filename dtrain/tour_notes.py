@@ -70,7 +70,8 @@ def _ddp_hier(s, m, c) -> str:
 
 def _central(s, m, c) -> str:
     held = s["state_bytes"] or s["predicted_state_bytes"]
-    return f"{c.curve(s)}; rank 0 alone keeps optimizer state and steps (the others hold {_x(min(held), held[0])} its)"
+    others = _x(min(held), held[0])
+    return f"{c.curve(s)}; rank 0 alone keeps the optimizer state and steps; the others hold {others} its bytes"
 
 
 def _ps_sync(s, m, c) -> str:
