@@ -32,6 +32,12 @@ Things to try:
     flight: how much do they still save?
   * --accumulate 4 in section 3: stages 2 and 3 reduce-scatter after every micro-batch; count the bytes;
   * dtrain launch -n 4 -m dtrain train --paradigm zero --zero-stage 3 --trace z.json, then https://ui.perfetto.dev.
+
+Exercises (write it yourself; `dtrain exercises init ex` once copies the stubs into ex/):
+  9.1  the ZeRO step: reduce-scatter the gradient (the average), step the optimizer on your chunk only, all-gather
+       the weights:   dtrain exercises check 9.1 --path ex
+Checked against one SGD step with the average gradient in one process, and against the bytes of a reduce-scatter
+and an all-gather, on simulated ranks and under mpiexec.
 """
 
 import itertools
@@ -342,4 +348,5 @@ if rank == 0:
     results["timing"] = timing
     results["largest_model_billions"] = largest_model
 
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 conclude(args.json, results, checks)

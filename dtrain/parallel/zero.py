@@ -54,11 +54,10 @@ in stage 3; dtrain counts them (the paper's own table, in dtrain's terms: :func:
 accumulation (a micro-batches), stages 2 and 3 communicate on every micro-batch (their full gradients are gone after
 each backward), stage 1 once per step, as DeepSpeed does.
 
-**Measured, not assumed.** A ledger (:class:`~dtrain.parallel.zero_shards.Ledger`, in zero_shards.py with the other
-bookkeeping: which chunk of each layer a rank owns) counts what this rank holds, by kind, as it allocates and frees
-(an accounting of the arrays this module holds, not the process's RSS); its peaks and the tracer's bytes are held
-against :meth:`Zero.costs` in tests/test_zero.py. The whole model exists once on every rank while it is built, from
-the seed (FSDP without a meta device does the same); stage 3 keeps only its chunks of it.
+**Measured, not assumed.** A ledger (:class:`~dtrain.parallel.zero_shards.Ledger`, beside the other bookkeeping)
+counts the arrays this module holds, by kind, as it allocates and frees (not the process's RSS); its peaks and the
+tracer's bytes are held against :meth:`Zero.costs` in tests/test_zero.py. The whole model exists on every rank while
+it is built from the seed (as in FSDP without a meta device); stage 3 keeps only its chunks.
 
 **Checkpoints** gather the chunks into the flat parameter and optimizer buffers every paradigm writes, so any stage,
 any N, ``ddp`` or ``single`` can resume them.
@@ -75,12 +74,11 @@ from dtrain import collectives, kernels
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
-from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
-from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, costs_per_rank, units_of
+from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, collective_pair, costs_per_rank, units_of
 from dtrain.parallel.zero_shards import paper_formula as paper_formula  # (where the lesson and tests look for it)
 
 STAGES = (1, 2, 3)
@@ -88,7 +86,17 @@ ZERO_STAGE = Flag("zero_stage", None, "shard the optimizer state (1), and the gr
                   "the default, as FSDP)", type=int, choices=STAGES,
                   not_a_choice="is not a ZeRO stage: choose 1, 2 or 3")  # fmt: skip
 DEFAULT_STAGE = 3  # full sharding, FSDP's default
-PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
+
+
+def zero_step(comm, params, grads, optimizer_step, pair=("ring", "ring")) -> None:
+    """After backward, one layer's ZeRO update: reduce-scatter ``grads`` (the average over the ranks) so that rank r
+    holds chunk r of it (``chunk_bounds``), ``optimizer_step()`` (this rank's optimizer, over its chunk of ``params``
+    and ``grads``), all-gather ``params``: every rank has the new weights. ``pair``: the two collectives' algorithms."""
+    with labelled(comm, f"zero/reduce-scatter/{pair[0]}"):
+        collectives.reduce_scatter(comm, grads, "avg", pair[0])
+    optimizer_step()
+    with labelled(comm, f"zero/allgather-params/{pair[1]}"):
+        collectives.allgather(comm, params, pair[1])
 
 
 class ShardedLinear(Module):
@@ -141,19 +149,8 @@ class Zero(Paradigm):
 
     @staticmethod
     def pair(config, world: int) -> tuple[str, str]:
-        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names. "auto": halving and doubling on a
-        power-of-two N (log2 N steps each where the ring takes N - 1, for the same bytes), else the ring."""
-        name = config.allreduce
-        if name == "auto":
-            name = "rabenseifner" if world > 1 and not world & (world - 1) else "ring"
-        if name not in PAIRS:
-            raise ConfigError(
-                f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto, ring or "
-                "rabenseifner (recursive halving, then recursive doubling)"
-            )
-        if name == "rabenseifner" and world & (world - 1):
-            raise ConfigError(f"--allreduce rabenseifner needs a power-of-two number of ranks, not {world}: use ring")
-        return PAIRS[name]
+        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names (:func:`collective_pair`)."""
+        return collective_pair(config.allreduce, world)
 
     def __init__(self, comm, config):
         super().__init__(comm, config)
@@ -199,7 +196,7 @@ class Zero(Paradigm):
 
     # --- the collectives, labelled for the tracer ---------------------------------------------------------
     def reduce_scatter(self, grad):
-        """Average ``grad`` (one layer's, or the whole buffer's in stage 1) over the ranks; this rank's chunk."""
+        """Average ``grad`` (one layer's, in backward: stages 2 and 3) over the ranks; this rank's chunk."""
         with labelled(self.comm, f"zero/reduce-scatter/{self.rs_algorithm}"):
             return collectives.reduce_scatter(self.comm, grad, "avg", self.rs_algorithm)
 
@@ -228,11 +225,13 @@ class Zero(Paradigm):
         """Forward and backward (stages 2 and 3 reduce-scatter each layer's gradient inside backward, as it is made;
         stage 3 gathers each layer's weights as it is needed), then each rank updates its own chunk of each layer."""
         loss = self.gradients(x, y)
-        if self.stage == 1:  # full gradients: each layer's reduce-scattered now, last first, as backward made them
-            for unit in reversed(self.units):
-                self.reduce_scatter(self.model.flat_grads[unit.whole])
+        if self.stage == 1:  # full gradients: each layer's ZeRO update, last first, as backward made them
+            for unit, part in reversed(list(zip(self.units, self.optimizer.parts))):
+                flat = self.model.flat_params[unit.whole], self.model.flat_grads[unit.whole]
+                zero_step(self.comm, *flat, part.step, (self.rs_algorithm, self.ag_algorithm))
+            return loss
         self.optimizer.step()
-        if self.stage < 3:  # the replicas take every rank's updated chunk
+        if self.stage == 2:  # the replicas take every rank's updated chunk
             for unit in self.units:
                 self.allgather(self.model.flat_params[unit.whole], f"zero/allgather-params/{self.ag_algorithm}")
         return loss

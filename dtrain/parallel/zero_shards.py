@@ -20,10 +20,12 @@ import itertools
 import numpy as np
 
 from dtrain.collectives import chunk_bounds, costmodel
+from dtrain.errors import ConfigError
 from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
 
 KINDS = ("parameters", "gradients", "optimizer")
+PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,22 @@ class UnitOptimizers:
     def step(self) -> None:
         for part in self.parts:
             part.step()
+
+
+def collective_pair(name: str, world: int) -> tuple[str, str]:
+    """The (reduce-scatter, all-gather) algorithms that ``--allreduce name`` picks on ``world`` ranks. "auto": halving
+    and doubling on a power-of-two N (log2 N steps each where the ring takes N - 1, for the same bytes), else the
+    ring."""
+    if name == "auto":
+        name = "rabenseifner" if world > 1 and not world & (world - 1) else "ring"
+    if name not in PAIRS:
+        raise ConfigError(
+            f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto, ring or "
+            "rabenseifner (recursive halving, then recursive doubling)"
+        )
+    if name == "rabenseifner" and world & (world - 1):
+        raise ConfigError(f"--allreduce rabenseifner needs a power-of-two number of ranks, not {world}: use ring")
+    return PAIRS[name]
 
 
 # --- the cost as code ----------------------------------------------------------------------------------------------
