@@ -9,8 +9,11 @@ failure can say who sent to whom.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from dtrain.collectives import hierarchical
 from dtrain.comm.wrapper import CommWrapper, forward
 from dtrain.exercises.grading import MPI, RINGS, Exercise
 
@@ -33,6 +36,11 @@ EXERCISES = (
              (1, 2, 3, 4, 5, 6, 7, 8), MPI,
              "p' = the largest power of two <= p, r = p - p'; ranks < 2r fold (odd sends to even - 1, which adds); "
              "the p' left exchange whole buffers with v XOR 1, 2, 4, ...; then each even rank < 2r sends back"),
+    Exercise("2.5", "hierarchical all-reduce", "hierarchical.py", "hierarchical_allreduce", ("topology", "buf"),
+             "dtrain.collectives.hierarchical:allreduce", "dtrain.exercises.checks.collectives:hierarchical_allreduce",
+             (1, 2, 3, 4, 5, 6, 8), MPI,
+             "tree.reduce(topology.node, buf, 0); if topology.leaders is not None: ring.allreduce(topology.leaders, "
+             "buf); tree.broadcast(topology.node, buf, 0)  (from dtrain.collectives import ring, tree)"),
 )  # fmt: skip
 DTYPES = (np.float64, np.float32)
 
@@ -55,14 +63,14 @@ def unchanged(grade, buf, before, what: str) -> None:
                    "(buf[a:b] += ..., comm.Recv(buf[a:b], ...)), not returned as a new array")  # fmt: skip
 
 
-def summed(call, comm, grade, lengths):
-    """One step per dtype and length: rank r's own values in ``buf``, ``call(buf)``, then ``buf`` must hold the sum
-    over all ranks. Yields ``buf`` inside each step, for the caller's traffic comparisons."""
+def summed(call, comm, grade, lengths, first: int = 1, about: str = ""):
+    """One step per dtype and length (numbered from ``first``): rank r's own values in ``buf``, ``call(buf)``, then
+    ``buf`` must hold the sum over all ranks. Yields ``buf`` inside each step, for the caller's traffic comparisons."""
     p, r = comm.Get_size(), comm.Get_rank()
-    for step, (dtype, n) in enumerate([(dtype, n) for dtype in DTYPES for n in lengths], 1):
+    for step, (dtype, n) in enumerate([(dtype, n) for dtype in DTYPES for n in lengths], first):
         buf = rank_values(r, n, dtype)
-        with grade.step(step, f"{p} ranks, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, 100 r + 2, "
-                        "..."):  # fmt: skip
+        with grade.step(step, f"{p} ranks{about}, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, 100 r "
+                        "+ 2, ..."):  # fmt: skip
             call(buf)
             if not grade.same(buf, sum(rank_values(q, n, dtype) for q in range(p)), "buf after the call (the sum "
                               "over all ranks)"):  # fmt: skip
@@ -229,3 +237,64 @@ def doubling_allreduce(fn, comm, grade) -> None:
             grade.note(f"p = {p} is not a power of two: the first {2 * (p - p2)} ranks fold first (odd rank q sends "
                        f"its buffer to q - 1, which adds it and stands in for both), the {p2} ranks left run recursive "
                        "doubling under new numbers, and the folded ranks get the result back at the end")  # fmt: skip
+
+
+def hierarchical_allreduce(fn, comm, grade) -> None:
+    """``fn(topology, buf)`` leaves the sum over all ranks in every rank's ``buf`` (nodes of k = 2 and 3 ranks,
+    emulated, the last one possibly smaller), and the traffic per level is the algorithm's: across nodes only the m
+    leaders send, 2 (m - 1) n elements in all (a ring among them); inside a node of s ranks 2 (s - 1) n elements (a
+    tree reduce, then a tree broadcast). Every message is placed by the world ranks of its two ends."""
+    first = 1
+    for k in (2, 3):
+        first = in_nodes(fn, comm, grade, k, first)
+
+
+def world_rank(level: str, dest: int, rank: int, k: int) -> int:
+    """The world rank of ``dest``, a rank of this rank's communicator ``level`` (nodes of k consecutive ranks)."""
+    node, local = divmod(rank, k)
+    return {"comm": dest, "node": node * k + dest, "leaders": dest * k, "cross": dest * k + local}[level]
+
+
+def in_nodes(fn, comm, grade, k: int, first: int) -> int:
+    """The steps of :func:`hierarchical_allreduce` with nodes of k ranks, numbered from ``first``; returns the next
+    step's number."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    topo = hierarchical.topology(comm, ranks_per_node=k)
+    node = r // k
+    subs = {"comm": comm, "node": topo.node, "leaders": topo.leaders, "cross": topo.cross}
+    recorders = {level: Recorder(sub) for level, sub in subs.items() if sub is not None}
+    theirs = dataclasses.replace(topo, **{**recorders, "leaders": recorders.get("leaders")})
+    lengths = (1, 10, 1000)
+    about = f" in {-(-p // k)} node(s) of {k} (node = rank // {k}; leaders: local rank 0)"
+    for buf in summed(lambda buf: fn(theirs, buf), comm, grade, lengths, first, about):
+        sent = [
+            (world_rank(level, dest, r, k), nbytes) for level, rec in recorders.items() for dest, nbytes in rec.take()
+        ]
+        inter = sum(nbytes for dest, nbytes in sent if dest // k != node)
+        everyone = comm.allgather((inter, sum(nbytes for _, nbytes in sent) - inter))
+        if r == 0:
+            level_traffic(grade, everyone, k, buf.nbytes)
+    topo.free()
+    return first + len(DTYPES) * len(lengths)
+
+
+def level_traffic(grade, everyone, k: int, n: int) -> None:
+    """The bytes each rank sent to other nodes and within its node (``everyone[rank]``), against the hierarchical
+    all-reduce's: between nodes only from the m leaders, 2 (m - 1) n in all; within a node of s ranks 2 (s - 1) n."""
+    p = len(everyone)
+    nodes = -(-p // k)
+    crossing = [q for q in range(p) if q % k and everyone[q][0]]
+    between = sum(inter for inter, _ in everyone)
+    if crossing:
+        grade.fail(f"ranks {crossing} sent bytes to other nodes ({[everyone[q][0] for q in crossing]}) but are not "
+                   "leaders: only the leaders (local rank 0) may use the links between nodes")  # fmt: skip
+    elif between != 2 * (nodes - 1) * n:
+        grade.fail(f"the leaders sent {between} bytes between nodes; a ring all-reduce among the {nodes} leaders sends "
+                   f"2 (m - 1) n = {2 * (nodes - 1) * n}")  # fmt: skip
+    for node in range(nodes):
+        members = range(node * k, min(p, node * k + k))
+        within, size = sum(everyone[q][1] for q in members), len(members)
+        if within != 2 * (size - 1) * n:
+            grade.fail(f"the {size} ranks of node {node} sent {within} bytes to each other; a tree reduce to the "
+                       f"leader and a tree broadcast from it send 2 (s - 1) n = {2 * (size - 1) * n}")  # fmt: skip
+            break
