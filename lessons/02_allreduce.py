@@ -31,6 +31,15 @@ Things to try:
   * --size-mib 0.001 against --size-mib 16: which algorithm wins when, and which one "auto" picks;
   * --trace trace.json, then open https://ui.perfetto.dev and drag the file in: one row per rank, each all-reduce
     as a span with every Send/Recv inside it, and its peer and bytes in the details.
+
+Exercises (write the algorithms yourself; `dtrain exercises init ex` once copies the stubs into ex/):
+  2.1  ring all-reduce, ring_allreduce(comm, buf) in ex/ring.py:     dtrain exercises check 2.1 --path ex
+  2.2  binomial-tree broadcast, tree_broadcast(comm, buf, root):      dtrain exercises check 2.2 --path ex
+  2.3  binomial-tree reduce, tree_reduce(comm, buf, root) (tree.py):  dtrain exercises check 2.3 --path ex
+  2.4  recursive doubling with the fold for any p (doubling.py):      dtrain exercises check 2.4 --path ex
+  2.5  hierarchical all-reduce, hierarchical_allreduce(topology, buf): dtrain exercises check 2.5 --path ex
+Each check runs on simulated ranks, then under mpiexec -n 2, 3, 4, and counts who sent what to whom. A ring that
+passes trains the MLP: dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce ex/ring.py:ring_allreduce
 """
 
 import argparse
@@ -216,6 +225,7 @@ if rank == 0:
             " drag the file in (one row per rank; click a Send/Recv to see its peer and bytes)"
         )
 
+    print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     results_ok = mpi_agrees_with_numpy and all(r["ok"] for r in ran)
     bytes_ok = all(r["sent"] == r["formula"] for r in ran)
     print(f"\nMPI_Allreduce agrees with NumPy's sum: {'yes' if mpi_agrees_with_numpy else 'NO'}")

@@ -28,6 +28,12 @@ Things to try:
   * --sync-every 1,16,64,1000: how far can H go on the digits before accuracy suffers? (1000: one average, at the end);
   * --batch-size 48: 29 steps per epoch, so H = 4, 8, 16 no longer divide the steps: count the averages;
   * dtrain train --paradigm local-sgd --sync-every 8 --average-via master: see metrics.json's per-rank bytes.
+
+Exercises (`dtrain exercises init ex` once copies the stubs into ex/):
+  5.1  local SGD's averaging step, local_sgd_step(comm, flat, step, sync_every) in ex/local_sgd.py: average the
+       weights over the ranks every sync_every-th local step, send nothing otherwise:
+       dtrain exercises check 5.1 --path ex
+It is checked on simulated ranks and under mpiexec against the mean over ranks, step by step.
 """
 
 import argparse
@@ -393,4 +399,5 @@ if rank == 0:
     results["accuracy"] = accuracy
     results["h8_difference_points"] = accuracy["H=8"]["difference"] if 8 in HS else None
 
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 conclude(args.json, results, checks)

@@ -29,6 +29,12 @@ Things to try:
     an exact average: gossip on it is local SGD with H = 1, i.e. ddp, at twice the bytes of a ring all-reduce (p = 4);
   * --batch-size 24: four times the steps, so four times the rounds of mixing per epoch (and the bytes);
   * dtrain train --paradigm gossip --topology ring --out run: metrics.json's consensus_distance and spectral_gap.
+
+Exercises (`dtrain exercises init ex` once copies the stubs into ex/):
+  6.1  one gossip round, gossip_step(comm, flat, neighbours) in ex/gossip.py: exchange the weights with each
+       neighbour and keep 1/(d + 1) of each:   dtrain exercises check 6.1 --path ex
+It is checked against the mixing matrix applied to all ranks' weights (ring, torus, exponential graph, random
+pairings), the mean over ranks kept, and messages only to neighbours.
 """
 
 import argparse
@@ -396,4 +402,5 @@ results["bytes"] = sent
 checks.ok("bytes and messages per rank: degree x n and degree per step, as the tracer counted and costs() says;"
           " the final all-reduce is one average", bytes_ok)  # fmt: skip
 
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 conclude(args.json, results, checks)
