@@ -38,8 +38,16 @@ from dtrain.exercises.grading import Exercise
 
 # The subjects, in the course's order: each is a module of checks/ that lists its exercises (``EXERCISES``) beside
 # the checks that grade them.
-SUBJECTS = ("autograd", "collectives", "data_parallel", "parameter_server", "decentralized", "tensor_parallel",
-            "pipeline", "zero")
+SUBJECTS = (
+    "autograd",
+    "collectives",
+    "data_parallel",
+    "parameter_server",
+    "decentralized",
+    "tensor_parallel",
+    "pipeline",
+    "zero",
+)
 
 
 @functools.cache
