@@ -67,9 +67,10 @@ def status_of(exercise, folder: Path, progress: dict) -> str:
 def show_list(folder) -> int:
     folder = Path(folder)
     progress = read_progress(folder)
-    print(f"{'exercise':9s} {'lesson script':32s} {'file:function':38s} status")
+    width = max(len(e.file) + len(e.function) + 1 for e in exercises.catalogue())
+    print(f"{'exercise':9s} {'lesson script':32s} {'file:function':{width}s} status")
     for e in exercises.catalogue():
-        print(f"{e.id:9s} {e.lesson_script:32s} {e.file + ':' + e.function:38s} {status_of(e, folder, progress)}"
+        print(f"{e.id:9s} {e.lesson_script:32s} {e.file + ':' + e.function:{width}s} {status_of(e, folder, progress)}"
               f"  ({e.title})")  # fmt: skip
     return 0
 
