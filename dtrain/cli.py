@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 
@@ -156,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
         "rank, and fail-fast on errors. TARGET is a script path or -m module.",
     )
     launch.add_argument("-n", "--ranks", type=int, required=True)
+    where = launch.add_mutually_exclusive_group()
+    where.add_argument(
+        "--hostfile", metavar="FILE", help="place the ranks on the machines FILE lists (node1:4, or node1 slots=4)"
+    )
+    where.add_argument("--hosts", metavar="A,B:SLOTS", help="place the ranks on these machines (a,b:2,c:4)")
+    launch.add_argument(
+        "--oversubscribe", action="store_true", help="allow more ranks than the hosts' slots (several ranks a slot)"
+    )
+    launch.add_argument(
+        "--dry-run", action="store_true", help="print the mpiexec command and the environment it adds; start nothing"
+    )
     launch.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT")
     # argparse's REMAINDER cannot begin with an option, so "-m MODULE" is an option of its own.
     launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
@@ -288,6 +300,7 @@ def _train(args) -> int:
 
 
 def _launch(args) -> int:
+    from dtrain.comm import hosts as hostlists
     from dtrain.comm import launcher, watchdog
 
     target = args.target[1:] if args.target[:1] == ["--"] else args.target  # "launch -n 2 -- -c CODE"
@@ -297,12 +310,26 @@ def _launch(args) -> int:
         raise UserError(f"-n must be >= 1, got {args.ranks}")
     if not target:
         raise UserError("nothing to launch: give a script path or -m module after -n N")
+    if args.oversubscribe and not (args.hostfile or args.hosts):
+        raise UserError("--oversubscribe needs --hostfile or --hosts: on this machine alone every -n is allowed")
+    hosts = None
+    if args.hostfile:
+        hosts = hostlists.parse_hostfile(args.hostfile)
+    elif args.hosts:
+        hosts = hostlists.parse_hosts(args.hosts)
     env = dict(os.environ)
     if args.timeout is not None:
         env[watchdog.ENV_VAR] = f"{args.timeout:g}"
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
-    return launcher.launch(args.ranks, target, env=env).returncode
+    if args.dry_run:
+        cmd = launcher.mpiexec_command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe)
+        added = launcher.launch_env(launcher.ranks_per_host(args.ranks, hosts), env)
+        print(" ".join(shlex.quote(word) for word in cmd))
+        for name in sorted(set(added) - set(os.environ)):
+            print(f"  {name}={added[name]}")
+        return 0
+    return launcher.launch(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=env).returncode
 
 
 def _exercises(args) -> int:

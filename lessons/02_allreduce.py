@@ -116,8 +116,14 @@ mpi.print0(
     f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), "
     f"median of {args.repeats} run(s), time = slowest rank"
 )
+# The cost model numbers the ranks of K-rank nodes node * K + local rank. On real nodes of equal size a rank is priced
+# at that place, wherever mpiexec put it (a hostfile fills each machine in turn; --oversubscribe deals ranks round).
+real, place = list(nodes.node_sizes), rank
 if K is None:
-    mpi.print0("hierarchical: real nodes (one machine is one node); try --ranks-per-node K to emulate nodes")
+    mpi.print0(f"hierarchical: the real nodes, as MPI reports them (Split_type): sizes {real}"
+               + ("; try --ranks-per-node K to emulate nodes" if len(real) == 1 else ""))  # fmt: skip
+    if nodes.equal and len(real) > 1:
+        K, place = real[0], nodes.cross.Get_rank() * real[0] + nodes.node.Get_rank()
 else:
     mpi.print0(f"hierarchical: emulated nodes of {K} ranks, sizes {list(hierarchical.node_sizes(p, K))}")
 
@@ -153,7 +159,7 @@ for alg in algorithms:
         allreduce(tcomm, buf, algorithm=alg, topology=traced_nodes)
     ok = ok and correct()
     sent = tracer.summary()["operations"][label]["bytes_sent"]
-    formula = costmodel.bytes_sent(name, count, 4, p, rank, K)
+    formula = costmodel.bytes_sent(name, count, 4, p, place if name.startswith("hierarchical") else rank, K)
     trace_events += tracer.events
 
     sent_by_rank = comm.gather((sent, formula), root=0)

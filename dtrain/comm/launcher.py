@@ -34,7 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-from dtrain.comm import usable_cores
+from dtrain.comm import flavours, usable_cores
+from dtrain.comm.flavours import Flavour, Mpich
+from dtrain.comm.hosts import Host, check_fits
 from dtrain.errors import UserError
 
 # One thread per rank for every threaded library a rank may load: BLAS (OpenBLAS, MKL), OpenMP, Numba.
@@ -71,25 +73,33 @@ def mpiexec_path() -> Path:
     )
 
 
-def launch_env(nranks: int, base: dict | None = None) -> dict:
+def launch_env(nranks: int, base: dict | None = None, flavour: Flavour | None = None) -> dict:
     """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed.
 
-    Values already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
+    ``flavour`` says how the MPI spells the yielding wait (by default: that of :func:`mpiexec_path`'s MPI). Values
+    already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
     """
     env = dict(os.environ if base is None else base)
     for name in THREAD_VARIABLES:
         env.setdefault(name, "1")
     if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
-        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+        for name, value in (flavour or _flavour()).yield_env().items():
+            env.setdefault(name, value)
     return env
 
 
-def mpiexec_command(nranks: int, target: list[str], cwd=None) -> list[str]:
+def mpiexec_command(
+    nranks: int, target: list[str], cwd=None, hosts: list[Host] | None = None, oversubscribe: bool = False
+) -> list[str]:
     """The command line that runs ``target`` (a script and its args, or ``-m module ...``) on ``nranks`` ranks.
 
     The target runs under ``python -m dtrain.comm.run`` (:mod:`dtrain.comm.run`), so a failure on any rank ends the
     whole job, said once. A script that does not exist is refused here, in one line, before mpiexec starts N Pythons
     to say so N times (``cwd``: the folder the ranks start in, where a relative path is looked up).
+
+    ``hosts`` (:mod:`dtrain.comm.hosts`) places the ranks on those machines, at most their slots unless
+    ``oversubscribe``; without it every rank runs here, as many as asked. The flags are spelled for the MPI this
+    ``mpiexec`` belongs to (:mod:`dtrain.comm.flavours`).
     """
     if nranks < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {nranks}")
@@ -100,18 +110,62 @@ def mpiexec_command(nranks: int, target: list[str], cwd=None) -> list[str]:
     if not script.startswith("-") and not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise UserError(f"{script} {what}: give a Python script, or -m MODULE to run a module")
-    return [str(mpiexec_path()), "-n", str(nranks), sys.executable, "-m", "dtrain.comm.run", *target]
+    if hosts is not None:
+        check_fits(nranks, hosts, oversubscribe, "the hosts given")
+    mpiexec = mpiexec_path()
+    flavour = flavours.detect(mpiexec)
+    placement = []
+    if hosts is not None:
+        placement += flavour.hosts_args(hosts)
+    if hosts is None or oversubscribe:  # one machine: as many ranks as asked, as MPICH's hydra always allows
+        placement += flavour.oversubscribe_args()
+    if flavour.root_args() and flavours.running_as_root():
+        placement += flavour.root_args()
+        _say_once(f"dtrain launch: running as root, so {flavour.name} is given {' '.join(flavour.root_args())}")
+    return [str(mpiexec), "-n", str(nranks), *placement, sys.executable, "-m", "dtrain.comm.run", *target]
 
 
-def launch(nranks: int, target: list[str], timeout: float | None = None, capture: bool = False, **kwargs):
-    """Run ``target`` on ``nranks`` ranks and return the ``subprocess.CompletedProcess``.
+def _flavour() -> Flavour:
+    try:
+        return flavours.detect(mpiexec_path())
+    except FileNotFoundError:  # no mpiexec at all: whoever launches will say so; the environment is MPICH's
+        return Mpich("MPICH")
+
+
+def ranks_per_host(nranks: int, hosts: list[Host] | None) -> int:
+    """The most ranks any one machine gets: all of them without hosts; hosts fill their slots in order, then wrap."""
+    if hosts is None:
+        return nranks
+    placed = [0] * len(hosts)
+    left = nranks
+    while left > 0:
+        for i, host in enumerate(hosts):
+            take = min(max(host.slots, 1), left)
+            placed[i] += take
+            left -= take
+            if left == 0:
+                break
+    return max(placed)
+
+
+def launch(
+    nranks: int,
+    target: list[str],
+    timeout: float | None = None,
+    capture: bool = False,
+    hosts: list[Host] | None = None,
+    oversubscribe: bool = False,
+    **kwargs,
+):
+    """Run ``target`` on ``nranks`` ranks (on ``hosts``, see :func:`mpiexec_command`) and return the
+    ``subprocess.CompletedProcess``.
 
     ``timeout`` (seconds) kills the whole job if it has not finished, so a bug is a failure, not a hang. SIGINT,
     SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`,
     which carries what the job wrote (``output``, ``stderr``) when ``capture`` is on.
     """
-    cmd = mpiexec_command(nranks, target, kwargs.get("cwd"))
-    env = launch_env(nranks, kwargs.pop("env", None))
+    cmd = mpiexec_command(nranks, target, kwargs.get("cwd"), hosts, oversubscribe)
+    env = launch_env(ranks_per_host(nranks, hosts), kwargs.pop("env", None), flavours.detect(Path(cmd[0])))
     pipe = subprocess.PIPE if capture else None
     with Job(cmd, env=env, stdout=pipe, stderr=pipe, text=True, **kwargs) as job:
         try:
@@ -208,6 +262,15 @@ class Job:
         if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
             self._known.update(_tree(self.process.pid))
         return any(_running(pid, started) for pid, started in self._known.items())
+
+
+_said: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        _say(text)
 
 
 def _say(text: str) -> None:
