@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     if mpi.launched_size() > 1:  # a rank of a job: first set up how a failure ends the job (before any mistake)
         mpi.install_excepthook()
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_module_args_are_the_targets(sys.argv[1:] if argv is None else argv))
         if args.command == "train":
             return _train(args)
         if args.command == "launch":
@@ -297,6 +297,15 @@ def _train(args) -> int:
     if config.trace:
         mpi.print0(f"trace written to {config.trace} (open it at https://ui.perfetto.dev)", comm=comm)
     return 0
+
+
+def _module_args_are_the_targets(argv: list[str]) -> list[str]:
+    """``dtrain launch -n 3 -m dtrain.comm.where --json f``: what follows ``-m MODULE`` is the module's, as with
+    ``python -m``, even where it looks like an option of ``launch`` (argparse would take ``--json`` as launch's)."""
+    if argv[:1] != ["launch"] or "-m" not in argv or "--" in argv[: argv.index("-m")]:
+        return argv
+    module = argv.index("-m") + 2
+    return [*argv[:module], "--", *argv[module:]] if argv[module : module + 1] != ["--"] else argv
 
 
 def _launch(args) -> int:

