@@ -82,12 +82,12 @@ def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expect
     (tmp_path / file).write_text(bug.read_text())
     assert checker.check(exercise_id, tmp_path, mpi=False) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and expected in out, out
+    assert ("FAIL" in out or "DEADLOCK" in out) and expected in out, out  # (lesson 10's bugs hang)
 
 
 def test_every_subject_has_a_planted_bug():
     lessons_with_bugs = {exercises.get(p.values[1]).lesson for p in planted_bugs()}
-    assert lessons_with_bugs >= {1, 2, 3, 8}  # grows with the subjects
+    assert lessons_with_bugs >= {1, 2, 3, 8, 10}  # grows with the subjects
 
 
 def test_init_never_overwrites(tmp_path, capsys):

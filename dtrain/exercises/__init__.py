@@ -47,6 +47,7 @@ SUBJECTS = (
     "tensor_parallel",
     "pipeline",
     "zero",
+    "debugging",
 )
 
 

@@ -59,11 +59,15 @@ def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
             return raised(exercise, exc, path, None)
         return outcome("pass")
 
+    grades = {}  # rank -> its Grade, which knows the step in progress (for a deadlock's report)
+
     def rank_main(comm):
         traced = TracedComm(comm, Tracer(comm.Get_rank(), keep_events=False))
-        check(fn, traced, Grade(traced))
+        grades[comm.Get_rank()] = grade = Grade(traced)
+        check(fn, traced, grade)
 
     for p in sizes:
+        grades.clear()
         try:
             sim.SimWorld(p, timeout=SIM_TIMEOUT_S).run(rank_main)
         except sim.SimRankError as failed:
@@ -71,10 +75,19 @@ def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
                 return outcome("fail", failed.exception.describe(), ranks=p)
             return {**raised(exercise, failed.exception, path, failed.rank), "ranks": p}
         except sim.SimDeadlock as deadlock:
-            return outcome("deadlock", str(deadlock), ranks=p)
+            return outcome("deadlock", during(grades) + str(deadlock), ranks=p)
         except sim.SimTimeout as timeout:
-            return outcome("timeout", str(timeout), ranks=p)
+            return outcome("timeout", during(grades) + str(timeout), ranks=p)
     return outcome("pass")
+
+
+def during(grades: dict) -> str:
+    """``"in step 3 (what it does): "``, the step rank 0 was in when the run stopped ("" before the first step)."""
+    grade = grades.get(0)
+    number, about = grade.current if grade is not None else (None, "")
+    if number is None:
+        return ""
+    return f"in step {number}" + (f" ({about})" if about else "") + ": "
 
 
 def run_mpi(exercise, path: Path, folder: Path) -> None:

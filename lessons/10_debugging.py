@@ -1,0 +1,482 @@
+"""Lesson 10: finding a hang, and reading a run. What goes wrong in distributed programs, and how to find it.
+
+A program on one process fails with a traceback at the line that is wrong. A program on p ranks has failures of its
+own: the ranks disagree about which collective comes next, or with which buffer; two ranks each wait for the other;
+one rank stalls or crashes while the others wait for it forever; or nothing fails, and one slow rank sets everyone's
+pace. The symptom is rarely where the bug is, and most often it is silence: the job stops printing and never ends.
+This lesson makes each of these happen on purpose, shows what you would see, and what turns it into a diagnosis:
+
+    python lessons/10_debugging.py                 # every part, each broken program a job of 4 ranks of its own
+    python lessons/10_debugging.py --ranks 3       # the jobs on 3 ranks
+    dtrain launch -n 4 --timeout 5 lessons/10_debugging.py --part stall   # one broken program, as you would meet it
+
+It runs with python, not under dtrain launch: its broken programs must fail, so each one runs as a job of its own
+(dtrain.comm.launcher.launch, with a time limit), and the lesson prints what the job printed and checks that the
+message to look for is there. `--part NAME` runs one of them on the ranks you start yourself (the names: --help).
+
+What you will see:
+  1. a mismatched collective, three ways. Rank 1's buffer one element longer: MPI's "Message truncated", raised on
+     rank 2, the rank that noticed, not on rank 1, the rank that is wrong. Rank 1 calling broadcast while the others
+     all-reduce: rank 1 finishes with a wrong buffer and the others hang until the watchdog ends the job. Rank 1's
+     buffer in float32, as many bytes as the others' float64: no error at all, and a wrong answer on every rank.
+     Then the same three programs with DTRAIN_DEBUG=1: before any byte moves, the ranks compare their calls, and
+     every rank raises the same report, which says what differs and where each rank made its call;
+  2. a deadlock on the simulator (dtrain.comm.sim): two ranks that both Recv first; two that both Send first, which
+     works for small messages and deadlocks for large ones (the bug that survives small tests); Sendrecv, which
+     cannot deadlock. The simulator sees every rank, so its report is exact and immediate: what each rank waits for;
+  3. a stalled rank caught by the watchdog (DTRAIN_TIMEOUT=S): its report names the rank that waited, the
+     operation and its call number, the rank it waits for and the line it waits at. A report names a neighbour,
+     which may itself be waiting: following the chain, with each rank's last line of output, leads to the rank that
+     stalled;
+  4. an exception on one rank. With Python's own handler: a traceback from rank 1, then the others wait for it
+     forever (here the watchdog ends it). Under dtrain's runner (what dtrain launch runs): one traceback, naming the
+     rank, and the whole job ends at once. An error every rank meets alike (a bad checkpoint) is said once;
+  5. reading a run: training with a straggler (--slow-rank 2), its Chrome trace (--trace), and code that reads the
+     trace and names the slow rank from the time each rank spent inside the all-reduces (communicating, and waiting
+     for the others) and outside them (computing); then how to see the same at https://ui.perfetto.dev.
+
+Every part checks that the message it tells you to look for really appeared, and prints an OK line; the last line
+says whether all passed (the exit status is non-zero if not). Timings are printed, never checked.
+
+Things to try:
+  * DTRAIN_DEBUG=1 dtrain launch -n 4 lessons/10_debugging.py --part mismatch-size: the report instead of the
+    truncation; then --part mismatch-dtype without DTRAIN_DEBUG: nothing fails, look at the answers;
+  * dtrain launch -n 4 --timeout 3 lessons/10_debugging.py --part stall: count the reports (several ranks may report
+    before the job ends) and follow the chain yourself;
+  * --slow-factor 1.5: how small a straggler does the trace still find? And `dtrain train --paradigm ps-async
+    --slow-rank 1 --trace t.json` on 4 ranks: an asynchronous server waits for no one; whose bars are long now?
+  * notebooks/10_debugging.ipynb does parts 1 to 5 on simulated ranks, where every wait can be seen.
+
+Exercises (find the bug in a given program; `dtrain exercises init ex` once copies them into ex/):
+  10.1  ex/allgather.py: a ring all-gather that passes small tests and hangs on large buffers. Delete the raise
+        line, run the check, read the simulator's report, fix it:   dtrain exercises check 10.1 --path ex
+  10.2  ex/average.py: averaging through rank 0 (local SGD's --average-via master), right on rank 0 and wrong on
+        every other rank:                                            dtrain exercises check 10.2 --path ex
+Each is checked on simulated ranks (a deadlock is the simulator's report) and under mpiexec -n 2, 3, 4 (a hang is
+the watchdog's), against dtrain's own collectives.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from dtrain import collectives
+from dtrain.comm import launcher, mpi, sim
+
+HERE = Path(__file__).resolve()
+STALLED, SLOW = 2, 2  # the rank that stalls in part 3, the straggler of part 5
+WATCHDOG_S = 2.0  # DTRAIN_TIMEOUT of the jobs that hang: the watchdog ends them after this long
+JOB_LIMIT_S = 120.0  # and the launcher kills any job still running after this long (none should be)
+
+
+# ---------------------------------------------------------------------------------------- the broken programs
+# Each runs on every rank of a job of its own: `dtrain launch -n 4 lessons/10_debugging.py --part NAME`.
+
+
+def log(text: str) -> None:
+    """One line of this rank's output, in one write: mpiexec merges every rank's output into one stream, and a line
+    written in two pieces (print writes the text and the newline apart when PYTHONUNBUFFERED is set) can be cut in
+    two by another rank's line."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def mismatch_size(comm, rank, p):
+    """Rank 1's gradient buffer has one element more than the others' (its model was built with other widths)."""
+    grads = np.ones(1000 + (rank == 1))
+    collectives.allreduce(comm, grads, algorithm="ring")
+    log(f"rank {rank}: done, grads[0] = {grads[0]:g} (expected {p})")
+
+
+def mismatch_collective(comm, rank, p):
+    """Rank 1 takes a branch the others do not, and broadcasts while they all-reduce."""
+    grads = np.ones(1000)
+    if rank == 1:
+        collectives.broadcast(comm, grads, root=0)
+    else:
+        collectives.allreduce(comm, grads, algorithm="ring")
+    log(f"rank {rank}: done, grads[0] = {grads[0]:g} (expected {p})")
+
+
+def mismatch_dtype(comm, rank, p):
+    """Rank 1 holds its gradients in float32: twice as many elements as the others' float64, as many bytes."""
+    grads = np.ones(2000, dtype=np.float32) if rank == 1 else np.ones(1000)
+    collectives.allreduce(comm, grads, algorithm="ring")
+    log(f"rank {rank}: done, grads[0] = {grads[0]:g} (expected {p})")
+
+
+def stall(comm, rank, p):
+    """Three training steps, each ending with an all-reduce; at step 3 rank 2 never arrives (a slow disk, a lock,
+    an endless loop: it is not in any communication call)."""
+    grads = np.ones(1000)
+    for step in (1, 2, 3):
+        if rank == STALLED and step == 3:
+            log(f"rank {rank}: step {step}: reading the next batch")
+            time.sleep(3600)
+        log(f"rank {rank}: step {step}: in the all-reduce")
+        collectives.allreduce(comm, grads, op="avg", algorithm="ring")
+
+
+def raise_one(comm, rank, p):
+    """Rank 1 finds its slice of the batch empty and raises; the others go on to the all-reduce and wait for it."""
+    grads = np.ones(1000)
+    if rank == 1:
+        raise ValueError("rank 1's slice of the batch is empty")
+    collectives.allreduce(comm, grads, algorithm="ring")
+
+
+def raise_one_bare(comm, rank, p):
+    """raise_one with Python's own handler of uncaught exceptions (what a plain `mpiexec python script.py` has)."""
+    sys.excepthook = sys.__excepthook__  # undo what dtrain's runner installed (dtrain.comm.mpi.install_excepthook)
+    raise_one(comm, rank, p)
+
+
+def raise_everywhere(comm, rank, p):
+    """Every rank reads the same checkpoint and meets the same error."""
+    raise ValueError("the checkpoint holds 1,000 parameters and the model 1,001: was it written by another model?")
+
+
+PARTS = {
+    "mismatch-size": mismatch_size,
+    "mismatch-collective": mismatch_collective,
+    "mismatch-dtype": mismatch_dtype,
+    "stall": stall,
+    "raise-one": raise_one,
+    "raise-one-bare": raise_one_bare,
+    "raise-everywhere": raise_everywhere,
+}
+
+parser = argparse.ArgumentParser(description="Lesson 10: finding a hang, and reading a run (run it with python)")
+parser.add_argument("--ranks", type=int, default=4, help="ranks of each job the lesson starts (default %(default)s)")
+parser.add_argument("--slow-factor", type=float, default=5.0,
+                    help=f"part 5: rank {SLOW} takes F times its compute time (default %(default)s)")  # fmt: skip
+parser.add_argument("--out", default="runs/lesson10", help="part 5's trace and metrics go here (default %(default)s)")
+parser.add_argument("--json", metavar="PATH", help="write every part's outcome and every check to this file")
+parser.add_argument("--part", choices=PARTS, help="run this broken program on the ranks of this job, and nothing else")
+args = parser.parse_args()
+
+# ------------------------------------------------------------------------------------ one part, on a job's ranks
+if args.part is not None:
+    mpi.install_excepthook()  # (dtrain launch's runner has done so already; a plain mpiexec has not)
+    world = mpi.world()
+    PARTS[args.part](world, world.Get_rank(), world.Get_size())
+    raise SystemExit(0)
+
+if mpi.launched_size() > 1:
+    mpi.refuse_arguments("lesson 10 starts jobs of its own, some of which fail on purpose: run it with `python "
+                         "lessons/10_debugging.py`; `--part NAME` runs one of its broken programs on these "
+                         "ranks")  # fmt: skip
+P = args.ranks
+if P < 3 or args.slow_factor < 1:
+    raise SystemExit(f"--ranks must be >= 3 (rank {STALLED} stalls in part 3), --slow-factor >= 1")
+
+# ------------------------------------------------------------------------------------------- the lesson itself
+verdicts, outcomes = {}, {}
+
+
+def ok(claim: str, flag: bool) -> bool:
+    """A claim the lesson checks, printed as an OK line (and kept for --json)."""
+    verdicts[claim] = verdicts.get(claim, True) and bool(flag)
+    print(f"   OK: {claim}: {'yes' if flag else 'NO'}", flush=True)
+    return bool(flag)
+
+
+def say(text: str) -> None:
+    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "), flush=True)
+
+
+def job(part: str, debug: bool = False, watchdog_s: float = 0.0):
+    """Run ``--part part`` on P ranks as a job of its own (DTRAIN_DEBUG and DTRAIN_TIMEOUT as given); return the
+    exit status, what it printed (stdout, stderr) and its seconds."""
+    env = {**os.environ, "DTRAIN_DEBUG": "1" if debug else "0", "DTRAIN_TIMEOUT": f"{watchdog_s:g}"}
+    started = time.perf_counter()
+    try:
+        done = launcher.launch(P, [str(HERE), "--part", part], timeout=JOB_LIMIT_S, capture=True, env=env)
+        status, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:  # (nothing here should hang: that is what this lesson is about)
+        status, out, err = "killed", exc.output or "", exc.stderr or ""
+    seconds = time.perf_counter() - started
+    outcomes[part + (" DTRAIN_DEBUG=1" if debug else "")] = {"status": status, "seconds": round(seconds, 2),
+                                                             "stdout": out, "stderr": err}  # fmt: skip
+    env_said = ("DTRAIN_DEBUG=1 " if debug else "") + (f"DTRAIN_TIMEOUT={watchdog_s:g} " if watchdog_s else "")
+    print(f"\n   $ {env_said}dtrain launch -n {P} lessons/10_debugging.py --part {part}"
+          f"      (exit status {status}, {seconds:.1f} s)")  # fmt: skip
+    return status, out, err
+
+
+def show(text: str, keep=None, head: int = 3, tail: int = 4) -> None:
+    """Print what a job printed, indented; long output shortened to its first and last lines (``keep``: only the
+    lines that contain one of these, in order)."""
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    if keep is not None:
+        lines = [line for line in lines if any(k in line for k in keep)]
+    if len(lines) > head + tail + 1:
+        lines = [*lines[:head], f"... ({len(lines) - head - tail} more lines)", *lines[len(lines) - tail :]]
+    for line in lines:
+        print("   | " + (line if len(line) <= 220 else line[:217] + "..."))
+
+
+def last_lines(out: str) -> dict[int, str]:
+    """Each rank's last line of output (the part programs start theirs with "rank R:")."""
+    last = {}
+    for line in out.splitlines():
+        found = re.match(r"rank (\d+): ", line)
+        if found:
+            last[int(found.group(1))] = line
+    return last
+
+
+WAITS = re.compile(r"dtrain watchdog: rank (\d+) waits for rank (\d+)")
+
+print(f"Lesson 10: finding a hang, and reading a run. Jobs of {P} ranks, started by this process.")
+
+# --------------------------------------------------------------------------------------- 1. mismatched collective
+print("\n1. A mismatched collective: the ranks do not all make the same call (rank 1 differs)")
+say("Every rank must make the same collective calls, in the same order, with buffers of the same size and dtype. "
+    "Nothing checks that unless you ask: each rank only sends and receives its own messages. What happens when "
+    "rank 1 differs depends on how it differs.")  # fmt: skip
+
+status, out, err = job("mismatch-size")
+show(err, head=2, tail=3)
+ok("a buffer one element longer on rank 1: MPI's truncation error, raised on rank 2 (the rank that received the "
+   "longer chunk), and the job ends", "uncaught exception (rank 2), ending the job" in err
+   and "message truncated" in err.lower() and status != 0)  # fmt: skip
+say(
+    "The traceback is rank 2's, and rank 2's code is right: in the ring, rank 1 sent its longer chunk 0 to rank 2, "
+    "whose receive buffer had room for the others' length. An error names the rank that noticed."
+)
+
+status, out, err = job("mismatch-collective", watchdog_s=WATCHDOG_S)
+show(out)
+show(err, keep=("dtrain watchdog: rank",), head=3, tail=0)
+reports = WAITS.findall(err)
+ok("rank 1 broadcasting while the others all-reduce: rank 1 finishes, with a wrong buffer",
+   re.search(r"rank 1: done, grads\[0\] = (?!" + str(P) + r" )", out) is not None)  # fmt: skip
+ok(
+    f"the others hang until the watchdog ends the job after DTRAIN_TIMEOUT={WATCHDOG_S:g} s (exit status 14), "
+    "its report naming whom it waits for",
+    "dtrain watchdog: rank" in err and bool(reports) and status == 14,
+)
+
+status, out, err = job("mismatch-dtype")
+show(out)
+answers = [float(v) for v in re.findall(r"rank [02-9]\d*: done, grads\[0\] = (\S+)", out)]
+ok("rank 1's buffer in float32 (as many bytes): no error, exit status 0, and a wrong answer on the other ranks",
+   status == 0 and len(answers) == P - 1 and all(a != P for a in answers))  # fmt: skip
+say(
+    "The worst of the three: nothing failed. MPI moves bytes; rank 1's float32 bytes were added as float64 (and "
+    "the others' float64 bytes as float32 on rank 1), so every rank holds a wrong sum "
+    f"({answers[0] if answers else '?'} instead of {P}), and training would go on from it."
+)
+
+say(
+    "Now the same three programs with DTRAIN_DEBUG=1. Every collective first gathers each rank's call (collective, "
+    "algorithm, op, count, dtype, root, call number) and compares: a mismatch raises the same "
+    "CollectiveMismatchError on every rank, before anything is sent, and dtrain's runner says it once."
+)
+for part, differing in (("mismatch-size", "count"), ("mismatch-collective", "collective, algorithm, op, root"),
+                        ("mismatch-dtype", "count, dtype")):  # fmt: skip
+    status, out, err = job(part, debug=True)
+    show(err, keep=("uncaught exception", "CollectiveMismatchError", "  rank ", "differing"), head=7, tail=0)
+    ok(f"{part} with DTRAIN_DEBUG=1: one report on every rank, 'differing: {differing}', each rank's call and "
+       "where it was made", "uncaught exception on every rank, ending the job" in err
+       and "the ranks are not making the same collective call" in err and f"differing: {differing}\n" in err
+       and "10_debugging.py:" in err and "dtrain watchdog" not in err and status == 1)  # fmt: skip
+say(
+    "Each line names a rank's call and the line of the program that made it (10_debugging.py:NN in the function), "
+    "so the report points at rank 1's branch. The price is one small object all-gather per collective, which is "
+    "why it is off by default: switch it on when a job hangs or a loss goes strange, and leave it on in tests."
+)
+
+# --------------------------------------------------------------------------------- 2. a deadlock on the simulator
+print("\n2. A deadlock on the simulator: every rank waits for a message no rank will send")
+say(
+    "On real ranks a deadlock is silence. The simulator (dtrain.comm.sim) runs the ranks as threads of this process "
+    "and sees every one of them: when the last running rank blocks and no blocked rank can ever be woken, it stops "
+    "the run at once and says what each rank waits for. No timer is involved, so it is exact."
+)
+
+
+def both_receive_first(comm):
+    other = 1 - comm.Get_rank()
+    theirs = np.empty(4)
+    comm.Recv(theirs, source=other)  # each rank waits for the other's message ...
+    comm.Send(np.full(4, comm.Get_rank(), dtype=float), dest=other)  # ... which comes after its own receive
+
+
+def both_send_first(comm, n):
+    other = 1 - comm.Get_rank()
+    theirs = np.empty(n)
+    comm.Send(np.full(n, comm.Get_rank(), dtype=float), dest=other)  # a large message waits for its receive
+    comm.Recv(theirs, source=other)
+    return float(theirs[0])
+
+
+def send_and_receive(comm, n):
+    other = 1 - comm.Get_rank()
+    theirs = np.empty(n)
+    comm.Sendrecv(np.full(n, comm.Get_rank(), dtype=float), dest=other, recvbuf=theirs, source=other)
+    return float(theirs[0])
+
+
+reports = {}
+for name, run in (("both Recv first", lambda: sim.run(2, both_receive_first)),
+                  ("both Send first, 100 float64 (800 bytes)", lambda: sim.run(2, both_send_first, 100)),
+                  ("both Send first, 100,000 float64 (800 KB)", lambda: sim.run(2, both_send_first, 100_000)),
+                  ("Sendrecv, 100,000 float64", lambda: sim.run(2, send_and_receive, 100_000))):  # fmt: skip
+    try:
+        print(f"\n   {name}: every rank got {run()}")
+        reports[name] = None
+    except sim.SimDeadlock as deadlock:
+        print(f"\n   {name}: sim.SimDeadlock")
+        show(str(deadlock), head=8, tail=0)
+        reports[name] = str(deadlock)
+recv_first = reports["both Recv first"] or ""
+ok("both ranks Recv first: the simulator's report says each waits in Recv for the other",
+   "deadlock: every unfinished rank is blocked" in recv_first and "rank 0: Recv(source=1" in recv_first
+   and "rank 1: Recv(source=0" in recv_first)  # fmt: skip
+big = reports["both Send first, 100,000 float64 (800 KB)"] or ""
+ok(f"both Send first: fine with 800 bytes, a deadlock with 800 KB (above the eager limit, "
+   f"{sim.DEFAULT_EAGER_LIMIT // 1024} KiB here), each rank waiting in Send for a matching receive",
+   reports["both Send first, 100 float64 (800 bytes)"] is None and "rendezvous: waiting for a matching receive" in big
+   and "messages waiting for a receive" in big)  # fmt: skip
+ok("Sendrecv never deadlocks: it sends and receives at once", reports["Sendrecv, 100,000 float64"] is None)
+say(
+    "MPI sends a small message at once ('eager') and returns, but holds a large one until the receiver has posted "
+    "its receive ('rendezvous'): two ranks that both Send a large buffer first wait for each other forever. With the "
+    "small buffers of a unit test the same code works, which is how the bug reaches production. Sendrecv, or "
+    "Irecv + Isend + wait, cannot deadlock this way. Exercise 10.1 is such a bug."
+)
+
+# ------------------------------------------------------------------------------------- 3. a stalled rank, watched
+print(f"\n3. A stalled rank: rank {STALLED} never reaches step 3's all-reduce; the watchdog ends the job")
+status, out, err = job("stall", watchdog_s=WATCHDOG_S)
+show(err, keep=("dtrain watchdog: rank",), head=3 * (P - 1), tail=0)
+reports = {int(a): int(b) for a, b in WAITS.findall(err)}
+last = last_lines(out)
+print("   each rank's last line of output:")
+for r in sorted(last):
+    print(f"   | {last[r]}")
+ok(f"the watchdog reports after DTRAIN_TIMEOUT={WATCHDOG_S:g} s: which rank waited how long in what (allreduce/ring, "
+   "call #3), whom it waits for, and where", status == 14 and "has waited" in err and "in allreduce/ring (call #3)"
+   in err and "is at dtrain/collectives/ring.py" in err and bool(reports))  # fmt: skip
+ok(
+    "every report names the rank's left neighbour, the rank a ring receives from",
+    all(b == (a - 1) % P for a, b in reports.items()),
+)
+# Follow the chain: a rank whose last line says it is in the all-reduce waits for its left neighbour too.
+chain = [min(reports)] if reports else []
+while chain and len(chain) <= P and "in the all-reduce" in last.get(chain[-1], ""):
+    chain.append(reports.get(chain[-1], (chain[-1] - 1) % P))
+print("   the chain: " + " waits for ".join(f"rank {r}" for r in chain)
+      + ", whose last line says it is not in the all-reduce at all")  # fmt: skip
+ok(f"following the reports and the last lines leads to rank {STALLED}, which never reported (it is not waiting)",
+   bool(chain) and chain[-1] == STALLED and STALLED not in reports)  # fmt: skip
+say(
+    "A report names the rank this rank waits for, and that rank may be waiting too: in a ring a stall travels "
+    "round, every rank waiting for its left neighbour. Follow the chain until a rank is not in the collective: its "
+    "last output, its own traceback or its call number says why. (Several ranks may report before the job ends; "
+    "which ones is a race. The rank that stalled never does.) In dtrain train the watchdog is on with 300 s "
+    "(--timeout S); in your own scripts DTRAIN_TIMEOUT=S or dtrain launch --timeout S turns it on."
+)
+
+# -------------------------------------------------------------------------------------- 4. an exception on a rank
+print("\n4. An exception on one rank")
+status, out, err = job("raise-one-bare", watchdog_s=WATCHDOG_S)
+show(err, keep=("Traceback", "Error", "dtrain watchdog: rank"), head=4, tail=0)
+ok("with Python's own handler: rank 1's traceback, then the others wait in the all-reduce until the watchdog ends "
+   "the job", "ValueError: rank 1's slice of the batch is empty" in err and "in allreduce/ring (call #1)" in err
+   and "uncaught exception" not in err and status == 14)  # fmt: skip
+status, out, err = job("raise-one")
+show(err, head=6, tail=0)
+ok(
+    "under dtrain's runner: one traceback, naming rank 1, and the job ends with its status (1)",
+    "uncaught exception (rank 1), ending the job:" in err and err.count("Traceback") == 1 and status == 1,
+)
+status, out, err = job("raise-everywhere")
+show(err, head=6, tail=0)
+ok("an error every rank meets alike: said once, 'on every rank'", status == 1
+   and "uncaught exception on every rank, ending the job:" in err and err.count("Traceback") == 1)  # fmt: skip
+say(
+    "A rank that raises leaves the others waiting for its messages: with Python's own handler a job hangs after "
+    "one traceback (a bare `mpiexec python script.py` does that; so does MPICH until killed). dtrain launch runs "
+    "every rank under `python -m dtrain.comm.run`, whose handler asks the other ranks whether they are failing too "
+    "(for up to 2 s): if all are, rank 0 says it once and every rank exits with the status; if not, this rank "
+    "says it, naming itself, and calls MPI_Abort, which ends every rank."
+)
+
+# -------------------------------------------------------------------------------------------- 5. reading a run
+print(f"\n5. Reading a run: which rank is slow? ddp on {P} ranks, rank {SLOW} {args.slow_factor:g}x its compute time")
+out_dir = Path(args.out)
+out_dir.mkdir(parents=True, exist_ok=True)
+trace_path, metrics_dir = out_dir / "trace.json", out_dir / "straggler"
+command = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "1", "--slow-rank", str(SLOW),
+           "--slow-factor", f"{args.slow_factor:g}", "--trace", str(trace_path), "--out", str(metrics_dir),
+           "--quiet", "--no-progress"]  # fmt: skip
+print(f"   $ dtrain launch -n {P} {' '.join(command)}")
+started = time.perf_counter()
+done = launcher.launch(P, command, timeout=JOB_LIMIT_S, capture=True)
+print(f"   (exit status {done.returncode}, {time.perf_counter() - started:.1f} s)")
+if done.returncode != 0:
+    show(done.stderr)
+    raise SystemExit(f"the training run failed (exit status {done.returncode})")
+
+
+def time_per_rank(path) -> dict[int, dict]:
+    """Read a Chrome trace (dtrain train --trace): for each rank, its all-reduces (the operation spans named
+    allreduce/...), the seconds inside them (sending, receiving, and waiting for the other ranks) and the seconds
+    between its first and its last that it spent outside them (computing)."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    spans = defaultdict(list)  # rank (the trace's "pid") -> (start, duration) of each all-reduce, in microseconds
+    for event in events:
+        if event["ph"] == "X" and event.get("cat") == "operation" and event["name"].startswith("allreduce/"):
+            spans[event["pid"]].append((event["ts"], event["dur"]))
+    ranks = {}
+    for rank, mine in sorted(spans.items()):
+        inside = sum(duration for _, duration in mine)
+        between = max(start + duration for start, duration in mine) - min(start for start, _ in mine)
+        ranks[rank] = {"allreduces": len(mine), "inside_s": inside / 1e6, "outside_s": (between - inside) / 1e6}
+    return ranks
+
+
+ranks = time_per_rank(trace_path)
+print(f"\n   from the trace ({trace_path}):")
+print(f"   {'rank':>4s} {'all-reduces':>12s} {'inside them, s':>15s} {'outside them, s':>16s}")
+for r, row in ranks.items():
+    print(f"   {r:4d} {row['allreduces']:12d} {row['inside_s']:15.3f} {row['outside_s']:16.3f}")
+slowest = max(ranks, key=lambda r: ranks[r]["outside_s"])
+waits_least = min(ranks, key=lambda r: ranks[r]["inside_s"])
+print(f"   the slow rank: rank {slowest}: it spends the most time outside the all-reduces, and the least inside them")
+ok(
+    f"the trace names rank {SLOW} as the slow rank (most time computing, least time in the all-reduces)",
+    slowest == SLOW and waits_least == SLOW,
+)
+metrics = json.loads((metrics_dir / "metrics.json").read_text())
+computing = [mine["compute_time_s"] for mine in metrics["communication"]["per_rank"]]
+print("   metrics.json's compute_time_s per rank: " + ", ".join(f"{c:.3f}" for c in computing))
+ok("metrics.json agrees (compute_time_s largest on that rank)", int(np.argmax(computing)) == SLOW)
+say(f"In a synchronous step nobody finishes before the slowest rank: the others reach the all-reduce early and wait "
+    f"inside it for rank {SLOW}, so their time inside the all-reduces grows by what rank {SLOW} adds outside them. "
+    "A slow rank is the one that waits least. To see it, open https://ui.perfetto.dev, 'Open trace file', and pick "
+    f"{trace_path}: one row per rank, each all-reduce a bar with its messages inside. The other ranks' all-reduce "
+    f"bars are long, rank {SLOW}'s short; select a stretch of a row (drag across it) and the table below sums the "
+    "time per name on that rank.")  # fmt: skip
+
+# ------------------------------------------------------------------------------------------------------- the end
+print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
+if args.json:
+    Path(args.json).write_text(json.dumps({"parts": outcomes, "straggler": ranks, "checks": verdicts}, indent=1))
+    print(f"\nmeasurements written to {args.json}")
+passed = all(verdicts.values())
+print(f"\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
+if not passed:
+    raise SystemExit(1)
