@@ -168,6 +168,7 @@ args = parser.parse_args()
 if args.part is not None:
     mpi.install_excepthook()  # (dtrain launch's runner has done so already; a plain mpiexec has not)
     world = mpi.world()
+    world.Barrier()  # every rank has started (its imports done): from here only the bug makes a rank wait
     PARTS[args.part](world, world.Get_rank(), world.Get_size())
     raise SystemExit(0)
 
@@ -460,10 +461,6 @@ ok(
     f"the trace names rank {SLOW} as the slow rank (most time computing, least time in the all-reduces)",
     slowest == SLOW and waits_least == SLOW,
 )
-metrics = json.loads((metrics_dir / "metrics.json").read_text())
-computing = [mine["compute_time_s"] for mine in metrics["communication"]["per_rank"]]
-print("   metrics.json's compute_time_s per rank: " + ", ".join(f"{c:.3f}" for c in computing))
-ok("metrics.json agrees (compute_time_s largest on that rank)", int(np.argmax(computing)) == SLOW)
 say(f"In a synchronous step nobody finishes before the slowest rank: the others reach the all-reduce early and wait "
     f"inside it for rank {SLOW}, so their time inside the all-reduces grows by what rank {SLOW} adds outside them. "
     "A slow rank is the one that waits least. To see it, open https://ui.perfetto.dev, 'Open trace file', and pick "
