@@ -231,10 +231,11 @@ def train(config: TrainConfig, comm=None) -> dict:
         "costs": kind.costs(sizes, world, config),
     }
     mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time,
-            "setup": {k: setup[k] for k in ("bytes_sent", "messages_sent")}}  # fmt: skip
+            "setup": {k: setup[k] for k in ("bytes_sent", "messages_sent", "time_s")}}  # fmt: skip
     totals = mine["totals"]
-    # time in communication operations, their waits included (a server's reply, a slower rank); not evaluation's
-    outside = sum(mine["operations"].get(label, {}).get("time_s", 0.0) for label in NOT_TRAINING)
+    # time in communication operations, their waits included (a server's reply, a slower rank); not evaluation's, and
+    # not the build's (ddp's first broadcast waits for every rank to start: on a busy machine, longer than training)
+    outside = setup["time_s"] + sum(mine["operations"].get(label, {}).get("time_s", 0.0) for label in NOT_TRAINING)
     mine["comm_time_s"] = totals["time_s"] - outside
     mine["compute_time_s"] = max(0.0, train_time - mine["comm_time_s"])
     metrics["communication"] = {

@@ -47,6 +47,8 @@ def test_metrics_carry_each_ranks_communication_and_timing():
         assert mine["operations"]["allreduce/ring"]["bytes_sent"] == steps * costs["sent_per_step"][rank]
         assert mine["paradigm"]["allreduce"] == "ring" and 0 <= mine["paradigm"]["overlap_fraction"] <= 1
         assert mine["comm_time_s"] > 0 and mine["compute_time_s"] > 0
+        # training's communication is within training's time: the build's broadcast (setup) is not in it
+        assert mine["setup"]["time_s"] > 0 and mine["comm_time_s"] <= mine["train_time_s"]
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
