@@ -37,6 +37,16 @@ def test_open_mpi_local_size_is_read_too(monkeypatch):
     assert dc.ranks_on_this_node() == 6
 
 
+@pytest.mark.parametrize(("tasks", "node", "expected"), [("4", "0", 4), ("4(x2),3", "1", 4), ("4(x2),3", "2", 3),
+                                                         ("4(x2),3", "7", 1), ("garbled(", "0", 1)])  # fmt: skip
+def test_slurm_srun_tasks_per_node_are_read_too(monkeypatch, tasks, node, expected):
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", tasks)
+    monkeypatch.setenv("SLURM_NODEID", node)
+    assert dc.ranks_on_this_node() == expected
+
+
 @pytest.mark.parametrize("mode", ["block", "poll"])
 def test_the_environment_overrides_the_wait_mode(monkeypatch, fresh_wait_mode, mode):
     monkeypatch.setenv("DTRAIN_WAIT", mode)

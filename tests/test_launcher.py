@@ -221,3 +221,26 @@ def test_a_missing_script_is_one_line_before_anything_starts(tmp_path):
     assert result.stderr.splitlines() == [
         "dtrain: error: nowhere.py does not exist: give a Python script, or -m MODULE to run a module"
     ], result.stderr
+
+
+ABORTS = """
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+comm.Allreduce(MPI.IN_PLACE, np.ones(1 << 18))  # through the ranks' shared-memory segment
+comm.Barrier()
+comm.Abort(3)
+"""
+
+
+def test_an_aborted_job_leaves_no_shared_memory_behind(tmp_path):
+    """MPICH's ranks remove their /dev/shm segment when they end normally; after an Abort the launcher does."""
+    shm = launcher.SHARED_MEMORY
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm here")
+    before = set(shm.glob("mpich_shm_*"))
+    script = tmp_path / "aborts.py"
+    script.write_text(ABORTS)
+    result = launcher.launch(2, [str(script)], timeout=60, capture=True)
+    assert result.returncode != 0, result
+    assert set(shm.glob("mpich_shm_*")) <= before, "an aborted job's segment was left in /dev/shm"

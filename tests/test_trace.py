@@ -180,7 +180,7 @@ def test_summary_json_round_trip_and_reset():
 
 
 def test_gather_and_chrome_trace(tmp_path):
-    path = tmp_path / "trace.json"
+    path = tmp_path / "not-yet" / "trace.json"  # a folder that does not exist yet: made, as --out's is
 
     def program(comm):
         tcomm = TracedComm(comm)

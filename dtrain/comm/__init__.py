@@ -115,12 +115,28 @@ def sendrecv(comm, sendbuf, dest, recvbuf, source) -> None:
 def ranks_on_this_node() -> int:
     """How many ranks of this job share this machine, as the process manager told us (1 outside ``mpiexec``).
 
-    MPICH's Hydra sets ``MPI_LOCALNRANKS``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``: no communication needed.
+    MPICH's Hydra sets ``MPI_LOCALNRANKS``, Open MPI ``OMPI_COMM_WORLD_LOCAL_SIZE``, and Slurm's ``srun`` the tasks of
+    every node of the step (``SLURM_STEP_TASKS_PER_NODE``, e.g. ``4(x2),3``) and this node's index: no communication.
     """
     for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
+    per_node = slurm_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = os.environ.get("SLURM_STEP_NODEID", os.environ.get("SLURM_NODEID", "0"))
+    if per_node and node.isdigit() and int(node) < len(per_node):
+        return per_node[int(node)]
     return 1
+
+
+def slurm_tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed list of tasks per node, expanded: ``"4(x2),3"`` -> ``[4, 4, 3]`` (``[]`` if unreadable)."""
+    counts = []
+    for part in filter(None, text.split(",")):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            return []
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
 
 
 def usable_cores() -> int:

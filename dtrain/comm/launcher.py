@@ -196,8 +196,10 @@ class Job:
         self._hurry = False
         self._previous = {}
         self.received: int | None = None  # the signal that interrupted the job, if one did
+        self._started = time.time()
 
     def __enter__(self):
+        self._started = time.time()
         if threading.current_thread() is threading.main_thread():  # (Python lets only the main thread catch signals)
             for signum in FORWARDED:  # before mpiexec starts: no moment when a signal finds the job unguarded
                 if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -218,6 +220,8 @@ class Job:
         finally:
             self._restore()
             self.process.__exit__(*exc_info)
+            if self.process.returncode != 0:  # killed or aborted: its ranks never removed their shared memory
+                _free_shared_memory(self._started)
 
     def _interrupted(self, signum, frame):
         self.received = signum
@@ -339,6 +343,36 @@ def _signal(pid: int, started: int, signum: int) -> None:
         try:
             os.kill(pid, signum)
         except OSError:  # it ended in between
+            pass
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _free_shared_memory(since: float) -> None:
+    """Remove the shared-memory segments (``/dev/shm/mpich_shm_*``, ~3 MB each) that MPICH's ranks made since
+    ``since`` and that no process maps any more.
+
+    The ranks on a machine share one segment; the last to attach removes its name, so a job that ends normally leaves
+    nothing. A job killed or aborted before that leaves it, in memory, until the machine restarts: a test suite that
+    aborts jobs on purpose left 2.3 GB here in a day. A segment another job still uses is mapped by its ranks
+    (``/proc/PID/maps`` names it), so it is kept.
+    """
+    try:
+        mine = [(path, path.stat()) for path in SHARED_MEMORY.glob("mpich_shm_*")]
+        made = {path for path, stat in mine if stat.st_ctime >= since - 1 and stat.st_uid == os.getuid()}
+    except OSError:  # no /dev/shm (not Linux), or a segment removed while we looked
+        return
+    for maps in Path("/proc").glob("[0-9]*/maps") if made else ():
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        made = {path for path in made if str(path) not in text}
+    for path in made:
+        try:
+            path.unlink()
+        except OSError:  # removed in between
             pass
 
 
