@@ -32,9 +32,10 @@ cleaning up (killed, as nbclient kills a kernel whose cell timed out), in a watc
 start sessions of their own, so no signal to the kernel's process group reaches them, but the watcher holds a pipe
 from the kernel and kills them all once that pipe closes.
 
-Starting 4 engines on the 2-core machine this was written on took 5 to 10 seconds, depending on what else ran (the
-controller starts its schedulers, the engines import ipyparallel and mpi4py and then wait for the controller's
-heartbeat, which :data:`HEARTBEAT_MS` makes every second instead of every three); stopping took 1 to 3.
+Starting 4 engines on the 2-core machine this was written on took 4.4 to 5.3 s when it was idle, up to 10 s when it
+was busy (the controller starts its schedulers; the engines import ipyparallel and mpi4py, then wait for the
+controller's heartbeat, which :data:`HEARTBEAT_MS` makes every second instead of every three, and they start no nanny
+process: with ipyparallel's defaults, 7 to 10 s idle). Stopping took about 1 s idle, up to 3 s busy.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ TIMEOUT_S = 60.0  # for the engines to register: far above the 5-10 s they take 
 HEARTBEAT_MS = 1000  # an engine is registered at the hub's first heartbeat after it connects (ipyparallel: 3000)
 ENGINE_ARGS = ["--IPEngine.enable_nanny=False"]  # no nanny process per engine: a rank stuck in MPI ignores signals
 
-_running: dict = {}  # cluster id -> (cluster, client, watcher, processes seen): what stop() and atexit must end
+_running: dict = {}  # cluster id -> [cluster, client, watcher, processes seen, time.time() at start]: what to end
 
 
 class LiveUnavailable(RuntimeError):
@@ -102,12 +103,12 @@ def start(n: int = 4, timeout: float = TIMEOUT_S):
     cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
     cluster.config.MPIEngineSetLauncher.mpi_args = flags
     cluster.config.MPIEngineSetLauncher.environment = env
-    _running[cluster.cluster_id] = [cluster, None, None, {}]
+    _running[cluster.cluster_id] = [cluster, None, None, {}, time.time()]
     deadline = time.monotonic() + timeout
     try:
         cluster.start_controller_sync()
         cluster.start_engines_sync(n)
-        _running[cluster.cluster_id][2] = _watcher(profile, _roots(cluster))
+        _running[cluster.cluster_id][2] = _watcher(profile, _running[cluster.cluster_id][4], _roots(cluster))
         client = _running[cluster.cluster_id][1] = cluster.connect_client_sync()
         _wait_for_engines(cluster, client, n, timeout, deadline)
         _note_processes(cluster)
@@ -129,7 +130,7 @@ def stop(cluster) -> float:
     if cluster is None or cluster.cluster_id not in _running:
         return 0.0
     began = time.monotonic()
-    _, client, watcher, seen = _running[cluster.cluster_id]
+    _, client, watcher, seen, started = _running[cluster.cluster_id]
     _note_processes(cluster)
     try:
         if client is not None:
@@ -139,7 +140,7 @@ def stop(cluster) -> float:
     except Exception as error:  # whatever went wrong, what follows still ends every process
         print(f"dtrain.live: stopping the cluster: {error!r}; killing what is left", file=sys.stderr)
     finally:
-        _kill(seen.values())
+        _kill(seen.values(), started)
         if watcher is not None:
             watcher.stdin.close()  # the watcher's signal (EOF): it kills what it knows of, all gone by now, and ends
             try:
@@ -257,9 +258,11 @@ def _note_processes(cluster) -> None:
             pass
 
 
-def _kill(processes) -> None:
+def _kill(processes, since: float) -> None:
     """SIGKILL each of ``processes`` (psutil.Process) still running: psutil checks PID and start time, so a PID
-    reused by another program is left alone."""
+    reused by another program is left alone. If any was, remove the shared memory that MPICH's ranks made since
+    ``since`` (time.time()) and that no process maps any more: ranks killed before MPI_Finalize leave it in /dev/shm
+    (4 MB for 4 ranks) until the machine restarts."""
     import psutil
 
     def running(process) -> bool:
@@ -273,20 +276,26 @@ def _kill(processes) -> None:
         with contextlib.suppress(psutil.Error):
             process.kill()
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and (left := [process for process in left if running(process)]):
+    while time.monotonic() < deadline and any(running(process) for process in left):
         time.sleep(0.02)
+    if left:
+        from dtrain.comm import launcher
+
+        free = getattr(launcher, "_free_shared_memory", None)  # (how dtrain launch cleans up after a killed job)
+        if free is not None:
+            free(since)
 
 
-def _watcher(profile: str, roots: list[int]) -> subprocess.Popen:
+def _watcher(profile: str, started: float, roots: list[int]) -> subprocess.Popen:
     """Start the watcher (:func:`_watch`) in a session of its own, with a pipe from this process as its stdin."""
-    return subprocess.Popen([sys.executable, "-m", "dtrain.live", "--watch", profile, *map(str, roots)],
+    return subprocess.Popen([sys.executable, "-m", "dtrain.live", "--watch", profile, repr(started), *map(str, roots)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
 
 
-def _watch(profile: str, roots: list[int]) -> None:
-    """The watcher's loop (``python -m dtrain.live --watch PROFILE PID...``): once the cluster's starter is gone, kill
-    the cluster and remove its profile folder.
+def _watch(profile: str, started: float, roots: list[int]) -> None:
+    """The watcher's loop (``python -m dtrain.live --watch PROFILE STARTED PID...``): once the cluster's starter is
+    gone, kill the cluster (started at ``started``, time.time()) and remove its profile folder.
 
     It reads nothing from its stdin, a pipe from the process that started the cluster: the pipe ends (EOF) when that
     process closes it (:func:`stop`) or ends, however it ends. Meanwhile, twice a second, it notes every process at or
@@ -306,7 +315,7 @@ def _watch(profile: str, roots: list[int]) -> None:
         ready, _, _ = select.select([sys.stdin], [], [], 0.5)
         if ready and not os.read(sys.stdin.fileno(), 1024):
             break
-    _kill(known.values())
+    _kill(known.values(), started)
     shutil.rmtree(profile, ignore_errors=True)
 
 
@@ -352,4 +361,4 @@ def _stop_all() -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--watch"]:
-    _watch(sys.argv[2], [int(pid) for pid in sys.argv[3:]])
+    _watch(sys.argv[2], float(sys.argv[3]), [int(pid) for pid in sys.argv[4:]])

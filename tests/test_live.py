@@ -132,9 +132,10 @@ def test_the_watcher_kills_the_cluster_once_its_starter_dies(tmp_path):
 import subprocess, sys, time
 from dtrain import live
 sleeper = [sys.executable, "-c", "import time; time.sleep(60)", {str(profile)!r}]
-roots = [subprocess.Popen(sleeper, start_new_session=True),
-         subprocess.Popen(["sh", "-c", " ".join(map(repr, sleeper)) + "; true"], start_new_session=True)]
-live._watcher({str(profile)!r}, [root.pid for root in roots])
+quiet = dict(start_new_session=True, stdout=subprocess.DEVNULL)  # (not the pipe the test reads)
+roots = [subprocess.Popen(sleeper, **quiet),
+         subprocess.Popen(["sh", "-c", " ".join(map(repr, sleeper)) + "; true"], **quiet)]
+live._watcher({str(profile)!r}, time.time(), [root.pid for root in roots])
 time.sleep(1)  # the watcher notes the trees
 print("ready", flush=True)
 time.sleep(60)
