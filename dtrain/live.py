@@ -215,10 +215,8 @@ def _engine_launch(n: int, launcher) -> tuple[str, list[str], dict]:
     Open MPI's --oversubscribe and, as root, --allow-run-as-root). The environment is :func:`launcher.launch_env`'s,
     minus what this process already has (so a value the user set still wins).
     """
-    command = launcher.mpiexec_command(n, ["-m", "ipyparallel.engine"])  # mpiexec -n N [flags] python -m ...
-    flags = command[3 : command.index(sys.executable)]
     added = {k: v for k, v in launcher.launch_env(n).items() if os.environ.get(k) != v}
-    return command[0], flags, added
+    return str(launcher.mpiexec_path()), launcher.mpiexec_flags(), added
 
 
 def _wait_for_engines(cluster, client, n: int, timeout: float, deadline: float) -> None:
@@ -281,9 +279,7 @@ def _kill(processes, since: float) -> None:
     if left:
         from dtrain.comm import launcher
 
-        free = getattr(launcher, "_free_shared_memory", None)  # (how dtrain launch cleans up after a killed job)
-        if free is not None:
-            free(since)
+        launcher.free_shared_memory(since)  # (as dtrain launch cleans up after a killed job)
 
 
 def _watcher(profile: str, started: float, roots: list[int]) -> subprocess.Popen:

@@ -201,7 +201,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     print(f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
           f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}; every "
           f"run's metrics in {folder}/", flush=True)  # fmt: skip
-    launcher.mpiexec_command(1, ["-c", "pass"])  # what this MPI needs said (run as root) is said now, not mid-line
+    launcher.mpiexec_flags()  # what this MPI needs said (run as root) is said now, not in a progress line
     runs = []
     for i, entry in enumerate(chosen, 1):
         head = f"[{i}/{len(chosen)}] {entry.label}"

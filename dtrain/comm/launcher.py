@@ -112,17 +112,23 @@ def mpiexec_command(
         raise UserError(f"{script} {what}: give a Python script, or -m MODULE to run a module")
     if hosts is not None:
         check_fits(nranks, hosts, oversubscribe, "the hosts given")
-    mpiexec = mpiexec_path()
-    flavour = flavours.detect(mpiexec)
-    placement = []
+    flags = mpiexec_flags(hosts, oversubscribe)
+    return [str(mpiexec_path()), "-n", str(nranks), *flags, sys.executable, "-m", "dtrain.comm.run", *target]
+
+
+def mpiexec_flags(hosts: list[Host] | None = None, oversubscribe: bool = False) -> list[str]:
+    """What goes between ``mpiexec -n N`` and the program, in the spelling of :func:`mpiexec_path`'s MPI: the hosts,
+    oversubscription (always on this machine alone), and what running as root needs (said on stderr, once)."""
+    flavour = flavours.detect(mpiexec_path())
+    flags = []
     if hosts is not None:
-        placement += flavour.hosts_args(hosts)
+        flags += flavour.hosts_args(hosts)
     if hosts is None or oversubscribe:  # one machine: as many ranks as asked, as MPICH's hydra always allows
-        placement += flavour.oversubscribe_args()
+        flags += flavour.oversubscribe_args()
     if flavour.root_args() and flavours.running_as_root():
-        placement += flavour.root_args()
+        flags += flavour.root_args()
         _say_once(f"dtrain launch: running as root, so {flavour.name} is given {' '.join(flavour.root_args())}")
-    return [str(mpiexec), "-n", str(nranks), *placement, sys.executable, "-m", "dtrain.comm.run", *target]
+    return flags
 
 
 def _flavour() -> Flavour:
@@ -221,7 +227,7 @@ class Job:
             self._restore()
             self.process.__exit__(*exc_info)
             if self.process.returncode != 0:  # killed or aborted: its ranks never removed their shared memory
-                _free_shared_memory(self._started)
+                free_shared_memory(self._started)
 
     def _interrupted(self, signum, frame):
         self.received = signum
@@ -349,7 +355,7 @@ def _signal(pid: int, started: int, signum: int) -> None:
 SHARED_MEMORY = Path("/dev/shm")
 
 
-def _free_shared_memory(since: float) -> None:
+def free_shared_memory(since: float) -> None:
     """Remove the shared-memory segments (``/dev/shm/mpich_shm_*``, ~3 MB each) that MPICH's ranks made since
     ``since`` and that no process maps any more.
 
