@@ -299,13 +299,31 @@ def _train(args) -> int:
     return 0
 
 
+LAUNCH_VALUED = ("-n", "--ranks", "--timeout", "--hostfile", "--hosts")  # launch's options that take a value
+
+
 def _module_args_are_the_targets(argv: list[str]) -> list[str]:
     """``dtrain launch -n 3 -m dtrain.comm.where --json f``: what follows ``-m MODULE`` is the module's, as with
-    ``python -m``, even where it looks like an option of ``launch`` (argparse would take ``--json`` as launch's)."""
-    if argv[:1] != ["launch"] or "-m" not in argv or "--" in argv[: argv.index("-m")]:
+    ``python -m``, even where it looks like an option of ``launch`` (argparse would take ``--json`` as launch's).
+
+    Only a ``-m`` among launch's own options counts (not a script's ``-m`` after the script), and only once ``-n``
+    came before it: ``dtrain launch -m MODULE -n 4`` is read as argparse always read it.
+    """
+    if argv[:1] != ["launch"]:
         return argv
-    module = argv.index("-m") + 2
-    return [*argv[:module], "--", *argv[module:]] if argv[module : module + 1] != ["--"] else argv
+    i, ranks_given = 1, False
+    while i < len(argv):
+        word = argv[i]
+        if word == "-m":
+            module = i + 2
+            if not ranks_given or argv[module : module + 1] == ["--"]:
+                return argv
+            return [*argv[:module], "--", *argv[module:]]
+        if word == "--" or not word.startswith("-"):  # the script (or an explicit end of options): not -m's case
+            return argv
+        ranks_given = ranks_given or word.startswith(("-n", "--ranks"))  # -n 4, -n4, --ranks=4
+        i += 2 if word in LAUNCH_VALUED else 1
+    return argv
 
 
 def _launch(args) -> int:
@@ -332,8 +350,8 @@ def _launch(args) -> int:
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
     if args.dry_run:
-        cmd = launcher.mpiexec_command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe)
         added = launcher.launch_env(launcher.ranks_per_host(args.ranks, hosts), env)
+        cmd = launcher.mpiexec_command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=added)
         print(" ".join(shlex.quote(word) for word in cmd))
         for name in sorted(set(added) - set(os.environ)):
             print(f"  {name}={added[name]}")

@@ -212,8 +212,8 @@ def _engine_launch(n: int, launcher) -> tuple[str, list[str], dict]:
     """(mpiexec, its flags, the environment variables to add) for ``n`` engines, as ``dtrain launch`` would run them.
 
     The flags are those dtrain launch puts between ``mpiexec -n N`` and the program (none for MPICH on one machine;
-    Open MPI's --oversubscribe and, as root, --allow-run-as-root). The environment is :func:`launcher.launch_env`'s,
-    minus what this process already has (so a value the user set still wins).
+    Open MPI's --map-by :OVERSUBSCRIBE and, as root, --allow-run-as-root). The environment is
+    :func:`launcher.launch_env`'s, minus what this process already has (so a value the user set still wins).
     """
     added = {k: v for k, v in launcher.launch_env(n).items() if os.environ.get(k) != v}
     return str(launcher.mpiexec_path()), launcher.mpiexec_flags(), added
@@ -249,9 +249,10 @@ def _note_processes(cluster) -> None:
     seen = _running[cluster.cluster_id][3]
     for root in _roots(cluster) if cluster.controller is not None else []:
         try:
-            top = psutil.Process(root)
-            for process in [top, *top.children(recursive=True)]:
-                seen.setdefault(process.pid, process)
+            top = seen.get(root) or psutil.Process(root)  # the one first seen: a reused PID is not it (is_running)
+            if top.is_running():
+                for process in [top, *top.children(recursive=True)]:
+                    seen.setdefault(process.pid, process)
         except psutil.Error:  # ended meanwhile
             pass
 
@@ -302,12 +303,16 @@ def _watch(profile: str, started: float, roots: list[int]) -> None:
     import psutil
 
     known: dict[int, psutil.Process] = {}
+    tops = []
+    for root in roots:  # once: a root that ends and whose PID is reused must not bring a stranger's tree in
+        with contextlib.suppress(psutil.Error):
+            tops.append(psutil.Process(root))
     while True:
-        for root in roots:
+        for top in tops:
             with contextlib.suppress(psutil.Error):
-                top = psutil.Process(root)
-                for process in [top, *top.children(recursive=True)]:
-                    known.setdefault(process.pid, process)
+                if top.is_running():  # (psutil compares the start time too)
+                    for process in [top, *top.children(recursive=True)]:
+                        known.setdefault(process.pid, process)
         ready, _, _ = select.select([sys.stdin], [], [], 0.5)
         if ready and not os.read(sys.stdin.fileno(), 1024):
             break

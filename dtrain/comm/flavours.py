@@ -10,6 +10,8 @@ more ranks than cores/slots     nothing: hydra places them         ``--map-by :O
 a waiting rank gives up its     ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` ``OMPI_MCA_mpi_yield_when_idle=1`` (the
 core (ranks outnumber cores)                                       environment form of ``--mca mpi_yield_when_idle 1``)
 run as root (containers)        nothing                            ``--allow-run-as-root``
+dtrain's settings in the ranks  nothing: hydra passes every        ``-x NAME`` for each (only ``OMPI_MCA_*``
+of other machines               variable on                        variables pass by themselves)
 =============================== ================================== ===========================================
 
 Both start remote ranks over passwordless ssh (hydra's and prte's default bootstrap) and, inside a Slurm allocation,
@@ -40,6 +42,10 @@ class Flavour:
     def hosts_args(self, hosts: list[Host]) -> list[str]:
         return ["-host", host_list(hosts)]
 
+    def forward_args(self, names) -> list[str]:
+        """Flags that pass these environment variables to ranks on other machines (none: passed on by default)."""
+        return []
+
     def oversubscribe_args(self) -> list[str]:
         return []
 
@@ -64,6 +70,9 @@ class Mpich(Flavour):
 class OpenMpi(Flavour):
     def hosts_args(self, hosts):
         return ["--host", host_list(hosts)]
+
+    def forward_args(self, names):
+        return [word for name in names for word in ("-x", name)]
 
     def oversubscribe_args(self):
         return ["--oversubscribe"] if _major(self.version) < 5 else ["--map-by", ":OVERSUBSCRIBE"]

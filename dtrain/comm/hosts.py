@@ -35,6 +35,7 @@ class Host:
 # node1   node1:4   node1 slots=4   node1 slots=4 max_slots=8   (Open MPI's other keys are kept out, not refused)
 _LINE = re.compile(r"^(?P<name>[^\s:#]+)(?::(?P<colon>\d+))?(?P<rest>(?:\s+\S+)*)$")
 _SLOTS = re.compile(r"^slots=(\d+)$")
+_KEPT_OUT = re.compile(r"^max[-_]slots=\d+$")  # Open MPI's cap on oversubscription: read, and left to Open MPI
 
 
 def parse_hostfile(path) -> list[Host]:
@@ -68,6 +69,8 @@ def _parse_line(line: str, where: str) -> Host:
             raise UserError(f"{where}: {line!r} gives the slots twice")
         if found:
             slots = int(found[1])
+        elif not _KEPT_OUT.match(word):  # a typo (slot=4, " :4") must not quietly mean one slot
+            raise UserError(f"{where}: {word!r} in {line!r} is not slots=N: write host:SLOTS or host slots=SLOTS")
     return Host(match["name"], 1 if slots is None else slots)
 
 
@@ -79,7 +82,7 @@ def _check(hosts: list[Host], what: str) -> list[Host]:
     merged: dict[str, int] = {}
     for h in hosts:  # a host named twice adds its slots, as both MPIs do
         merged[h.name] = merged.get(h.name, 0) + h.slots
-    return [Host(name, slots) for name, slots in merged.items()]
+    return [Host(name, slots) for name, slots in merged.items() if slots > 0]  # a host of 0 slots takes no rank
 
 
 def total_slots(hosts: list[Host]) -> int:

@@ -89,7 +89,12 @@ def launch_env(nranks: int, base: dict | None = None, flavour: Flavour | None = 
 
 
 def mpiexec_command(
-    nranks: int, target: list[str], cwd=None, hosts: list[Host] | None = None, oversubscribe: bool = False
+    nranks: int,
+    target: list[str],
+    cwd=None,
+    hosts: list[Host] | None = None,
+    oversubscribe: bool = False,
+    env: dict | None = None,
 ) -> list[str]:
     """The command line that runs ``target`` (a script and its args, or ``-m module ...``) on ``nranks`` ranks.
 
@@ -99,7 +104,8 @@ def mpiexec_command(
 
     ``hosts`` (:mod:`dtrain.comm.hosts`) places the ranks on those machines, at most their slots unless
     ``oversubscribe``; without it every rank runs here, as many as asked. The flags are spelled for the MPI this
-    ``mpiexec`` belongs to (:mod:`dtrain.comm.flavours`).
+    ``mpiexec`` belongs to (:mod:`dtrain.comm.flavours`); ``env`` is the job's environment, whose dtrain settings
+    must reach the other machines' ranks too (:func:`forwarded`).
     """
     if nranks < 1:
         raise ValueError(f"the number of ranks must be >= 1, got {nranks}")
@@ -112,17 +118,27 @@ def mpiexec_command(
         raise UserError(f"{script} {what}: give a Python script, or -m MODULE to run a module")
     if hosts is not None:
         check_fits(nranks, hosts, oversubscribe, "the hosts given")
-    flags = mpiexec_flags(hosts, oversubscribe)
+    flags = mpiexec_flags(hosts, oversubscribe, forwarded(os.environ if env is None else env))
     return [str(mpiexec_path()), "-n", str(nranks), *flags, sys.executable, "-m", "dtrain.comm.run", *target]
 
 
-def mpiexec_flags(hosts: list[Host] | None = None, oversubscribe: bool = False) -> list[str]:
-    """What goes between ``mpiexec -n N`` and the program, in the spelling of :func:`mpiexec_path`'s MPI: the hosts,
-    oversubscription (always on this machine alone), and what running as root needs (said on stderr, once)."""
+def forwarded(env: dict) -> list[str]:
+    """The variables of ``env`` a rank on another machine must see: the threads per rank, dtrain's settings
+    (``DTRAIN_TIMEOUT``, ``DTRAIN_DEBUG`` ...) and ``PYTHONPATH``. (MPICH's hydra passes every variable on by itself;
+    Open MPI passes only its own ``OMPI_MCA_*`` unless each other one is named.)"""
+    return sorted(
+        name for name in env if name in THREAD_VARIABLES or name.startswith("DTRAIN_") or name == "PYTHONPATH"
+    )
+
+
+def mpiexec_flags(hosts: list[Host] | None = None, oversubscribe: bool = False, forward=()) -> list[str]:
+    """What goes between ``mpiexec -n N`` and the program, in the spelling of :func:`mpiexec_path`'s MPI: the hosts
+    and the variables to ``forward`` to them, oversubscription (always on this machine alone), and what running as
+    root needs (said on stderr, once)."""
     flavour = flavours.detect(mpiexec_path())
     flags = []
     if hosts is not None:
-        flags += flavour.hosts_args(hosts)
+        flags += flavour.hosts_args(hosts) + flavour.forward_args(forward)
     if hosts is None or oversubscribe:  # one machine: as many ranks as asked, as MPICH's hydra always allows
         flags += flavour.oversubscribe_args()
     if flavour.root_args() and flavours.running_as_root():
@@ -170,8 +186,8 @@ def launch(
     SIGTERM or SIGHUP sent to this process stop the whole job (module docstring) and raise :class:`JobInterrupted`,
     which carries what the job wrote (``output``, ``stderr``) when ``capture`` is on.
     """
-    cmd = mpiexec_command(nranks, target, kwargs.get("cwd"), hosts, oversubscribe)
-    env = launch_env(ranks_per_host(nranks, hosts), kwargs.pop("env", None), flavours.detect(Path(cmd[0])))
+    env = launch_env(ranks_per_host(nranks, hosts), kwargs.pop("env", None))
+    cmd = mpiexec_command(nranks, target, kwargs.get("cwd"), hosts, oversubscribe, env)
     pipe = subprocess.PIPE if capture else None
     with Job(cmd, env=env, stdout=pipe, stderr=pipe, text=True, **kwargs) as job:
         try:
@@ -353,6 +369,7 @@ def _signal(pid: int, started: int, signum: int) -> None:
 
 
 SHARED_MEMORY = Path("/dev/shm")
+SHARED_MEMORY_GRACE_S = 2.0  # how long an aborted job's ranks may take to let go of their segment
 
 
 def free_shared_memory(since: float) -> None:
@@ -367,19 +384,34 @@ def free_shared_memory(since: float) -> None:
     try:
         mine = [(path, path.stat()) for path in SHARED_MEMORY.glob("mpich_shm_*")]
         made = {path for path, stat in mine if stat.st_ctime >= since - 1 and stat.st_uid == os.getuid()}
+        made -= _mapped(made, [Path("/proc/self/maps")])  # this process's own (importing mpi4py made one)
     except OSError:  # no /dev/shm (not Linux), or a segment removed while we looked
         return
-    for maps in Path("/proc").glob("[0-9]*/maps") if made else ():
+    # mpiexec may end a moment before the ranks it killed have unmapped the segment: look again for a little while.
+    deadline = time.monotonic() + SHARED_MEMORY_GRACE_S
+    while made:
+        mapped = _mapped(made)
+        for path in made - mapped:
+            try:
+                path.unlink()
+            except OSError:  # removed in between
+                pass
+        if not mapped or time.monotonic() > deadline:
+            return
+        made = mapped
+        time.sleep(0.05)
+
+
+def _mapped(paths: set[Path], maps_files=None) -> set[Path]:
+    """Those of ``paths`` that a process maps now (as ``/proc/PID/maps`` says; ``maps_files``: only those)."""
+    found = set()
+    for maps in Path("/proc").glob("[0-9]*/maps") if maps_files is None else maps_files:
         try:
             text = maps.read_text()
         except OSError:  # the process ended, or is not ours to read
             continue
-        made = {path for path in made if str(path) not in text}
-    for path in made:
-        try:
-            path.unlink()
-        except OSError:  # removed in between
-            pass
+        found |= {path for path in paths if str(path) in text}
+    return found
 
 
 def _die_with_parent():

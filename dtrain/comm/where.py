@@ -21,11 +21,11 @@ import os
 import socket
 import sys
 
-from dtrain.comm import mpi
+from dtrain.comm import mpi, ranks_on_this_node
 from dtrain.comm.names import COMM_TYPE_SHARED
 
 LOCAL_RANK = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")  # and srun's, read by ranks_on_this_node
 
 
 def _env_int(names) -> int | None:
@@ -69,7 +69,8 @@ def this_rank(comm) -> dict:
             "node_size": node.Get_size(),
             "node_leader": node.bcast(comm.Get_rank(), root=0),  # names the node: its first rank in comm
             "mpiexec_local_rank": _env_int(LOCAL_RANK),
-            "mpiexec_local_size": _env_int(LOCAL_SIZE),
+            "mpiexec_local_size": _env_int(LOCAL_SIZE)
+            or (ranks_on_this_node() if _env_int(LOCAL_RANK) is not None else None),
             "cores": _cores(),
         }
     finally:
