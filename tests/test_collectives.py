@@ -46,13 +46,14 @@ def test_chunk_bounds_cover_the_buffer_longest_first():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("p", range(1, 9))
+# 1-5 and 8 under mpiexec (6 and 7 add no case 3 and 5 do not, at 40 s of CI); the simulator takes every p to 9
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_every_collective_under_mpiexec(p):
     result = run_mpi(p, [str(SCRIPT)], timeout=280)
     assert f"check_collectives p={p}:" in result.stdout and " 0 failures" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("p", [*range(1, 10), 12, 16])
+@pytest.mark.parametrize("p", [*range(1, 10), 16])
 def test_every_collective_on_the_simulator_with_rendezvous_sends(p):
     count, failures = run_checks_on_sim(p, eager_limit=0, big=False)
     assert count > 1000 and not failures, "\n".join(failures[:20])
