@@ -272,6 +272,9 @@ def main(argv=None) -> int:
         mpi.leave_interrupted()  # (returns only in a world of one rank)
         sys.stderr.write("dtrain: interrupted\n")
         return mpi.EXIT_INTERRUPTED
+    except BrokenPipeError:  # `dtrain ... | head`: the reader had enough, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so Python's own flush at exit is quiet too)
+        return 0
     except OSError as exc:  # a missing input, an --out that is a file
         return _fail(str(exc) or type(exc).__name__)
     return 0
