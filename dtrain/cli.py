@@ -4,6 +4,7 @@
     dtrain launch -n 4 lessons/02_allreduce.py
     dtrain plot runs/single/metrics.json -o runs/single/curves.png
     dtrain tour                                    every paradigm in turn on 4 ranks, and one table
+    dtrain plan --ranks 8 --hidden 4096,4096       which paradigm and grid, predicted time and memory
     dtrain exercises init ex && dtrain exercises check 2.1 --path ex
 
 A mistake in what was asked for (a bad flag value, a missing data file, a diverging loss) is one line on stderr
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with a report (default %(default)g)",
     )
 
+    _add_plan(sub, defaults, DTYPES, OPTIMIZERS)
+
     plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
     plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
     plot.add_argument("-o", "--output", default="curves.png", help="PNG to write (default %(default)s)")
@@ -222,6 +225,61 @@ def build_parser() -> argparse.ArgumentParser:
     ex_check.add_argument("--path", default=".", metavar="DIR", help="your exercises' folder (default: here)")
     ex_check.add_argument("--sim-only", action="store_true", help="only the simulated ranks (fast), no mpiexec")
     return parser
+
+
+def _add_plan(sub, defaults, dtypes, optimizers) -> None:
+    from dtrain import hardware
+
+    p = sub.add_parser(
+        "plan",
+        help="which paradigm and grid for a model on some hardware: predicted time, bytes and memory per rank",
+        description="Price every registered paradigm's configurations for a model on N ranks of some hardware, from "
+        "the formulas the tests hold against measurement: step time (compute, communication, bubble), bytes sent per "
+        "rank, memory per rank by kind, whether it fits; the best marked and why. Nothing is run (but with --check).",
+    )
+    model = p.add_argument_group("the model")
+    model.add_argument("--hidden", type=_hidden_sizes, default=(512, 512), help="hidden widths (default 512,512)")
+    model.add_argument("--layers", type=int, metavar="L", help="L hidden layers of --width H (instead of --hidden)")
+    model.add_argument("--width", type=int, metavar="H", help="the width of the --layers hidden layers")
+    model.add_argument("--features", type=int, default=784, help="inputs (default %(default)s)")
+    model.add_argument("--classes", type=int, default=10, help="outputs (default %(default)s)")
+    model.add_argument("--batch-size", type=int, default=256, help="the global batch (default %(default)s)")
+    model.add_argument("--dtype", choices=tuple(dtypes), default=defaults.dtype)
+    model.add_argument("--optimizer", choices=tuple(optimizers), default=defaults.optimizer)
+    model.add_argument("--momentum", type=float, default=defaults.momentum)
+    world = p.add_argument_group("the world and the hardware")
+    world.add_argument("--ranks", type=int, default=4, help="ranks (default %(default)s)")
+    world.add_argument(
+        "--machine",
+        default=hardware.THIS,
+        metavar="NAME",
+        help=f"the hardware: {', '.join(hardware.presets())} (dtrain/hardware.json, with sources; this: "
+        "calibration.json's links and compute rates) (default %(default)s)",
+    )
+    world.add_argument("--ranks-per-node", type=int, metavar="K", help="ranks per node (default: the preset's)")
+    world.add_argument("--flops", type=float, help="sustained FLOP/s of a rank (overrides the preset)")
+    world.add_argument("--memory", type=float, metavar="GIB", help="memory per rank in GiB (overrides the preset)")
+    for link in ("intra", "inter"):
+        where = "inside a node" if link == "intra" else "between nodes"
+        world.add_argument(f"--{link}-latency", type=float, metavar="US", help=f"latency {where}, microseconds")
+        world.add_argument(f"--{link}-bandwidth", type=float, metavar="GBS", help=f"bandwidth {where}, GB/s")
+    which = p.add_argument_group("which configurations")
+    which.add_argument("--paradigms", metavar="A,B", help="only these paradigms (default: every registered one)")
+    which.add_argument("--tp", type=int, help="only grids with this tensor-parallel size")
+    which.add_argument("--pp", type=int, help="only grids with this many pipeline stages")
+    which.add_argument("--all", action="store_true", help="every configuration (default: the 20 fastest)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    out.add_argument("--png", metavar="FILE", help="draw time and memory per configuration")
+    out.add_argument(
+        "--check",
+        type=int,
+        nargs="?",
+        const=3,
+        default=0,
+        metavar="K",
+        help="run the K best (default 3) here for a few steps and print predicted beside measured",
+    )
 
 
 def _add_paradigm_flags(train_parser, parallel) -> None:
@@ -257,6 +315,10 @@ def main(argv=None) -> int:
             from dtrain.tour import tour
 
             return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout)
+        if args.command == "plan":
+            from dtrain.plan import command
+
+            return command(args)
         if args.command == "plot":
             from dtrain.report import plot_metrics
 

@@ -3,6 +3,7 @@
     python scripts/calibrate.py                  # writes dtrain/collectives/calibration.json
     python scripts/calibrate.py --ranks 2,4      # rank counts to measure under load (default 2,3,4,8)
     python scripts/calibrate.py --dry-run        # only print the fit
+    python scripts/calibrate.py --compute        # only the compute rates (dtrain plan's), keeping the links
 
 The alpha-beta model says sending n bytes takes ``alpha + beta * n``. Two ranks play ping-pong: rank 0 sends n
 bytes, rank 1 sends them back; half the round trip is one message. A least-squares fit over sizes from 8 B to
@@ -14,7 +15,11 @@ script also measures a ring step with all p ranks at once (each sends n bytes ri
 ``Sendrecv``; the slowest rank counts) and the reduction with all p ranks reducing at once, and fits alpha, beta and
 gamma for that p. With more ranks than cores these are the numbers that predict what an algorithm will take.
 
-All three are *this machine's* numbers: two processes on one host talk through shared memory, so beta here is a
+The compute rates ``dtrain plan`` prices a step with (:mod:`dtrain.hardware`: FLOP/s of the matrix products, seconds
+per layer and per step besides them, the update's memory bandwidth) are fitted to dtrain's own training steps on one
+thread (:func:`dtrain.hardware.measure_compute`) and written under ``"compute"``.
+
+All these are *this machine's* numbers: two processes on one host talk through shared memory, so beta here is a
 memory-copy rate, not a network's. On a cluster, run it across two nodes for the inter-node constants.
 """
 
@@ -117,6 +122,38 @@ def loaded_reduce_time_per_byte(comm, nbytes: int = 16 << 20, reps: int = 10) ->
     return statistics.median(samples) / nbytes
 
 
+LOAD_SHAPES = [((64, 256, 256, 256, 10), 24), ((784, 512, 512, 10), 64), ((64, 64, 64, 64, 10), 24)]
+
+
+def dtrain_stack(comm, reps: int = 200) -> dict:
+    """What dtrain plan needs beyond the links, measured with every rank of the node busy:
+
+    ``alpha_dtrain``: seconds per message of dtrain's own all-reduce of a tiny buffer through the communicator a run
+    uses (tracer, watchdog: :func:`dtrain.comm.prepare.prepare`), over its 2 (p-1) ring messages (the link's alpha
+    is raw mpi4py's; this one adds dtrain's Python layers and the wait for a peer that shares a core);
+    ``busy_step_s``: the slowest rank's time for dtrain's steps of :data:`LOAD_SHAPES` when every rank computes at
+    once (ranks that share the cores and the memory bus), for the slowdown over one process alone (:func:`main`)."""
+    from mpi4py import MPI
+
+    from dtrain import collectives
+    from dtrain.comm.prepare import prepare
+    from dtrain.hardware import step_seconds
+
+    p = comm.Get_size()
+    traced, buf, samples = prepare(comm.Dup(), events=False), np.zeros(2, dtype=np.float32), []
+    for i in range(reps + 10):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        collectives.allreduce(traced, buf, algorithm="ring")
+        if i >= 10:  # (the first ones warm up)
+            samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    together = []
+    for sizes, rows in LOAD_SHAPES:
+        comm.Barrier()
+        together.append(comm.allreduce(step_seconds(sizes, rows), op=MPI.MAX))
+    return {"alpha_dtrain": statistics.median(samples) / max(2 * (p - 1), 1), "busy_step_s": together}
+
+
 def reps_for(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1 << 16)))
 
@@ -131,6 +168,7 @@ def worker(result_path: str, mode: str) -> None:
         result = {
             "seconds": [ring_step(comm, n, reps_for(n)) for n in SIZES],
             "gamma": loaded_reduce_time_per_byte(comm),
+            **dtrain_stack(comm),
         }
     if comm.Get_rank() == 0:
         Path(result_path).write_text(json.dumps(result))
@@ -153,10 +191,30 @@ def print_fit(title, times, alpha, beta) -> None:
         print(f"{n:10d} {t * 1e6:10.2f}us {(alpha + beta * n) * 1e6:10.2f}us")
 
 
+def fit_compute() -> dict:
+    """dtrain.hardware's compute rates, fitted on this process (one BLAS thread, as a rank), with the command."""
+    from dtrain.hardware import measure_compute
+
+    compute = measure_compute()
+    print(
+        f"compute: {compute['flops'] / 1e9:.1f} GFLOP/s in matrix products, {compute['layer_s'] * 1e6:.0f} us per "
+        f"layer, {compute['step_s'] * 1e6:.0f} us per step, {compute['memory_bandwidth'] / 1e9:.1f} GB/s updates"
+    )
+    for shape in compute["shapes"]:
+        shown = "-".join(map(str, shape["sizes"]))
+        measured, fitted = shape["seconds"] * 1e3, shape["fitted"] * 1e3
+        print(
+            f"  {shown:28s} rows {shape['rows']:4d}: measured {measured:8.3f} ms, fitted {fitted:8.3f} ms "
+            f"({fitted / measured:.2f}x)"
+        )
+    return {**compute, "command": "python " + " ".join(sys.argv), "date": time.strftime("%F")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="2,3,4,8", help="rank counts to measure under load (default %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    parser.add_argument("--compute", action="store_true", help="only refit the compute rates, keep the links")
     parser.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="pingpong", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,17 +223,32 @@ def main() -> None:
         return
 
     from dtrain import kernels
+    from dtrain.hardware import step_seconds
 
+    compute = fit_compute()
+    if args.compute:
+        if not args.dry_run:
+            calibration = json.loads(OUTPUT.read_text()) if OUTPUT.exists() else {}
+            OUTPUT.write_text(json.dumps({**calibration, "compute": compute}, indent=1) + "\n")
+            print(f"wrote {OUTPUT}")
+        return
     times = measure(2, "pingpong")
     alpha, beta = fit(SIZES, times)
     gamma = reduce_time_per_byte()
     print_fit("ping-pong, 2 ranks, idle machine", times, alpha, beta)
     summary = [("idle pair", alpha, beta, gamma)]
     by_ranks = {}
+    alone = [step_seconds(sizes, rows) for sizes, rows in LOAD_SHAPES]  # (this process alone, one thread)
     for p in [int(v) for v in args.ranks.split(",")]:
         loaded = measure(p, "ring")
         a, b = fit(SIZES, loaded["seconds"])
-        by_ranks[str(p)] = {"alpha": a, "beta": b, "gamma": loaded["gamma"], "seconds": loaded["seconds"]}
+        slowdown = statistics.median(busy / one for busy, one in zip(loaded["busy_step_s"], alone))
+        by_ranks[str(p)] = {"alpha": a, "beta": b, "gamma": loaded["gamma"], "seconds": loaded["seconds"],
+                            "alpha_dtrain": loaded["alpha_dtrain"], "slowdown": slowdown}  # fmt: skip
+        print(
+            f"dtrain's own all-reduce: {loaded['alpha_dtrain'] * 1e6:.1f} us per message; compute with all {p} "
+            f"ranks busy: {by_ranks[str(p)]['slowdown']:.2f}x one process alone"
+        )
         print_fit(f"ring step, all {p} ranks at once", loaded["seconds"], a, b)
         summary.append((f"{p} ranks busy", a, b, loaded["gamma"]))
     print(f"\n{'':14s} {'alpha':>10s} {'beta':>16s} {'gamma':>16s}   ({kernels.backend_name()} kernels)")
@@ -190,6 +263,7 @@ def main() -> None:
         "gamma": gamma,
         "by_ranks": by_ranks,
         "pingpong": {"bytes": SIZES, "seconds": times},
+        "compute": compute,
         "kernels": kernels.backend_name(),
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%F"),

@@ -25,6 +25,9 @@ alone (no ``if paradigm == ...`` anywhere else)::
     p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
     p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
     cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
+    cls.configurations(world, config, hardware)  for the planner (dtrain.plan): the ways it could run on so many ranks
+    cls.step_time(sizes, world, config, hardware)  ... and how long a step would take on some hardware
+    cls.activations(sizes, world, config)  ... and the activations a rank keeps for backward
 
 :class:`Paradigm` itself is a correct single-replica trainer. Its :meth:`Paradigm.step` is the plainest step, and
 each paradigm's ``step`` says what it adds, in order (ddp: average the gradients before the update; central storage:
@@ -53,11 +56,15 @@ digests; a difference names the ranks) and :class:`Evaluating` (a sharded model'
 as evaluation's).
 
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
-tests hold them against the tracer's counts, and a planner can rank paradigms without running any.
+tests hold them against the tracer's counts, and a planner can rank paradigms without running any: ``dtrain plan``
+asks each registered paradigm for its :meth:`Paradigm.configurations`, and prices each with :meth:`Paradigm.costs`,
+:meth:`Paradigm.activations` and :meth:`Paradigm.step_time` (seconds from :mod:`dtrain.hardware`'s rates), so a new
+paradigm is in the plan once it says those.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -251,3 +258,39 @@ class Paradigm:
         n = parameter_count(sizes) * itemsize
         state = buffers_per_parameter(config.optimizer, config.momentum) * n
         return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}
+
+    # --- the plan: the ways it could run, and what a step would take --------------------------------------------
+    same_updates = True  # its steps are single's on the global batch (to rounding); local SGD, gossip, ps-async: not
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        """The ways the planner should weigh running it on ``world`` ranks of ``hardware``: (label, flags, ranks
+        used) each, the flags as a TrainConfig takes them. The planner asks :meth:`check` whether each can run. By
+        default: as it is, on every rank."""
+        return [(cls.name, {}, world)]
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """Predicted seconds of one step on its slowest rank, on ``hardware`` (:class:`dtrain.hardware.Hardware`):
+        ``compute``, ``communication`` (what compute does not hide) and a pipeline's ``bubble``. By default a whole
+        replica on its slice of the batch, and nothing to send."""
+        return {"compute": cls.replica_compute(sizes, world, config, hardware), "communication": 0.0, "bubble": 0.0}
+
+    @classmethod
+    def replica_compute(cls, sizes, world: int, config, hardware, updated: float | None = None) -> float:
+        """Seconds of a whole replica's forward and backward on this paradigm's slice of the batch, and an update of
+        ``updated`` parameters (default: all of them)."""
+        rows = config.batch_size // cls.shard_of(0, world, config)[1]
+        n = parameter_count(sizes) if updated is None else updated
+        update = hardware.update_time(n, np.dtype(config.dtype).itemsize, buffers_per_parameter(config.optimizer,
+                                      config.momentum))  # fmt: skip
+        return hardware.slowdown(world) * (hardware.layers_time(list(itertools.pairwise(sizes)), rows) + update)
+
+    @classmethod
+    def activations(cls, sizes, world: int, config):
+        """Peak bytes of activations a rank keeps for backward (a number, or a list by rank): one micro-batch of
+        its slice through the whole model (as :func:`dtrain.autograd.activation_bytes` counts them)."""
+        from dtrain.parallel.tensor_parallel import activation_elements  # (a paradigm module: imported when asked)
+
+        rows = config.batch_size // cls.shard_of(0, world, config)[1] // config.accumulate
+        return activation_elements(sizes, 0, len(sizes) - 1, rows, 1) * np.dtype(config.dtype).itemsize

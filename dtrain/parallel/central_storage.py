@@ -89,3 +89,12 @@ class CentralStorage(Paradigm):
         ]
         optimizer = [base["optimizer"]] + [0] * (world - 1)
         return {**base, "sent_per_step": sent, "optimizer": optimizer}
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """Every rank's forward and backward; the gradient's tree reduce, the storage rank's update, the weights'
+        tree broadcast (the others wait for both)."""
+        nbytes = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        compute = cls.replica_compute(sizes, world, config, hardware)
+        send = sum(hardware.collective(c, "tree", nbytes, range(world), world) for c in ("reduce", "broadcast"))
+        return {"compute": compute, "communication": send, "bubble": 0.0}

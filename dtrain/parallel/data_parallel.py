@@ -217,3 +217,27 @@ class DataParallel(Paradigm):
             for rank in range(world)
         ]
         return {**base, "sent_per_step": sent}
+
+    # --- the plan ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        """Each all-reduce algorithm; the hierarchical ones over the hardware's nodes (this machine: 2 emulated)."""
+        chosen = [(f"ddp {a}", {"allreduce": a}, world) for a in ("ring", "tree", "doubling", "rabenseifner", "mpi")]
+        k = hardware.ranks_per_node or (world // 2 if world >= 4 else None)
+        if k and 1 < k < world:
+            chosen += [(f"ddp {a} ({-(-world // k)} nodes)", {"allreduce": a, "ranks_per_node": k}, world)
+                       for a in ("hierarchical", "hierarchical_rs")]  # fmt: skip
+        return chosen
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """A replica's step, then an all-reduce per bucket (with --overlap, what backward does not hide of them)."""
+        b = np.dtype(config.dtype).itemsize
+        buckets = [(stop - start) * b for start, stop, _ in plan_buckets(
+            [(offset, n, b) for offset, n in parameter_spans(sizes)], cls.bucket_bytes(config))]  # fmt: skip
+        algorithm = cls.choose_algorithm(config, world, max(buckets))
+        algorithm = "ring" if yours.is_spec(algorithm) else algorithm  # (yours: priced as the ring it should be)
+        send = [hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node) for n in buckets]
+        compute = cls.replica_compute(sizes, world, config, hardware)
+        exposed = max(sum(send) - 2 / 3 * compute, send[-1]) if config.overlap else sum(send)  # backward: 2/3
+        return {"compute": compute, "communication": exposed, "bubble": 0.0}

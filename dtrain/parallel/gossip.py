@@ -195,3 +195,17 @@ class Gossip(LocalSGD):
         else:
             sent = [len(neighbours(config.topology, world, r)) * nbytes for r in range(world)]
         return {**base, "sent_per_step": sent, "receive_buffers": cls.degree(config, world) * nbytes}
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        return [(f"gossip {t}", {"topology": t}, world) for t in ("ring", "exponential")]
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """A replica's own step, then its weights to each of d neighbours and theirs averaged in, all at once
+        (the d messages share the rank's link)."""
+        n = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        d = cls.degree(config, world)
+        link = hardware.link(range(world), world)
+        mix = d * (link.alpha + n * link.beta + n * link.gamma)
+        return {"compute": cls.replica_compute(sizes, world, config, hardware), "communication": mix, "bubble": 0.0}

@@ -218,3 +218,22 @@ class LocalSGD(DataParallel):
             "sent_per_warmup_step": ddp["sent_per_step"],
             "parameters": 2 * ddp["parameters"],  # the replica, and the average evaluated at each epoch's end
         }
+
+    # --- the plan ---------------------------------------------------------------------------------------------------
+    same_updates = False  # replicas drift apart between averages: fewer bytes, but not ddp's updates
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        return [(f"local-sgd H={h}", {"sync_every": h}, world) for h in (4, 16)]
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """A replica's own step, and a share (1/H) of an average of the weights (after any warm-up)."""
+        n = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        if config.average_via == "master":
+            average = sum(hardware.collective(c, "naive", n, range(world), world) for c in ("reduce", "broadcast"))
+        else:
+            algorithm = cls.choose_algorithm(config, world, n)
+            average = hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node)
+        compute = cls.replica_compute(sizes, world, config, hardware)
+        return {"compute": compute, "communication": average / config.sync_every, "bubble": 0.0}

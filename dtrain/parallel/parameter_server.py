@@ -84,7 +84,7 @@ from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter
-from dtrain.parallel import Paradigm, register
+from dtrain.parallel import Paradigm, ps_server, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 from dtrain.parallel.ps_worker import Worker
@@ -111,6 +111,7 @@ class ParameterServer(Paradigm):
     lesson = 4
     flags = (SERVERS, STALENESS)
     synchronous = True
+    configurations, step_time = classmethod(ps_server.configurations), classmethod(ps_server.step_time)  # the plan
 
     @classmethod
     def check(cls, config, world: int) -> None:
@@ -292,6 +293,7 @@ class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     summary = "parameter servers applying each worker's gradient as it comes (--staleness bounds how far ahead)"
     synchronous = False
+    same_updates = False  # a gradient computed on weights others have moved since
 
 
 def _ranks(ranks) -> str:

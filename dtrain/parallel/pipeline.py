@@ -57,7 +57,7 @@ from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import layer_starts, parameter_count
 from dtrain.nn import Sequential
-from dtrain.parallel import register, schedules
+from dtrain.parallel import register, schedules, stages
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.instructions import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
@@ -297,3 +297,10 @@ class Pipeline(ModelParallel):
         """Per rank (lists): bytes sent per step, the bytes held of parameters, gradients and optimizer state, and
         the peak bytes of activations kept for backward (from the schedule)."""
         return costs_per_rank(sizes, world, cls.shape_of(config, world), *cls.settings(config), config)
+
+    # the plan (stages.py): its ways to run, their time; its activations are costs()'s, from the schedule
+    configurations, step_time = classmethod(stages.configurations), classmethod(stages.pipeline_step_time)
+
+    @classmethod
+    def activations(cls, sizes, world: int, config) -> list:
+        return cls.costs(sizes, world, config)["activations"]

@@ -15,6 +15,7 @@ model.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 
 import numpy as np
@@ -221,3 +222,31 @@ class ServerLoop:
         if len(self.ended) == self.workers:  # every worker has ended the epoch: the next one starts at 0
             self.pushes = 0
             self.ended.clear()
+
+
+# --- the plan: the ways to run it, and a step's time (ParameterServer.configurations and .step_time) ---------------
+def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+    """S = 1, 2, 4 servers, as long as they leave as many workers (the servers' links are what a step waits on)."""
+    counts = [s for s in (1, 2, 4) if s <= world - s] if cls.synchronous else [1]
+    return [(f"{cls.name} S={s} ({world - s} workers)", {"servers": s}, world) for s in counts]
+
+
+def step_time(cls, sizes, world: int, config, hardware) -> dict:
+    """A worker's forward and backward on its slice; each server receives every worker's push of its shard,
+    sums them, updates the shard and answers every pull, one worker after another on its link. ps-async: no
+    waiting for the others, but the servers still serve every worker's push (with an update each)."""
+    from dtrain.layout import parameter_count
+    from dtrain.optim import buffers_per_parameter
+
+    b, workers = np.dtype(config.dtype).itemsize, world - config.servers
+    shard = parameter_count(sizes) / config.servers
+    rows = config.batch_size // workers
+    link = hardware.link([0, world - 1], world)  # a worker and a server
+    per_worker = 2 * (link.alpha + shard * b * link.beta) + shard * b * link.gamma  # push in, pull out, summed
+    update = hardware.update_time(shard, b, buffers_per_parameter(config.optimizer, config.momentum))
+    slowdown = hardware.slowdown(world)
+    compute = slowdown * (hardware.layers_time(list(itertools.pairwise(sizes)), rows) + hardware.step_s)
+    if cls.synchronous:
+        return {"compute": compute, "communication": workers * per_worker + slowdown * update, "bubble": 0.0}
+    serving = workers * (per_worker + slowdown * update)  # per round of one step from every worker
+    return {"compute": compute, "communication": max(0.0, serving - compute), "bubble": 0.0}

@@ -28,3 +28,7 @@ class Single(Paradigm):
                 f"run without mpiexec or choose a distributed paradigm (ddp)"
             )
         super().check(config, world)
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        return [("single (1 rank)", {}, 1)]  # one rank, however many there are: "should we distribute at all?"

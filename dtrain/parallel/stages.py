@@ -14,7 +14,14 @@ of units instead, Megatron's rule. With tensor parallelism a unit is a column-th
 (:func:`units`), so that every stage holds layers its tensor group can split.
 
 :func:`check_cut` refuses a cut that cannot be made (with the flags that would make it); :func:`costs_per_rank` is
-the pipeline's cost as code: what each stage of the cut sends and holds, from the schedule.
+the pipeline's cost as code: what each stage of the cut sends and holds, from the schedule; :func:`step_time` its
+time on some hardware (tensor parallelism's too: a pipeline of one stage)::
+
+    a micro-batch on pipeline rank q   t_q = its chunks' forward and backward on rows/M rows, their tensor group's
+                                             all-reduces, and the activations and gradients it sends on
+    a step                             M max_q t_q               every micro-batch at the slowest rank's pace
+                                     + (sum_q t_q - max_q t_q)/V  the bubble: filling and draining the pipeline
+                                     + the dp all-reduce of a stage's gradients and the update
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dtrain.parallel.tensor_parallel import (
     activations_sent,
     group_allreduce_bytes,
     local_parameters,
+    plan,
 )
 
 
@@ -138,3 +146,56 @@ def costs_per_rank(sizes, world: int, shape, schedule: str, M: int, V: int, conf
             costs[kind].append(count * b)
         costs["activations"].append(schedules.in_flight(program[at["pp"]], kept))
     return costs
+
+
+def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, hardware) -> dict:
+    """Seconds of one step of the replica the slowest pipeline rank is on: compute, communication and the bubble
+    (the module docstring's formula); ``hardware``: :class:`dtrain.hardware.Hardware`."""
+    b, P, slow = resolve_dtype(config.dtype).itemsize, shape.pp, hardware.slowdown(world)
+    stages, rows = P * V, config.batch_size // (shape.dp * M)
+    bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
+    tensor_group = [shape.rank_of(tp=t) for t in range(shape.tp)]
+    per_rank = []  # (compute, communication) of one micro-batch on pipeline rank q
+    for q in range(P):
+        compute = send = 0.0
+        for v in range(q, stages, P):
+            first, stop = bounds[v], bounds[v + 1]
+            split = {"column": lambda a, c: (a, c // shape.tp), "row": lambda a, c: (a // shape.tp, c),
+                     "replicated": lambda a, c: (a, c)}  # fmt: skip
+            layers = [split[kind](sizes[j], sizes[j + 1]) for j, kind in zip(range(first, stop), plan(stop - first))]
+            compute += slow * hardware.layers_time(layers, rows)
+            forward, backward = activations_sent(sizes, first, stop, rows)
+            if shape.tp > 1:
+                send += sum(hardware.allreduce(config.allreduce, n * b, tensor_group, world)
+                            for n in forward + backward)  # fmt: skip
+            here, after = shape.rank_of(pp=q), shape.rank_of(pp=(q + 1) % P)
+            send += hardware.message(rows * sizes[stop] * b, here, after, world) if v < stages - 1 else 0.0
+            send += hardware.message(rows * sizes[first] * b, here, shape.rank_of(pp=(q - 1) % P), world) if v else 0.0
+        per_rank.append((compute, send))
+    slowest = max(range(P), key=lambda q: sum(per_rank[q]))
+    compute, send = per_rank[slowest]
+    n = max(sum(local_parameters(sizes, shape.tp, bounds[v], bounds[v + 1]) for v in range(q, stages, P))
+            for q in range(P))  # fmt: skip
+    replicas = [shape.rank_of(dp=d, pp=slowest) for d in range(shape.dp)]
+    update = slow * hardware.update_time(n, b, buffers_per_parameter(config.optimizer, config.momentum))
+    data = hardware.allreduce(config.allreduce, n * b, replicas, world) if shape.dp > 1 else 0.0
+    bubble = (sum(map(sum, per_rank)) - compute - send) / V
+    return {"compute": M * compute + update, "communication": M * send + data, "bubble": bubble}
+
+
+def pipeline_step_time(cls, sizes, world: int, config, hardware) -> dict:
+    """``Pipeline.step_time``: :func:`step_time` with its grid and schedule."""
+    return step_time(sizes, world, cls.shape_of(config, world), *cls.settings(config), config, hardware)
+
+
+def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+    """``Pipeline.configurations``: P stages (P dividing the world) x tp 1 or 2 x the dp the rest makes, GPipe and
+    1F1B, M = P and 4P micro-batches (the pipeline checks each against the model's layers and the batch)."""
+    chosen = []
+    for tp in (1, 2):
+        for P in (p for p in range(2, world // tp + 1) if world % (p * tp) == 0):
+            dp = world // (P * tp)
+            grid = "".join(f" x {axis}{n}" for axis, n in (("tp", tp), ("dp", dp)) if n > 1)
+            chosen += [(f"pp{P}{grid} {s} M={m}", {"pp": P, "tp": tp, "dp": dp, "schedule": s, "microbatches": m},
+                        world) for s in ("gpipe", "1f1b") for m in (P, 4 * P)]  # fmt: skip
+    return chosen

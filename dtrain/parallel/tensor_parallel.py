@@ -285,3 +285,22 @@ class TensorParallel(ModelParallel):
             data = group_allreduce_bytes(config.allreduce, [n], b, shape.dp, at["dp"])
             sent.append(config.accumulate * tensor + data)
         return {"sent_per_step": sent, "parameters": n * b, "gradients": n * b, "optimizer": buffers * n * b}
+
+    # --- the plan: tp x dp grids; a step is a pipeline's of one stage (stages.step_time) ----------------------------
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        return [(f"tp{t}" + (f" x dp{world // t}" if t < world else ""), {"tp": t, "dp": world // t}, world)
+                for t in range(2, world + 1) if world % t == 0]  # fmt: skip
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        from dtrain.parallel import stages  # (stages builds on this module)
+
+        shape = cls.shape_of(config, world)
+        return stages.step_time(sizes, world, shape, "gpipe", config.accumulate, 1, config, hardware)
+
+    @classmethod
+    def activations(cls, sizes, world: int, config) -> int:
+        rows = config.batch_size // (cls.shape_of(config, world).dp * config.accumulate)
+        tp = cls.shape_of(config, world).tp
+        return activation_elements(sizes, 0, len(sizes) - 1, rows, tp) * resolve_dtype(config.dtype).itemsize

@@ -76,9 +76,10 @@ from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
-from dtrain.parallel import Evaluating, Paradigm, check_replicas, register
+from dtrain.parallel import Evaluating, Paradigm, check_replicas, parameter_count, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, collective_pair, costs_per_rank, units_of
+from dtrain.parallel.zero_shards import communication_time as communication_time
 from dtrain.parallel.zero_shards import paper_formula as paper_formula  # (where the lesson and tests look for it)
 
 STAGES = (1, 2, 3)
@@ -296,3 +297,15 @@ class Zero(Paradigm):
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step and the peak bytes held of each kind (module docstring's table)."""
         return costs_per_rank(sizes, world, cls.stage_of(config), cls.pair(config, world), config)
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        return [(f"zero stage {stage}", {"zero_stage": stage}, world) for stage in STAGES]
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """A replica's forward and backward, the update of this rank's chunks, and each layer's collectives."""
+        stage, pair = cls.stage_of(config), cls.pair(config, world)
+        compute = cls.replica_compute(sizes, world, config, hardware, updated=parameter_count(sizes) / world)
+        return {"compute": compute, "communication": communication_time(sizes, world, stage, pair, config, hardware),
+                "bubble": 0.0}  # fmt: skip

@@ -9,7 +9,8 @@ make, so rank r's chunk of a layer is exactly what a reduce-scatter of the layer
 
 :class:`Ledger` counts the bytes a rank holds of each kind as it allocates and frees them: the accounting that
 ``Zero.costs`` (:func:`costs_per_rank`, the cost as code) is held against (not the process's RSS, which also counts
-Python, NumPy and MPI); :func:`paper_formula` is the ZeRO paper's table, for comparison.
+Python, NumPy and MPI); :func:`paper_formula` is the ZeRO paper's table, for comparison; :func:`communication_time`
+prices a step's collectives for the planner.
 """
 
 from __future__ import annotations
@@ -165,3 +166,16 @@ def paper_formula(n: int, world: int, stage: int, itemsize: int, buffers: int) -
         return n * itemsize / world if stage >= sharded_from else n * itemsize
 
     return {"parameters": state(3), "gradients": state(2), "optimizer": buffers * state(1)}
+
+
+def communication_time(sizes, world: int, stage: int, pair: tuple[str, str], config, hardware) -> float:
+    """``Zero.step_time``'s communication: each layer's reduce-scatter and all-gather, as often as the stage makes
+    them (the table in zero.py's docstring), priced on ``hardware``."""
+    b, a = np.dtype(config.dtype).itemsize, config.accumulate
+    layers = [u.size * b for u in units_of(sizes, 0, world)]
+
+    def each(collective, algorithm):
+        return sum(hardware.collective(collective, algorithm, n, range(world), world) for n in layers)
+
+    scatter, gather = each("reduce_scatter", pair[0]), each("allgather", pair[1])
+    return {1: scatter + gather, 2: a * scatter + gather, 3: a * (scatter + 2 * gather)}[stage]

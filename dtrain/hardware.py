@@ -1,0 +1,239 @@
+"""What a step costs on some hardware: the compute of an MLP's step, and the links its messages take.
+
+The planner (:mod:`dtrain.plan`) asks each paradigm how long a step would take on a :class:`Hardware`; the paradigm
+says which layers a rank computes on how many rows, and which collectives over which ranks it makes, and this module
+prices them. Three rates and two links describe a machine::
+
+    one rank's step   = slowdown x ( sum over its Linear layers of (6 rows a b / flops + layer_s)   matrix products
+                                     + step_s                                                         the loss, Python
+                                     + (3 + 2k) parameters x itemsize / memory_bandwidth )            optimizer update
+    slowdown          = ranks on the node / cores, when ranks outnumber cores (they share them), else 1
+    a collective      = the alpha-beta-gamma formula of its algorithm (dtrain.collectives.costmodel) on the link it
+                        crosses: ``intra`` when every rank of the group is on one node, ``inter`` when it spans nodes
+
+(A Linear layer of a x b weights costs 2 rows a b floating-point operations forward and 4 rows a b backward; k is the
+optimizer's buffers per parameter, and its update reads the weights, the gradient and the buffers and writes the
+weights and the buffers.) Ranks fill nodes in order: rank r is on node r // ranks_per_node.
+
+``Hardware.this()`` is the machine you are on, as ``python scripts/calibrate.py`` measured it into
+dtrain/collectives/calibration.json: the links with all the node's ranks busy, as an all-reduce keeps them (beta and
+gamma from raw transfers; alpha from dtrain's own all-reduce of a tiny buffer, so that the Python layers every dtrain
+message passes, the tracer's and the watchdog's, are in it), the slowdown of a rank's compute when every rank
+computes at once, and the compute rates (``"compute"``), fitted by :func:`measure_compute` to dtrain's own steps on
+one thread. The other presets, in
+hardware.json, are real clusters from their vendors' published figures, each number with its source, and the
+assumptions that turn a peak figure into a sustained one stated beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from dtrain.collectives import costmodel
+from dtrain.collectives.costmodel import Machine
+from dtrain.comm import usable_cores
+from dtrain.errors import ConfigError
+
+PRESETS = Path(__file__).with_name("hardware.json")
+THIS = "this"
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """A machine (or a cluster of identical nodes) as the planner prices it; see the module docstring."""
+
+    name: str
+    flops: float  # sustained floating-point operations per second of one rank's matrix products
+    layer_s: float  # seconds per Linear layer per step besides its arithmetic (interpreter, kernel launches)
+    step_s: float  # seconds per step besides the layers (the loss, the step's own Python)
+    memory_bandwidth: float  # bytes per second one rank streams through memory (the optimizer's update)
+    memory: float  # bytes of memory per rank
+    intra: Machine  # the link between two ranks of one node
+    inter: Machine  # the link between nodes
+    ranks_per_node: int | None = None  # None: every rank on one node
+    cores: int | None = None  # per node, when ranks share them (CPUs); None: a rank has its own device
+    loaded: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> Machine measured busy
+    slowdowns: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> measured slowdown
+    about: str = ""
+
+    # --- where ranks are -------------------------------------------------------------------------------------------
+    def node_of(self, rank: int) -> int:
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def ranks_on_node(self, world: int) -> int:
+        return world if self.ranks_per_node is None else min(world, self.ranks_per_node)
+
+    def slowdown(self, world: int) -> float:
+        """How much slower a rank computes because ranks share the node's cores and memory bus: measured on this
+        machine (the nearest rank count), else ranks / cores where they outnumber them, else 1."""
+        busy = self.ranks_on_node(world)
+        if busy > 1 and self.slowdowns:
+            return max(1.0, self.slowdowns[min(self.slowdowns, key=lambda p: (abs(p - busy), p))])
+        return max(1.0, busy / self.cores) if self.cores else 1.0
+
+    def link(self, ranks, world: int) -> Machine:
+        """The alpha-beta-gamma of a group of ``ranks`` (of ``world``): the node's link if they share a node."""
+        if self.loaded:  # this machine, measured with p ranks at once (they share its cores and its memory bus): the
+            busy = self.ranks_on_node(world)  # nearest p; emulated nodes on it share its one link too
+            return self.loaded[min(self.loaded, key=lambda p: (abs(p - busy), p))]
+        return self.inter if len({self.node_of(r) for r in ranks}) > 1 else self.intra
+
+    # --- compute ----------------------------------------------------------------------------------------------------
+    def layers_time(self, layers, rows: int) -> float:
+        """Seconds of forward and backward through ``layers`` ((a, b) weight shapes) on ``rows`` rows, on a core of
+        its own (the caller multiplies by :meth:`slowdown`)."""
+        return sum(6 * rows * a * b / self.flops + self.layer_s for a, b in layers)
+
+    def update_time(self, parameters: float, itemsize: int, buffers: int) -> float:
+        """Seconds of the rest of a step on a core of its own: the optimizer's update of ``parameters`` with
+        ``buffers`` buffers each, and the step's own overhead."""
+        return self.step_s + (3 + 2 * buffers) * parameters * itemsize / self.memory_bandwidth
+
+    # --- communication ----------------------------------------------------------------------------------------------
+    def allreduce(self, algorithm: str, nbytes: float, ranks, world: int, ranks_per_node=None) -> float:
+        """Seconds of an all-reduce of ``nbytes`` over ``ranks``; hierarchical ones cross nodes of
+        ``ranks_per_node`` (emulated nodes on one machine are priced on its one link)."""
+        ranks = list(ranks)
+        p, machine = len(ranks), self.link(ranks, world)
+        if algorithm in ("hierarchical", "hierarchical_rs"):
+            machine = self.link(ranks[:1], world)  # (inside a node)
+            k = ranks_per_node or self.ranks_per_node
+            inter = self.link([0, k], world) if k and k < p else machine  # (ranks 0 and k: on different nodes)
+            return costmodel.predict_time(algorithm, nbytes, p, machine, k, inter)
+        if algorithm == "auto":
+            algorithm = costmodel.choose(nbytes, p, machine)
+        return costmodel.predict_time(algorithm, nbytes, p, machine)
+
+    def collective(self, collective: str, algorithm: str, nbytes: float, ranks, world: int) -> float:
+        """Seconds of a reduce-scatter, all-gather, reduce or broadcast of an ``nbytes`` buffer over ``ranks``: the
+        all-reduce's formulas halved (a ring all-reduce is a reduce-scatter then an all-gather; a tree all-reduce a
+        reduce then a broadcast), the reduction priced only where there is one."""
+        ranks = list(ranks)
+        p, m = len(ranks), self.link(ranks, world)
+        if p == 1 or nbytes == 0:
+            return 0.0
+        reduces = collective in ("reduce_scatter", "reduce")
+        if algorithm in ("ring", "rabenseifner", "doubling"):  # (p-1) or log p steps of 1/p of the buffer
+            steps = p - 1 if algorithm == "ring" else math.ceil(math.log2(p))
+            share = (p - 1) / p * nbytes
+        elif algorithm == "tree":
+            steps, share = math.ceil(math.log2(p)), math.ceil(math.log2(p)) * nbytes
+        elif algorithm == "naive":
+            steps, share = p - 1, (p - 1) * nbytes
+        else:
+            raise ValueError(f"no time model for {collective} with {algorithm!r}")
+        return steps * m.alpha + share * m.beta + (share * m.gamma if reduces else 0.0)
+
+    def message(self, nbytes: float, source: int, dest: int, world: int) -> float:
+        """Seconds of one message of ``nbytes`` from rank ``source`` to rank ``dest``."""
+        m = self.link([source, dest], world)
+        return m.alpha + nbytes * m.beta
+
+    # --- presets ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def this(cls, calibration=costmodel.CALIBRATION) -> Hardware:
+        """This machine: calibration.json's links and compute rates, its cores and its memory."""
+        data = json.loads(Path(calibration).read_text()) if Path(calibration).exists() else {}
+        idle = Machine.load(calibration)
+        loaded, slowdowns = {}, {}
+        for p, measured in data.get("by_ranks", {}).items():  # dtrain's own messages' latency where it was measured
+            link = Machine.load(calibration, p=int(p))
+            loaded[int(p)] = dataclasses.replace(link, alpha=measured.get("alpha_dtrain", link.alpha))
+            if "slowdown" in measured:
+                slowdowns[int(p)] = measured["slowdown"]
+        compute = data.get("compute") or DEFAULT_COMPUTE
+        cores = usable_cores()
+        return cls(name=THIS, flops=compute["flops"], layer_s=compute["layer_s"], step_s=compute["step_s"],
+                   memory_bandwidth=compute["memory_bandwidth"], memory=_memory_bytes(), intra=idle, inter=idle,
+                   cores=cores, loaded=loaded, slowdowns=slowdowns,
+                   about=f"this machine: {cores} cores, {_memory_bytes() / GIB:.0f} GiB, links and compute rates "
+                   f"from {Path(calibration).name}" + ("" if data.get("compute") else " (compute: defaults)"),
+                   )  # fmt: skip
+
+    def per_rank_memory(self, world: int) -> float:
+        """Bytes each rank may use: the node's memory shared by its ranks where they share it (CPUs)."""
+        return self.memory / self.ranks_on_node(world) if self.cores else self.memory
+
+
+# Rough rates for one CPU core driven from Python, used when calibration.json has no "compute" entry.
+DEFAULT_COMPUTE = {"flops": 2e10, "layer_s": 5e-5, "step_s": 1e-4, "memory_bandwidth": 5e9}
+
+
+def _memory_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16.0 * GIB
+
+
+def presets() -> dict[str, dict]:
+    """hardware.json's presets (and ``this``), by name."""
+    return {THIS: {"about": "this machine, as calibrated"}, **json.loads(PRESETS.read_text())["presets"]}
+
+
+def load(name: str, dtype: str = "float32") -> Hardware:
+    """The preset ``name`` for ``dtype`` arithmetic, or a :class:`ConfigError` listing the presets."""
+    if name == THIS:
+        return Hardware.this()
+    known = presets()
+    if name not in known:
+        raise ConfigError(f"--machine {name!r} is not a preset: choose one of {', '.join(known)}")
+    p = known[name]
+    flops = p["flops"].get(dtype)
+    if flops is None:
+        raise ConfigError(f"--machine {name} gives no {dtype} rate: use --dtype {' or '.join(p['flops'])}")
+    link = {key: Machine(p[key]["alpha"], 1.0 / p[key]["bandwidth"], p[key]["gamma"]) for key in ("intra", "inter")}
+    return Hardware(name=name, flops=flops * p["efficiency"], layer_s=p["layer_s"], step_s=p["step_s"],
+                    memory_bandwidth=p["memory_bandwidth"], memory=p["memory"], ranks_per_node=p["ranks_per_node"],
+                    about=p["about"], **link)  # fmt: skip
+
+
+# --- measuring this machine's compute ------------------------------------------------------------------------------
+# (sizes, rows): small and wide, shallow and deep, few rows and many, so the fit can tell the four rates apart
+SHAPES = [((64, 64, 10), 8), ((64, 64, 64, 64, 64, 64, 64, 10), 8), ((64, 64, 64, 64, 10), 96),
+          ((784, 512, 512, 10), 16), ((784, 512, 512, 10), 256), ((784, 2048, 2048, 10), 8),
+          ((784, 1024, 1024, 1024, 10), 128), ((2048, 2048, 10), 512)]  # fmt: skip
+
+
+def step_seconds(sizes, rows: int, optimizer: str = "sgd", steps: int = 20) -> float:
+    """Seconds per step of ``dtrain train --paradigm single`` on synthetic data for the MLP ``sizes`` with a batch of
+    ``rows``: the driver's whole step (the batch's slicing, forward, backward, the update, the loop's bookkeeping),
+    over the second of two epochs of ``steps`` steps (the first warms the caches and the allocator)."""
+    from dtrain.comm import sim
+    from dtrain.train import TrainConfig, train
+
+    config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
+                         hidden=tuple(sizes[1:-1]), batch_size=rows, samples=-(-rows * steps * 5 // 4), epochs=2,
+                         optimizer=optimizer, quiet=True, progress=False, timeout=0)  # fmt: skip
+    metrics = train(config, sim.solo())
+    return metrics["epochs"][-1]["train_time_s"] / steps
+
+
+def measure_compute(shapes=SHAPES) -> dict:
+    """Fit ``flops``, ``layer_s``, ``step_s`` and ``memory_bandwidth`` to dtrain's own steps on this process (run it
+    with one BLAS thread, as a rank runs), least squares on relative error; and each shape's measured and fitted
+    seconds."""
+    from dtrain.layout import parameter_count
+
+    rounds = [[step_seconds(sizes, rows) for sizes, rows in shapes] for _ in range(3)]  # (interleaved: a busy
+    rows_of, seconds = [], [float(np.median(times)) for times in zip(*rounds)]  # moment is one round's, not a shape's)
+    for sizes, rows in shapes:
+        products = sum(6 * rows * a * b for a, b in itertools.pairwise(sizes))
+        rows_of.append([products, len(sizes) - 1, 1.0, 5 * parameter_count(sizes) * 4])  # SGD with momentum: k = 1
+    a, t = np.array(rows_of), np.array(seconds)
+    coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+    coef = np.maximum(coef, 1e-13)  # (a rate the data cannot see is fast, not negative)
+    fitted = a @ coef
+    return {"flops": 1.0 / coef[0], "layer_s": coef[1], "step_s": coef[2], "memory_bandwidth": 1.0 / coef[3],
+            "shapes": [{"sizes": list(s), "rows": r, "seconds": m, "fitted": f}
+                       for (s, r), m, f in zip(shapes, seconds, fitted)]}  # fmt: skip

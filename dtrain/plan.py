@@ -1,0 +1,344 @@
+"""``dtrain plan``: which paradigm, which grid, how fast and how much memory, for a model on some hardware.
+
+The planner runs nothing. It asks every registered paradigm for the ways it could run on the world
+(:meth:`~dtrain.parallel.Paradigm.configurations`), whether each can (:meth:`~dtrain.parallel.Paradigm.check`, the
+very check ``dtrain train`` makes), and then, from the paradigm's own formulas::
+
+    bytes each rank sends per step        costs()        exact: the tests hold them against the tracer's counts
+    state each rank holds                 costs()        parameters, gradients, optimizer state: exact, likewise
+    activations kept for backward         activations()  what autograd keeps of one micro-batch
+    seconds per step                      step_time()    compute + communication + bubble, from the hardware's
+                                                         rates (dtrain.hardware) and the cost model's formulas
+
+A configuration fits when the memory its fullest rank needs is at most what a rank has. The best is the fastest
+that fits *and makes single's updates* (ddp, ZeRO, parameter servers, tensor and pipeline parallelism: the same
+steps as one process on the whole batch); local SGD, gossip and asynchronous servers send less but take other steps,
+which may need more of them to reach the same loss, so they are shown, marked, and not chosen.
+
+``--check K`` runs the K best that run here, a few steps each under ``mpiexec``, and prints the prediction beside
+the measurement: the planner is held to its own runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from dtrain import hardware as hw
+from dtrain import parallel
+from dtrain.errors import ConfigError, UserError
+from dtrain.train import TrainConfig
+
+GIB = 1 << 30
+KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")  # buffers: gossip's neighbours' weights
+
+
+@dataclasses.dataclass
+class Model:
+    """What is trained: an MLP ``sizes`` (features, hidden..., classes) on a global batch."""
+
+    sizes: list[int]
+    batch_size: int
+    dtype: str = "float32"
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+
+    @property
+    def parameters(self) -> int:
+        return parallel.parameter_count(self.sizes)
+
+    def config(self, paradigm: str, flags: dict) -> TrainConfig:
+        return TrainConfig(paradigm=paradigm, dataset="synthetic", features=self.sizes[0], classes=self.sizes[-1],
+                           hidden=tuple(self.sizes[1:-1]), batch_size=self.batch_size, dtype=self.dtype,
+                           optimizer=self.optimizer, momentum=self.momentum, **flags)  # fmt: skip
+
+    def describe(self) -> str:
+        widths = self.sizes if len(self.sizes) <= 8 else [*self.sizes[:3], "...", *self.sizes[-2:]]
+        return (f"MLP {'-'.join(map(str, widths))} ({len(self.sizes) - 1} layers, {self.parameters:,} parameters, "
+                f"{_bytes(self.parameters * np.dtype(self.dtype).itemsize)} of {self.dtype}), global batch "
+                f"{self.batch_size}, {self.optimizer}" + (f" (momentum {self.momentum:g})" if self.optimizer == "sgd"
+                                                           else ""))  # fmt: skip
+
+
+@dataclasses.dataclass
+class Row:
+    """One configuration: what it is, and what the formulas say it costs (or why it cannot run)."""
+
+    label: str
+    paradigm: str
+    flags: dict
+    ranks: int
+    same_updates: bool
+    ruled_out: str | None = None  # the constraint that rules it out (its check's message), or "needs X, has Y"
+    time: dict = dataclasses.field(default_factory=dict)  # compute, communication, bubble, total (s per step)
+    sent_per_step: float = 0.0  # bytes the busiest rank sends per step
+    memory: dict = dataclasses.field(default_factory=dict)  # of the fullest rank, by kind, and "total"
+    state: list = dataclasses.field(default_factory=list)  # parameters + gradients + optimizer state, by rank
+    fits: bool = False
+    best: bool = False
+
+    @property
+    def total(self) -> float:
+        return self.time.get("total", math.inf)
+
+    def command(self, model: Model) -> str:
+        flags = {"paradigm": self.paradigm, **self.flags}
+        words = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()]
+        hidden = ",".join(map(str, model.sizes[1:-1])) or "none"
+        return (f"dtrain launch -n {self.ranks} -m dtrain train {' '.join(words)} --hidden {hidden} --batch-size "
+                f"{model.batch_size}")  # fmt: skip
+
+
+def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=None) -> list[Row]:
+    """Every configuration of every registered paradigm (or of ``only``, a list of names) on ``world`` ranks of
+    ``machine``, priced, ruled out or not fitting, the best marked; the fastest first."""
+    if world < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {world}")
+    for axis, value in (("tp", tp), ("pp", pp)):
+        if value is not None and (value < 1 or world % value):
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ConfigError(f"--{axis} {value} does not divide --ranks {world}: the grid must cover the world "
+                              f"exactly; choose --{axis} from {divisors}, or --ranks a multiple of {value}",
+                              )  # fmt: skip
+    names = parallel.names() if only is None else only
+    rows = []
+    for name in names:
+        kind = parallel.get(name)
+        for label, flags, ranks in kind.configurations(world, model.config(name, {}), machine):
+            if (tp is not None and flags.get("tp", 1) != tp) or (pp is not None and flags.get("pp", 1) != pp):
+                continue
+            rows.append(price(kind, label, flags, ranks, model, machine))
+    fitting = [r for r in rows if r.fits and r.same_updates]
+    if fitting:
+        min(fitting, key=lambda r: r.total).best = True
+    return sorted(rows, key=lambda r: (r.ruled_out is not None, not r.fits, r.total))
+
+
+def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.Hardware) -> Row:
+    """One configuration's row: ruled out by its paradigm's check, or its time, bytes and memory."""
+    row = Row(label, kind.name, flags, ranks, kind.same_updates)
+    config = model.config(kind.name, flags)
+    try:
+        kind.check(config, ranks)
+    except ConfigError as exc:
+        row.ruled_out = str(exc)
+        return row
+    costs = kind.costs(model.sizes, ranks, config)
+    held = {k: _per_rank(costs.get(k, 0), ranks) for k in ("parameters", "gradients", "optimizer")}
+    held["activations"] = _per_rank(kind.activations(model.sizes, ranks, config), ranks)
+    held["buffers"] = _per_rank(costs.get("receive_buffers", 0), ranks)
+    totals = [sum(held[k][r] for k in KINDS) for r in range(ranks)]
+    fullest = int(np.argmax(totals))
+    row.memory = {**{k: held[k][fullest] for k in KINDS}, "total": totals[fullest]}
+    row.state = [sum(held[k][r] for k in ("parameters", "gradients", "optimizer")) for r in range(ranks)]
+    sent = [s for s in costs["sent_per_step"] if s is not None]
+    row.sent_per_step = max(sent, default=0.0)
+    row.time = {k: max(0.0, v) for k, v in kind.step_time(model.sizes, ranks, config, machine).items()}
+    row.time["total"] = sum(row.time[k] for k in ("compute", "communication", "bubble"))
+    available = machine.per_rank_memory(ranks)
+    row.fits = row.memory["total"] <= available
+    if not row.fits:
+        row.ruled_out = f"needs {_bytes(row.memory['total'])} per rank, a rank has {_bytes(available)}"
+    return row
+
+
+def _per_rank(value, ranks: int) -> list[float]:
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)] * ranks
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+# --- what the planner says -------------------------------------------------------------------------------------------
+def why(rows: list[Row]) -> str:
+    """Why the best is the best, in a sentence or two."""
+    best = next((r for r in rows if r.best), None)
+    if best is None:
+        return "nothing that makes single's updates fits"
+    single = next((r for r in rows if r.paradigm == "single" and r.time), None)
+    t = best.time
+    parts = [f"{best.label} is the fastest configuration that fits and makes single's updates: {_seconds(t['total'])}"
+             f" a step, {100 * t['communication'] / t['total']:.0f}% of it communication"
+             + (f", {100 * t['bubble'] / t['total']:.0f}% bubble" if t["bubble"] else "")]  # fmt: skip
+    if single and best is not single:
+        if single.fits:
+            parts.append(f"{single.total / best.total:.2f}x single's predicted step")
+        else:
+            parts.append(f"single does not fit ({single.ruled_out})")
+    elif single is best:
+        others = [r for r in rows if r.fits and r.same_updates and r is not best]
+        if others:
+            parts.append(f"distributing does not pay here: the fastest on {others[0].ranks} ranks, {others[0].label}, "
+                         f"would take {others[0].total / best.total:.2f}x as long (its communication costs more than "
+                         "the compute it saves)")  # fmt: skip
+    quicker = [r for r in rows if r.fits and not r.same_updates and r.total < best.total]
+    if quicker:
+        parts.append(f"{quicker[0].label} is quicker per step ({_seconds(quicker[0].total)}) but takes other steps "
+                     "than single's (it may need more of them)")  # fmt: skip
+    return "; ".join(parts) + "."
+
+
+def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_all: bool = False) -> str:
+    """The plan as text: the configurations that fit, fastest first, then those that do not, then those ruled out."""
+    from dtrain.report import text_table
+
+    lines = [f"plan: {model.describe()}", f"  on {world} rank(s) of {machine.name}: {machine.about}",
+             f"  memory per rank: {_bytes(machine.per_rank_memory(world))}", ""]  # fmt: skip
+    header = ["", "configuration", "step", "compute", "comm", "bubble", "samples/s", "sent/step", "params", "grads",
+              "optim", "activ", "memory", "fits"]  # fmt: skip
+    priced = [r for r in rows if r.time]
+    shown = priced if show_all else priced[:20]
+    cells = []
+    for r in shown:
+        t, m = r.time, r.memory
+        mark = "*" if r.best else "" if r.same_updates else "~"
+        cells.append([mark, r.label, _seconds(t["total"]), _seconds(t["compute"]), _seconds(t["communication"]),
+                      _seconds(t["bubble"]) if t["bubble"] > 1e-9 else "-", f"{model.batch_size / t['total']:,.0f}",
+                      _bytes(r.sent_per_step), *(_bytes(m[k]) for k in ("parameters", "gradients", "optimizer",
+                                                                          "activations")),
+                      _bytes(m["total"]), "yes" if r.fits else "NO"])  # fmt: skip
+    lines.append(text_table(header, cells, left=(0, 1)))
+    if len(priced) > len(shown):
+        lines.append(f"  ... and {len(priced) - len(shown)} more (--all shows every one)")
+    lines += ["", "* the best: the fastest that fits and makes single's updates; ~ sends less, but its steps are not "
+              "single's", "step = compute + comm (what compute does not hide) + bubble (a pipeline filling and "
+              "draining); sent/step: the busiest rank's bytes; memory: the fullest rank's", "",
+              "best: " + why(rows)]  # fmt: skip
+    best = next((r for r in rows if r.best), None)
+    if best is not None:
+        lines.append(f"  run it: {best.command(model)}")
+    reasons = {}  # the same constraint rules out several configurations: said once
+    for r in rows:
+        if r.ruled_out and not r.time:
+            reasons.setdefault(r.ruled_out, []).append(r.label)
+    if reasons:
+        lines += ["", "cannot run:"] + [f"  {', '.join(labels)}: {reason}" for reason, labels in reasons.items()]
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Row], model: Model, world: int, machine: hw.Hardware) -> dict:
+    return {"model": dataclasses.asdict(model), "parameters": model.parameters, "ranks": world,
+            "machine": {"name": machine.name, "about": machine.about,
+                        "memory_per_rank": machine.per_rank_memory(world)},
+            "best": next((r.label for r in rows if r.best), None), "why": why(rows),
+            "configurations": [dataclasses.asdict(r) for r in rows]}  # fmt: skip
+
+
+def figure(rows: list[Row], path, title: str) -> Path:
+    """A PNG: each configuration's predicted step (compute, communication, bubble) and its memory per rank by kind."""
+    from dtrain.report import pyplot
+
+    plt = pyplot()
+    shown = [r for r in rows if r.time][:20][::-1]
+    fig, (times, memory) = plt.subplots(1, 2, figsize=(15, 0.35 * len(shown) + 1.8), sharey=True)
+    y = np.arange(len(shown))
+    left = np.zeros(len(shown))
+    for part, colour in (("compute", "tab:blue"), ("communication", "tab:orange"), ("bubble", "tab:gray")):
+        widths = np.array([r.time[part] * 1e3 for r in shown])
+        times.barh(y, widths, left=left, color=colour, label=part)
+        left += widths
+    times.set_yticks(y, [("* " if r.best else "~ " if not r.same_updates else "") + r.label for r in shown])
+    times.set_xlabel("predicted ms per step")
+    times.legend(loc="lower right")
+    left = np.zeros(len(shown))
+    for kind, colour in zip(KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+        widths = np.array([r.memory[kind] / (1 << 20) for r in shown])
+        memory.barh(y, widths, left=left, color=colour, label=kind)
+        left += widths
+    memory.set_xlabel("MiB per rank (the fullest rank)")
+    memory.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the command -----------------------------------------------------------------------------------------------------
+def model_of(args) -> Model:
+    if args.layers is not None or args.width is not None:
+        if args.layers is None or args.width is None:
+            raise ConfigError("--layers and --width go together: L hidden layers of width H")
+        if args.layers < 0 or args.width < 1:
+            raise ConfigError(f"--layers must be >= 0 and --width >= 1, got {args.layers} and {args.width}")
+        hidden = [args.width] * args.layers
+    else:
+        hidden = list(args.hidden)
+    for name in ("features", "classes", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return Model([args.features, *hidden, args.classes], args.batch_size, args.dtype, args.optimizer, args.momentum)
+
+
+def machine_of(args, world: int) -> hw.Hardware:
+    """The preset, with what the command line overrides (rates must be positive and finite)."""
+    machine = hw.load(args.machine, args.dtype)
+    changes = {}
+    for option, value in (("flops", args.flops), ("memory", args.memory), ("ranks_per_node", args.ranks_per_node)):
+        if value is None:
+            continue
+        if not (0 < value < math.inf):
+            raise ConfigError(f"--{option.replace('_', '-')} must be a positive number, got {value:g}")
+        changes[option] = value * GIB if option == "memory" else value
+    for link in ("intra", "inter"):
+        latency, bandwidth = getattr(args, f"{link}_latency"), getattr(args, f"{link}_bandwidth")
+        for option, value in ((f"--{link}-latency", latency), (f"--{link}-bandwidth", bandwidth)):
+            if value is not None and not (0 < value < math.inf):
+                raise ConfigError(f"{option} must be a positive number, got {value:g}")
+        if latency is not None or bandwidth is not None:
+            old = getattr(machine, link)
+            changes[link] = dataclasses.replace(old, alpha=latency * 1e-6 if latency else old.alpha,
+                                                beta=1 / (bandwidth * 1e9) if bandwidth else old.beta)  # fmt: skip
+            changes["loaded"] = {}  # (a link given by hand replaces this machine's measured ones)
+    if "memory" in changes and machine.cores:
+        changes["memory"] *= machine.ranks_on_node(world)  # (--memory is per rank; this machine's is per node)
+    return dataclasses.replace(machine, **changes) if changes else machine
+
+
+def command(args) -> int:
+    """``dtrain plan``: the table (or --json), the figure (--png), the check (--check)."""
+    model = model_of(args)
+    only = None
+    if args.paradigms:
+        only = [name.strip() for name in args.paradigms.split(",") if name.strip()]
+        for name in only:
+            parallel.get(name)
+    machine = machine_of(args, args.ranks)
+    rows = plan(model, args.ranks, machine, only, args.tp, args.pp)
+    if not any(r.fits for r in rows):
+        priced = [r for r in rows if r.memory]
+        if not priced:
+            raise UserError(f"no configuration can run on --ranks {args.ranks}: "
+                            + "; ".join(f"{r.label}: {r.ruled_out}" for r in rows[:4]))  # fmt: skip
+        smallest = min(priced, key=lambda r: r.memory["total"])
+        raise UserError(
+            f"the model fits no configuration on {args.ranks} rank(s) of {machine.name}: the smallest, "
+            f"{smallest.label}, needs {_bytes(smallest.memory['total'])} per rank and a rank has "
+            f"{_bytes(machine.per_rank_memory(args.ranks))}; give more ranks, a smaller batch, --memory "
+            f"{math.ceil(smallest.memory['total'] / GIB)} (GiB) or more, or a smaller model"
+        )
+    text = table(rows, model, args.ranks, machine, args.all)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_json(rows, model, args.ranks, machine), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {figure(rows, args.png, model.describe())}")
+    if args.check:
+        from dtrain import plan_check
+
+        return plan_check.check(rows, model, args.check, machine)
+    return 0

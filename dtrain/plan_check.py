@@ -1,0 +1,109 @@
+"""``dtrain plan --check``: the planner held to its own runs, here and now.
+
+Each configuration is trained for a few steps under this environment's ``mpiexec`` (``dtrain train`` on synthetic
+data of the model's shape: same widths, same batch, same flags), and its metrics.json gives what the prediction is
+held against:
+
+    step time           the last epoch's training time over its steps (the first epoch warms caches and pools up)
+    bytes per step      the tracer's count for the busiest rank          = costs(): exact, a mismatch is a bug
+    state per rank      parameters + gradients + optimizer state the fullest rank held, read off its arrays = costs()
+
+:func:`measure` is what ``scripts/bench_plan.py`` calls too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from dtrain import kernels, report
+from dtrain.comm import launcher
+from dtrain.errors import UserError
+
+EPOCHS = 2
+
+
+@dataclasses.dataclass
+class Measured:
+    step_s: float
+    sent_per_step: float  # the busiest rank's, measured by the tracer
+    state_bytes: float  # the fullest rank's parameters + gradients + optimizer state, read off its arrays
+    metrics: dict
+
+
+def steps_for(predicted_s: float, budget_s: float = 2.0) -> int:
+    """Steps per epoch: about ``budget_s`` seconds of them, 5 at least and 50 at most."""
+    return int(min(50, max(5, budget_s / max(predicted_s, 1e-6))))
+
+
+def measure(row, model, folder, steps: int, timeout: float = 300.0) -> Measured:
+    """Train ``row`` (a :class:`dtrain.plan.Row`) for :data:`EPOCHS` epochs of ``steps`` steps here; what it took."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    train = steps * model.batch_size
+    samples = -(-train * 5 // 4)  # (a fifth is the test split: the train split is `train` samples)
+    flags = {"paradigm": row.paradigm, **row.flags, "dataset": "synthetic", "samples": samples,
+             "features": model.sizes[0], "classes": model.sizes[-1],
+             "hidden": ",".join(map(str, model.sizes[1:-1])) or "none", "batch_size": model.batch_size,
+             "epochs": EPOCHS, "dtype": model.dtype, "optimizer": model.optimizer, "momentum": model.momentum,
+             "out": str(folder)}  # fmt: skip
+    target = ["-m", "dtrain", "train", *[w for k, v in flags.items() for w in (f"--{k.replace('_', '-')}", str(v))],
+              "--no-progress", "--quiet", "--timeout", f"{timeout / 2:g}"]  # fmt: skip
+    env = {**os.environ}
+    env.setdefault(kernels.ENV_VAR, "numpy")  # (as the tour: Numba's compilation is not what is being predicted)
+    done = launcher.launch(row.ranks, target, timeout=timeout, capture=True, env=env)
+    if done.returncode != 0:
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or [f"status {done.returncode}"]
+        raise UserError(f"--check: {row.label} failed here: {last[0]}")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    summary = report.run_summary(metrics)
+    per_epoch = summary["steps"] / len(metrics["epochs"])
+    held, _predicted = report.state_bytes(metrics)
+    return Measured(step_s=metrics["epochs"][-1]["train_time_s"] / per_epoch, sent_per_step=max(summary[
+        "sent_per_step"]), state_bytes=max(held) if held else float("nan"), metrics=metrics)  # fmt: skip
+
+
+def check(rows, model, count: int, machine) -> int:
+    """Run the ``count`` best configurations that fit here (``dtrain plan --check K``); print predicted beside
+    measured, and whether the planner's first choice was the measured fastest. 1 if a count differed."""
+    from dtrain.hardware import THIS
+    from dtrain.report import text_table
+
+    if machine.name != THIS:
+        raise UserError(f"--check runs the configurations here, so it needs --machine this, not {machine.name}")
+    chosen = [r for r in rows if r.fits and r.same_updates][:count]
+    print(f"\nchecking the {len(chosen)} best here ({EPOCHS} epochs each; the last one timed):", flush=True)
+    cells, results, wrong = [], [], 0
+    with tempfile.TemporaryDirectory(prefix="dtrain-plan-") as scratch:
+        for i, row in enumerate(chosen):
+            got = measure(row, model, Path(scratch) / str(i), steps_for(row.total))
+            results.append((row, got))
+            same = got.sent_per_step == row.sent_per_step and got.state_bytes == max(row.state)
+            wrong += not same
+            cells.append([row.label, f"{row.total * 1e3:.2f}", f"{got.step_s * 1e3:.2f}",
+                          f"{row.total / got.step_s:.2f}x", f"{row.sent_per_step:,.0f}", f"{got.sent_per_step:,.0f}",
+                          f"{max(row.state):,.0f}", f"{got.state_bytes:,.0f}", "yes" if same else "NO"])  # fmt: skip
+            print(f"  {row.label}: predicted {row.total * 1e3:.2f} ms, measured {got.step_s * 1e3:.2f} ms", flush=True)
+    header = ["configuration", "pred ms", "meas ms", "pred/meas", "pred B/step", "meas B/step", "pred state B",
+              "meas state B", "counts equal"]  # fmt: skip
+    print("\n" + text_table(header, cells))
+    print("\n" + verdict(results))
+    return 1 if wrong else 0
+
+
+def verdict(results) -> str:
+    """Whether the planner's first choice was the measured fastest (or within 10% of it)."""
+    if not results:
+        return "nothing was checked"
+    first, fastest = results[0], min(results, key=lambda pair: pair[1].step_s)
+    if fastest is first:
+        return f"the planner's first choice, {first[0].label}, was the measured fastest."
+    slower = first[1].step_s / fastest[1].step_s - 1
+    within = "within 10% of it" if slower <= 0.10 else "NOT within 10% of it"
+    return (
+        f"the planner's first choice, {first[0].label}, measured {100 * slower:.0f}% slower than the fastest "
+        f"checked, {fastest[0].label} ({within})."
+    )
