@@ -8,7 +8,11 @@ ZeRO stage 3, tensor parallelism, a 1F1B pipeline, and a grid of tensor-parallel
 same model, seed, epochs and global batch (a multiple of the ranks and of the parameter servers' workers), so their
 curves compare. Then one table says, per paradigm, what it bought and what it paid:
 
-* the final test accuracy, the run's wall time and its samples/s;
+* the final test accuracy and the run's wall time (its samples/s are in tour.json);
+* its measured time per training step (the median of its epochs' after the first) beside the planner's prediction
+  for the same configuration on this machine (``step_time()``, :mod:`dtrain.plan`), and, once every run is done, a
+  line that says whether the planner's first choice among the runs that make single's updates was the measured
+  fastest;
 * the bytes the busiest rank sent per step, measured by the tracer (training traffic only: not evaluation's, not a
   checkpoint's, not the initial broadcast of the weights), beside the paradigm's own prediction (``costs()``);
 * the messages the busiest rank sent per step;
@@ -29,6 +33,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -246,36 +251,75 @@ def rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
         else:
             s = done[run.entry.name]
             row.update(s, note=tour_notes.note(run.entry.name, s, run.metrics, context), job_s=run.job_s,
-                       command=" ".join(run.command))  # fmt: skip
+                       command=" ".join(run.command), **step_times(run))  # fmt: skip
             footnotes.append(tour_notes.footnote(run.entry.name, run.entry.label, s, run.metrics))
         out.append(row)
     return out, [f for f in footnotes if f]
 
 
+def step_times(run: Run) -> dict:
+    """The run's measured seconds per training step (the median of its epochs' after the first, which warms up), the
+    planner's prediction for its configuration on this machine, and whether its steps are single's."""
+    from dtrain.data import steps_per_epoch
+    from dtrain.hardware import load
+
+    m = run.metrics
+    steps = steps_per_epoch(m["dataset"]["train_samples"], m["config"]["batch_size"])
+    times = [e["train_time_s"] / steps for e in m["epochs"]]
+    kind = parallel.get(m["config"]["paradigm"])
+    config = run.entry.config(m["config"]["batch_size"], len(m["epochs"]))
+    sizes = [m["dataset"]["features"], *HIDDEN, m["dataset"]["classes"]]
+    predicted = kind.step_time(sizes, run.entry.ranks, config, load("this"))
+    return {"step_s": statistics.median(times[1:] or times), "predicted_step_s": sum(predicted.values()),
+            "same_updates": kind.same_updates}  # fmt: skip
+
+
+def verdict(summary: list[dict]) -> str:
+    """Whether the planner's first choice among the runs that make single's updates was the measured fastest."""
+    ran = [r for r in summary if "step_s" in r and r["same_updates"]]
+    if len(ran) < 2:
+        return ""
+    chosen = min(ran, key=lambda r: r["predicted_step_s"])
+    fastest = min(ran, key=lambda r: r["step_s"])
+    if chosen is fastest:
+        return (
+            f"The planner's first choice among the runs that make single's updates, {chosen['label']}, was the "
+            f"measured fastest ({chosen['step_s'] * 1e3:.2f} ms a step)."
+        )
+    return (f"The planner's first choice among the runs that make single's updates, {chosen['label']}, measured "
+            f"{chosen['step_s'] / fastest['step_s'] - 1:.0%} slower than the fastest, {fastest['label']} "
+            f"({fastest['step_s'] * 1e3:.2f} ms a step).")  # fmt: skip
+
+
 def table(summary: list[dict], footnotes: list[str]) -> str:
     """The tour's table: a row per run (a failed or skipped one says why), what its columns are, the footnotes."""
-    header = ["paradigm", "test acc", "wall s", "samples/s", "sent B/step", "costs()", "msgs/step", "state B",
-              "costs()", "what to notice"]  # fmt: skip
+    header = ["paradigm", "test acc", "wall s", "step ms", "plan ms", "sent B/step", "costs()", "msgs/step",
+              "state B", "costs()", "what to notice"]  # fmt: skip
     lines = []
     for r in summary:
         if "error" in r:
-            lines.append([r["label"], *["-"] * 8, f"{r['status']}: {r['error']}"])
+            lines.append([r["label"], *["-"] * 9, f"{r['status']}: {r['error']}"])
             continue
         held = f"{max(r['state_bytes']):,}" if r["state_bytes"] else "?"
         predicted = r["predicted_sent_per_step"]  # (None where costs() cannot say: a learner's all-reduce)
         predicted = "?" if None in predicted else f"{max(predicted):,.0f}"
         lines.append([r["label"], f"{100 * r['test_accuracy']:.2f}%", f"{r['wall_time_s']:.2f}",
-                      f"{r['samples_per_s']:,.0f}", f"{max(r['sent_per_step']):,.0f}",
+                      f"{r['step_s'] * 1e3:.2f}", f"{r['predicted_step_s'] * 1e3:.2f}",
+                      f"{max(r['sent_per_step']):,.0f}",
                       predicted, f"{max(r['messages_per_step']):.1f}", held,
                       f"{max(r['predicted_state_bytes']):,}", r["note"]])  # fmt: skip
     legend = [
+        "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what",
+        "  dtrain plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json).",
         "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's,",
         "  a checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer",
         "  state the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same.",
     ]
     if footnotes:
         footnotes = ["", "Where the measured bytes differ from costs():", *footnotes]
-    return "\n".join([report.text_table(header, lines, left=(0, 9)), "", *legend, *footnotes])
+    closing = verdict(summary)
+    return "\n".join([report.text_table(header, lines, left=(0, 10)), "", *legend, *footnotes,
+                      *(["", closing] if closing else [])])  # fmt: skip
 
 
 class Bar:

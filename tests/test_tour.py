@@ -59,6 +59,13 @@ def test_a_short_tour_measures_what_the_costs_predict(tmp_path):
     table = (tmp_path / "tour" / "tour.txt").read_text()
     assert table in result.stdout + "\n" and "each worker pulls the weights once" in table
     assert (tmp_path / "tour" / "tour.png").is_file()
+    # beside each measured step, the planner's; the closing line names its first choice and says how it measured
+    assert all(row["step_s"] > 0 and row["predicted_step_s"] > 0 for row in rows.values())
+    chosen = min(rows.values(), key=lambda r: r["predicted_step_s"])  # (all three make single's updates)
+    fastest = min(rows.values(), key=lambda r: r["step_s"])
+    said = "was the measured fastest" if chosen is fastest else f"slower than the fastest, {fastest['label']}"
+    assert f"The planner's first choice among the runs that make single's updates, {chosen['label']}" in table
+    assert said in table
 
 
 @pytest.mark.mpi
