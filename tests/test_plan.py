@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -74,7 +75,8 @@ def test_every_registered_paradigm_is_planned():
 
 def test_a_paradigm_joins_the_plan_by_registering(tmp_path):
     """A module named by $DTRAIN_PARADIGMS that registers a paradigm: it is in the plan, priced by its own formulas."""
-    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+    (tmp_path / "mine.py").write_text(
+        textwrap.dedent("""
         from dtrain.parallel import register
         from dtrain.parallel.data_parallel import DataParallel
 
@@ -86,12 +88,11 @@ def test_a_paradigm_joins_the_plan_by_registering(tmp_path):
             @classmethod
             def configurations(cls, world, config, hardware):
                 return [("mine on every rank", {"allreduce": "ring"}, world)]
-    """))
+    """)
+    )
     code = ("from dtrain import plan, hardware; rows = plan.plan(plan.Model([16, 8, 4], 24), 4, hardware.load('this'));"
             "print([(r.label, r.sent_per_step) for r in rows if r.paradigm in ('mine', 'ddp')])")  # fmt: skip
     env = {"DTRAIN_PARADIGMS": "mine", "PYTHONPATH": str(tmp_path)}
-    import os
-
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     rows = dict(eval(out.stdout))  # (label, bytes) pairs
