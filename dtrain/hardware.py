@@ -154,7 +154,8 @@ class Hardware:
                    memory_bandwidth=compute["memory_bandwidth"], memory=_memory_bytes(), intra=idle, inter=idle,
                    cores=cores, loaded=loaded, slowdowns=slowdowns,
                    about=f"this machine: {cores} cores, {_memory_bytes() / GIB:.0f} GiB, links and compute rates "
-                   f"from {Path(calibration).name}" + ("" if data.get("compute") else " (compute: defaults)"),
+                   f"from {Path(calibration).name}" + (f" of {compute['date']}" if compute.get("date") else "")
+                   + ("" if data.get("compute") else " (compute: defaults; run scripts/calibrate.py --compute)"),
                    )  # fmt: skip
 
     def per_rank_memory(self, world: int) -> float:
