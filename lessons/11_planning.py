@@ -1,0 +1,619 @@
+"""Lesson 11: planning. Whether to distribute at all, which paradigm on which grid, and why, priced before anything
+runs and held to runs on this machine.
+
+Lessons 3 to 9 each taught one way of spreading a step over ranks. Which one to use is a question of numbers: the
+compute a rank saves against the messages it adds, the memory a rank has against the state it must hold. Each
+paradigm states those numbers as code (``costs()``: bytes sent and held, exact; ``activations()``; ``step_time()``:
+seconds on some hardware), and ``dtrain plan`` (dtrain/plan.py) asks every registered paradigm for every grid it could
+run on, prices each, rules out what cannot run or does not fit, and marks the fastest that makes single's updates.
+It runs nothing. This lesson asks it five questions; the first is answered by measurement too:
+
+    python lessons/11_planning.py                  # a minute or so on 2 cores
+    python lessons/11_planning.py --quick          # fewer measured steps, the cluster on 8 and 64 ranks only
+    python lessons/11_planning.py --png plan.png   # part 5's plan for 64 ranks, drawn (time and memory by kind)
+
+It runs with python, not under dtrain launch: the measured runs of part 1 are jobs of their own, started by
+dtrain.plan_check.measure (dtrain train under mpiexec, as `dtrain plan --check` runs them).
+
+What you will see:
+  1. when not to distribute: a digits-sized MLP (64-64-64-64-10), single against the best configuration on 2 and 4
+     ranks, predicted and measured here; then the same for a model 16 times as wide. Splitting the batch divides
+     only the arithmetic, and a small model's step is mostly per-layer overhead; the ranks share this machine's
+     cores; every step adds a collective's latency. Where the planner says distributing starts to pay here;
+  2. data against tensor parallelism as the model widens: ddp all-reduces every gradient (bytes ~ width^2), tp
+     all-reduces activations (bytes ~ width x batch); the width from which tp's step is the shorter, found by
+     bisection, on this machine and on a cluster preset;
+  3. how micro-batches pay for a pipeline: the bubble against (P-1)/(M+P-1) as M grows, the fixed cost each
+     micro-batch adds, and the M that balances the two;
+  4. what ZeRO buys when memory is the limit: a model whose ddp state does not fit a rank, each stage's parameters,
+     gradients and optimizer state per rank against the ZeRO paper's formula (plus the layer in flight), which
+     stages fit, what they cost, and what the planner picks when every paradigm may compete;
+  5. the same questions on a real cluster: DGX H100 nodes (dtrain/hardware.json, every number with its source),
+     an MLP of about a billion parameters with Adam on 8, 64 and 512 ranks: what the planner picks and why.
+
+Every check compares the planner with an independent oracle (the tracer's bytes, the formulas) and prints an OK line;
+the last line says whether all passed (the exit status is non-zero if not). Timings are measurements, printed and
+never checked: on a busy machine they move, and the sentences that explain them are computed from them.
+
+Things to try:
+  * dtrain plan --machine pcie-ethernet --ranks 64 --layers 24 --width 6144 --features 6144 --classes 6144
+    --batch-size 1024 --optimizer adam: part 5's model without NVLink or InfiniBand;
+  * --ranks 2 or 8 (parts 2-4), --preset dgx-a100 or pcie-ethernet, --cluster-batch 4096 (part 5's global batch),
+    --memory-mib 1200 (part 4: ddp fits; what is left for ZeRO?);
+  * dtrain plan --features 64 --hidden 1024,1024,1024 --classes 10 --batch-size 64 --check 3: the planner's three
+    best for part 1's wide model, run here;
+  * notebooks/11_planning.ipynb walks the same story with cells to change (the width, the ranks, the preset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dtrain import hardware, parallel, plan_check
+from dtrain.comm import mpi
+from dtrain.errors import ConfigError
+from dtrain.optim import buffers_per_parameter
+from dtrain.parallel import parameter_count
+from dtrain.parallel.zero_shards import KINDS, paper_formula
+from dtrain.plan import Model, Row, figure, plan, price, why
+
+MIB, GIB = 1 << 20, 1 << 30
+SMALL = Model([64, 64, 64, 64, 10], batch_size=64)  # digits-sized: 64 pixels, three hidden layers of 64, 10 classes
+WIDE = Model([64, 1024, 1024, 1024, 10], batch_size=64)  # the same, 16 times as wide (about 200 times the arithmetic)
+WIDTHS = [128 * 2**k for k in range(8)]  # part 2's sweep: 128 .. 16384
+WIDTH_LAYERS, WIDTH_BATCH, WIDTH_STEP = 4, 256, 64  # part 2: 4 layers of width x width, a global batch of 256
+PIPE_WIDTH, PIPE_LAYERS, PIPE_BATCH = 1024, 8, 256  # part 3: 8 layers of 1024 x 1024 on P stages
+ZERO_WIDTH, ZERO_LAYERS, ZERO_BATCH, ZERO_MEMORY_MIB = 2048, 16, 64, 512  # part 4: ~67 M parameters, Adam
+CLUSTER_WIDTH, CLUSTER_LAYERS = 6144, 24  # part 5: 25 Linear layers of 6144 x 6144 (943,872,000 parameters)
+
+
+# --------------------------------------------------------------------------------------------- printing
+def say(text: str) -> None:
+    """A paragraph of explanation, wrapped and indented like the tables."""
+    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "), flush=True)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def nbytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(header: list[str], rows: list[list[str]], left=(0,)) -> None:
+    """Print a table, indented like the rest: the ``left`` columns aligned left, the others right."""
+    from dtrain.report import text_table
+
+    print(textwrap.indent(text_table(header, rows, left=left), "   "), flush=True)
+
+
+class Checks:
+    """The lesson's claims, each printed as an OK line; ``verdicts`` ({claim: passed}) goes to --json."""
+
+    def __init__(self):
+        self.verdicts = {}
+
+    def ok(self, claim: str, flag: bool, note: str = "") -> bool:
+        self.verdicts[claim] = self.verdicts.get(claim, True) and bool(flag)
+        print(f"   OK: {claim}: {'yes' if flag else 'NO'}{note}", flush=True)
+        return bool(flag)
+
+
+def itemsize(model: Model) -> int:
+    return np.dtype(model.dtype).itemsize
+
+
+def buffers(model: Model) -> int:
+    """The optimizer's buffers per parameter (momentum SGD: 1, Adam: 2)."""
+    return buffers_per_parameter(model.optimizer, model.momentum)
+
+
+# ------------------------------------------------------------------------------------- what the plan says
+def best_distributed(rows: list[Row]) -> Row | None:
+    """The fastest row that fits, makes single's updates and uses more than one rank (the planner's "best" may be
+    single itself)."""
+    return next((r for r in rows if r.fits and r.same_updates and r.ranks > 1), None)
+
+
+def single_row(rows: list[Row]) -> Row:
+    return next(r for r in rows if r.paradigm == "single")
+
+
+def contenders(model: Model, machine, worlds=(2, 4)) -> dict[str, Row]:
+    """single, and the best distributed configuration on each of ``worlds`` ranks: what part 1 measures."""
+    chosen = {"single": single_row(plan(model, 1, machine))}
+    for world in worlds:
+        best = best_distributed(plan(model, world, machine))
+        if best is not None:
+            chosen[f"{world} ranks"] = best
+    return chosen
+
+
+def single_breakdown(model: Model, machine) -> dict:
+    """single's predicted step on ``machine``, in the planner's own terms (dtrain/hardware.py): the arithmetic of the
+    matrix products, which splitting the batch divides, and what it does not divide: the fixed cost of each layer
+    (the interpreter, NumPy's calls), and the optimizer's update with the step's own overhead."""
+    layers = list(itertools.pairwise(model.sizes))
+    arithmetic = sum(6 * model.batch_size * a * b for a, b in layers) / machine.flops
+    return {"arithmetic": arithmetic, "per_layer": len(layers) * machine.layer_s,
+            "update": machine.update_time(model.parameters, itemsize(model), buffers(model))}  # fmt: skip
+
+
+def distributing_pays_from(machine, world: int, widths=(64, 128, 256, 512, 1024, 2048, 4096), batch: int = 64):
+    """The narrowest hidden width (of a 64-w-w-w-10 MLP) at which the planner's best configuration on ``world``
+    ranks is faster than single, and the ratio there; (None, None) if none of ``widths`` is."""
+    for width in widths:
+        rows = plan(Model([64, width, width, width, 10], batch), world, machine)
+        best = best_distributed(rows)
+        if best is not None and best.total < single_row(rows).total:
+            return width, single_row(rows).total / best.total
+    return None, None
+
+
+def measure_interleaved(chosen: dict[str, Row], model: Model, repeats: int, budget_s: float) -> dict[str, dict]:
+    """Run each of ``chosen`` (label -> row) ``repeats`` times here, interleaved (a busy moment of the machine slows
+    every contender alike), through plan_check.measure: its median step, its bytes per step and the state its
+    fullest rank held."""
+    runs = {label: [] for label in chosen}
+    with tempfile.TemporaryDirectory(prefix="lesson11-") as scratch:
+        for repeat in range(repeats):
+            for i, (label, row) in enumerate(chosen.items()):
+                folder = Path(scratch) / f"{i}-{repeat}"
+                runs[label].append(plan_check.measure(row, model, folder, plan_check.steps_for(row.total, budget_s)))
+    return {label: {"step_s": statistics.median(m.step_s for m in got), "steps_s": [m.step_s for m in got],
+                    "sent_per_step": got[-1].sent_per_step, "state_bytes": got[-1].state_bytes}
+            for label, got in runs.items()}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- part 2: ddp against tp
+def width_model(width: int, batch: int = WIDTH_BATCH, layers: int = WIDTH_LAYERS) -> Model:
+    """``layers`` Linear layers of width x width (features and classes = width too: the blocks of a wider model)."""
+    return Model([width] * (layers + 1), batch)
+
+
+def ddp_and_tp(width: int, world: int, machine, batch: int = WIDTH_BATCH, layers: int = WIDTH_LAYERS):
+    """(the fastest ddp row, the tp row on all ``world`` ranks) for :func:`width_model`, priced by plan()."""
+    rows = plan(width_model(width, batch, layers), world, machine, only=["ddp", "tp"])
+    ddp = min((r for r in rows if r.paradigm == "ddp" and r.time), key=lambda r: r.total)
+    tp = next(r for r in rows if r.paradigm == "tp" and r.flags["tp"] == world)
+    return ddp, tp
+
+
+def crossover(world: int, machine, widths=WIDTHS, batch: int = WIDTH_BATCH, layers: int = WIDTH_LAYERS,
+              step: int = WIDTH_STEP) -> int | None:  # fmt: skip
+    """The narrowest width (a multiple of ``step``) from which tp's predicted step is shorter than ddp's: the first of
+    ``widths`` where tp wins and keeps winning over the rest of the sweep, then bisection between it and the width
+    before it. None if tp never wins; ``widths[0]`` if it wins from the start."""
+
+    def tp_wins(width):
+        ddp, tp = ddp_and_tp(width, world, machine, batch, layers)
+        return tp.total < ddp.total
+
+    wins = [tp_wins(w) for w in widths]
+    first = next((i for i in range(len(widths)) if all(wins[i:])), None)
+    if first is None:
+        return None
+    if first == 0:
+        return widths[0]
+    lo, hi = widths[first - 1] // step, widths[first] // step  # tp loses at lo * step, wins at hi * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if tp_wins(mid * step) else (mid, hi)
+    return hi * step
+
+
+# ------------------------------------------------------------------------------- part 3: micro-batches
+def pipeline_model(width: int = PIPE_WIDTH, layers: int = PIPE_LAYERS, batch: int = PIPE_BATCH) -> Model:
+    return Model([width] * (layers + 1), batch)
+
+
+def microbatch_sweep(model: Model, stages: int, machine, counts=None) -> list[dict]:
+    """A pipeline of ``stages`` stages (GPipe, no data parallelism) priced for each count M of micro-batches: the
+    step, the update (which no pipeline overlaps), the busy time of the slowest stage (M micro-batches), the bubble,
+    and the bubble's share of the pipelined time beside (P-1)/(M+P-1)."""
+    pp = parallel.get("pp")
+    counts = counts or [m for m in (2**k for k in range(12)) if model.batch_size % m == 0 and model.batch_size // m
+                        >= 2]  # fmt: skip
+    found = []
+    for m in counts:
+        flags = {"pp": stages, "tp": 1, "dp": 1, "schedule": "gpipe", "microbatches": m}
+        row = price(pp, f"pp{stages} gpipe M={m}", flags, stages, model, machine)
+        if row.ruled_out:
+            continue
+        stage_parameters = max(row.state) / (itemsize(model) * (2 + buffers(model)))  # the fullest stage's
+        update = machine.slowdown(stages) * machine.update_time(stage_parameters, itemsize(model), buffers(model))
+        t = row.time
+        busy = t["compute"] + t["communication"] - update
+        found.append({"M": m, "rows": model.batch_size // m, "step_s": t["total"], "update_s": update,
+                      "busy_s": busy, "bubble_s": t["bubble"], "fraction": t["bubble"] / (t["bubble"] + busy),
+                      "formula": (stages - 1) / (m + stages - 1), "row": row})  # fmt: skip
+    return found
+
+
+def microbatch_fit(sweep: list[dict], stages: int) -> dict:
+    """The slowest stage's busy time is about a B + c M (a B: the arithmetic of the whole batch, c: what each
+    micro-batch costs whatever its rows: per-layer overheads and message latencies), fitted to the first and last
+    M; the step is then about a B + c M + (P-1)(a B / M + c) + the update, shortest at M* = sqrt((P-1) a B / c)."""
+    first, last = sweep[0], sweep[-1]
+    c = (last["busy_s"] - first["busy_s"]) / (last["M"] - first["M"])
+    whole = first["busy_s"] - c * first["M"]
+    best = min(sweep, key=lambda s: s["step_s"])
+    optimum = math.sqrt((stages - 1) * whole / c) if c > 0 and whole > 0 else math.inf
+    return {"per_microbatch_s": c, "arithmetic_s": whole, "best_M": best["M"], "formula_M": optimum}
+
+
+# ------------------------------------------------------------------------------------------ part 4: ZeRO
+def zero_model(width: int = ZERO_WIDTH, layers: int = ZERO_LAYERS, batch: int = ZERO_BATCH) -> Model:
+    return Model([width] * (layers + 1), batch, optimizer="adam")
+
+
+def with_memory_per_rank(machine, per_rank: float, world: int):
+    """``machine`` with ``per_rank`` bytes for each of ``world`` ranks (as ``dtrain plan --memory``: where ranks share a
+    node's memory, as on this machine, the node gets ranks x per_rank)."""
+    shared = machine.ranks_on_node(world) if machine.cores else 1
+    return dataclasses.replace(machine, memory=per_rank * shared)
+
+
+def zero_table(model: Model, world: int, machine) -> list[dict]:
+    """ddp and ZeRO stages 1-3 on ``world`` ranks: each one's fullest rank by kind (plan's price), the ZeRO paper's
+    formula for the same (dtrain's terms: one precision, no master copy), the layer in flight, whether it fits."""
+    b, k = itemsize(model), buffers(model)
+    largest = max(a * c + c for a, c in itertools.pairwise(model.sizes))
+    found = []
+    for stage in (0, 1, 2, 3):
+        kind, flags = ("ddp", {"allreduce": "ring"}) if stage == 0 else ("zero", {"zero_stage": stage})
+        row = price(parallel.get(kind), "ddp ring" if stage == 0 else f"zero stage {stage}", flags, world, model,
+                    machine)  # fmt: skip
+        paper = paper_formula(model.parameters, world, stage, b, k)
+        in_flight = {"parameters": largest * b if stage == 3 else 0, "gradients": largest * b if stage >= 2 else 0,
+                     "optimizer": 0}  # fmt: skip
+        found.append({"stage": stage, "label": row.label, "row": row, "paper": paper, "in_flight": in_flight,
+                      "held": {kind_: row.memory[kind_] for kind_ in KINDS}})  # fmt: skip
+    return found
+
+
+# ------------------------------------------------------------------------------------- part 5: a cluster
+def cluster_model(batch: int = 1024) -> Model:
+    return Model([CLUSTER_WIDTH] * (CLUSTER_LAYERS + 2), batch, optimizer="adam")
+
+
+FAMILIES = ("ddp", "zero", "tp", "pp")  # part 5 shows the fastest of each
+
+
+def fastest_of(rows: list[Row], paradigm: str) -> Row | None:
+    """The fastest row of one paradigm that fits (rows come fastest first)."""
+    return next((r for r in rows if r.paradigm == paradigm and r.fits), None)
+
+
+def sources(name: str) -> dict:
+    """A preset's stated sources and assumptions (hardware.json), by what they are about."""
+    return hardware.presets()[name].get("sources", {})
+
+
+# ------------------------------------------------------------------------------------------- the lesson
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Lesson 11: planning (run it with python)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one measured run per configuration, fewer steps; part 5 on 8 and 64 ranks")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="part 1: measured runs per configuration, interleaved (default %(default)s)")  # fmt: skip
+    parser.add_argument("--ranks", type=int, default=4, help="parts 2-4: ranks (default %(default)s)")
+    parser.add_argument("--preset", default="dgx-h100",
+                        help="part 2's second machine and part 5's cluster (default %(default)s)")  # fmt: skip
+    parser.add_argument("--cluster-batch", type=int, default=1024, help="part 5's global batch (default %(default)s)")
+    parser.add_argument("--memory-mib", type=float, default=ZERO_MEMORY_MIB,
+                        help="part 4: memory per rank, MiB (default %(default)s)")  # fmt: skip
+    parser.add_argument("--png", metavar="PATH", help="draw part 5's plan for 64 ranks here")
+    parser.add_argument("--json", metavar="PATH", help="write every figure and every check to this file")
+    args = parser.parse_args(argv)
+    if mpi.launched_size() > 1:
+        mpi.refuse_arguments("lesson 11 starts the jobs it measures itself: run it with python lessons/11_planning.py")
+    if args.ranks < 2 or args.ranks & (args.ranks - 1) or args.ranks > 8 or args.repeats < 1 or args.memory_mib <= 0:
+        mpi.refuse_arguments("bad arguments: --ranks must be 2, 4 or 8, --repeats >= 1, --memory-mib > 0")
+    try:
+        preset = hardware.load(args.preset)
+    except ConfigError as exc:  # (it lists the presets)
+        mpi.refuse_arguments(f"bad arguments: {exc}")
+    if args.png:
+        from dtrain.report import pyplot
+
+        pyplot()  # a missing matplotlib said now, not after the work
+    repeats, budget = (1, 0.3) if args.quick else (args.repeats, 0.6)
+    worlds = (8, 64) if args.quick else (8, 64, 512)
+    started = time.perf_counter()
+    here = hardware.load(hardware.THIS)
+    checks, results = Checks(), {"quick": args.quick, "ranks": args.ranks, "preset": args.preset}
+    world = args.ranks
+
+    print(f"Lesson 11: planning. Here: {here.about}")
+    print(f"   its ranks share {here.cores} cores: each rank computes "
+          + ", ".join(f"{here.slowdown(p):.2f}x slower with {p} ranks" for p in (2, 4))
+          + " busy (measured by scripts/calibrate.py)")  # fmt: skip
+
+    # ---------------------------------------------------------------------------- 1. when not to distribute
+    print("\n1. When not to distribute: predicted, then measured here")
+    results["measured"] = {}
+    for name, model in (("small", SMALL), ("wide", WIDE)):
+        chosen = contenders(model, here)
+        print(f"\n   {model.describe()}")
+        print(f"   measuring {', '.join(f'{label}: {r.label}' for label, r in chosen.items())} "
+              f"({repeats} run(s) each, interleaved) ...", flush=True)  # fmt: skip
+        got = measure_interleaved(chosen, model, repeats, budget)
+        base = got["single"]["step_s"]
+        cells = []
+        for label, row in chosen.items():
+            g = got[label]
+            cells.append([label, row.label, ms(row.total), ms(g["step_s"]), f"{row.total / g['step_s']:.2f}",
+                          f"{g['step_s'] / base:.2f}x", nbytes(row.sent_per_step),
+                          nbytes(g["sent_per_step"])])  # fmt: skip
+        table(["", "configuration", "predicted", "measured", "pred/meas", "x single (meas)", "sent/step (pred)",
+               "(meas)"], cells, left=(0, 1))  # fmt: skip
+        exact = all(got[label]["sent_per_step"] == row.sent_per_step and got[label]["state_bytes"] == max(row.state)
+                    for label, row in chosen.items())  # fmt: skip
+        checks.ok(f"{name}: every run's bytes per step and state per rank are the planner's, to the byte", exact)
+        fastest = min(got, key=lambda label: got[label]["step_s"])
+        predicted_first = min(chosen, key=lambda label: chosen[label].total)
+        distributed = [label for label in chosen if label != "single"]
+        if fastest == "single":
+            slowest_ratio = ", ".join(f"{got[label]['step_s'] / base:.2f}x as long on {label} ({chosen[label].label})"
+                                      for label in distributed)  # fmt: skip
+            verdict = f"Measured here, single is the fastest: the best configurations take {slowest_ratio}."
+        else:
+            verdict = (f"Measured here, distributing wins: {chosen[fastest].label} on {fastest} takes "
+                       f"{got[fastest]['step_s'] / base:.2f}x single's time ({base / got[fastest]['step_s']:.2f}x "
+                       "as fast).")  # fmt: skip
+        agree = ("The planner predicted the same winner" if predicted_first == fastest else
+                 f"The planner predicted {chosen[predicted_first].label} ({predicted_first}) would be the fastest; "
+                 f"the measurement says {chosen[fastest].label}")  # fmt: skip
+        accuracy = {label: chosen[label].total / got[label]["step_s"] for label in chosen}
+        most = max(distributed, key=lambda label: chosen[label].ranks)
+        parts = single_breakdown(model, here)
+        single_pred, spread = chosen["single"].total, chosen[most]
+        shared = (", and ranks that share the cores cost more, measured, than the slowdown it applies"
+                  if accuracy[most] < accuracy["single"] else "")  # fmt: skip
+        say(f"{verdict} {agree}. Its predicted steps are {accuracy['single']:.2f}x the measured one for single and "
+            f"{accuracy[most]:.2f}x for {most} (its rates are fitted to steps in one process{shared}). What splitting "
+            "the batch can save: of "
+            f"single's predicted {ms(single_pred)} a step, the arithmetic of the matrix products is "
+            f"{ms(parts['arithmetic'])} ({100 * parts['arithmetic'] / single_pred:.0f}%), and that is all that "
+            f"splitting the batch divides. The fixed cost of its {len(model.sizes) - 1} layers "
+            f"({ms(parts['per_layer'])}: the interpreter, NumPy's calls) every rank pays in full, and so the update "
+            f"({ms(parts['update'])}) unless the configuration shards the weights (tp, ZeRO). On {spread.ranks} "
+            f"ranks sharing {here.cores} cores each rank computes {here.slowdown(spread.ranks):.2f}x slower, so "
+            f"{spread.label}'s predicted compute is {ms(spread.time['compute'])}, before "
+            f"{ms(spread.time['communication'])} of collectives each step.")  # fmt: skip
+        results["measured"][name] = {
+            "model": model.sizes, "batch_size": model.batch_size,
+            "configurations": {label: {"label": row.label, "ranks": row.ranks, "predicted_s": row.total,
+                                       "predicted_sent": row.sent_per_step, "predicted_state": max(row.state),
+                                       **got[label]} for label, row in chosen.items()},
+            "fastest_measured": fastest, "fastest_predicted": predicted_first}  # fmt: skip
+    for p in sorted({2, world}):
+        width, ratio = distributing_pays_from(here, p)
+        if width is None:
+            say(f"On {p} ranks, the planner predicts no width up to 4096 (64-w-w-w-10, batch 64) for which "
+                "distributing pays on this machine.")  # fmt: skip
+        else:
+            say(f"On {p} ranks the planner predicts that distributing starts to pay here from a hidden width of "
+                f"{width} (64-{width}-{width}-{width}-10, batch 64: {ratio:.2f}x single's speed there).")  # fmt: skip
+        results.setdefault("pays_from", {})[str(p)] = width
+
+    # ---------------------------------------------------------------------------- 2. data against tensor parallel
+    print(f"\n2. Data against tensor parallelism as the model widens: {WIDTH_LAYERS} layers of width x width, global "
+          f"batch {WIDTH_BATCH}, float32, momentum SGD")  # fmt: skip
+    results["widths"] = {}
+    for machine, p in ((here, world), (preset, 8)):
+        print(f"\n   on {p} ranks of {machine.name} ({nbytes(machine.per_rank_memory(p))} per rank)")
+        cells, sweep = [], []
+        for width in WIDTHS:
+            ddp, tp = ddp_and_tp(width, p, machine)
+            sweep.append({"width": width, "ddp": ddp.label, "ddp_s": ddp.total, "ddp_sent": ddp.sent_per_step,
+                          "ddp_fits": ddp.fits, "tp": tp.label, "tp_s": tp.total, "tp_sent": tp.sent_per_step,
+                          "tp_fits": tp.fits})  # fmt: skip
+            cells.append([f"{width:,}", f"{parameter_count(width_model(width).sizes):,}", ddp.label, ms(ddp.total),
+                          nbytes(ddp.sent_per_step), "" if ddp.fits else "no", ms(tp.total), nbytes(tp.sent_per_step),
+                          "" if tp.fits else "no", "tp" if tp.total < ddp.total else "ddp"])  # fmt: skip
+        table(["width", "parameters", "ddp (its fastest)", "step", "sent/step", "fits", f"tp{p}: step", "sent/step",
+               "fits", "faster"], cells, left=(2,))  # fmt: skip
+        at = crossover(p, machine)
+        growth_ddp = sweep[-1]["ddp_sent"] / sweep[-2]["ddp_sent"]
+        growth_tp = sweep[-1]["tp_sent"] / sweep[-2]["tp_sent"]
+        bytes_cross = next((s["width"] for s in sweep if s["tp_sent"] < s["ddp_sent"]), None)
+        if at is None:
+            where = f"tp{p}'s step is never the shorter in this sweep"
+        elif at == WIDTHS[0]:
+            where = f"tp{p}'s step is the shorter from the narrowest width priced ({at}) on"
+        else:
+            ddp, tp = ddp_and_tp(at, p, machine)
+            where = (f"tp{p}'s step becomes the shorter at width {at:,} (bisection, in steps of {WIDTH_STEP}: "
+                     f"{tp.total * 1e3:.4g} ms against {ddp.label}'s {ddp.total * 1e3:.4g} ms)")  # fmt: skip
+        no_room = next((s for s in sweep if not s["ddp_fits"]), None)
+        room = "" if no_room is None else (
+            f" From width {no_room['width']:,} on, ddp's replicas do not even fit a rank's "
+            f"{nbytes(machine.per_rank_memory(p))}" + ("." if no_room["tp_fits"] else f", nor tp{p}'s shards.")
+        )  # fmt: skip
+        fewer = ("tp never sends fewer bytes in this sweep" if bytes_cross is None else
+                 f"tp sends fewer bytes from width {bytes_cross:,} on")  # fmt: skip
+        say(f"On {machine.name}, {where}. Doubling the width multiplies ddp's bytes by {growth_ddp:.1f} (it "
+            f"all-reduces every gradient: ~width^2) and tp's by {growth_tp:.1f} (it all-reduces activations: ~width "
+            f"x batch); {fewer}. Where the steps cross depends on more "
+            "than bytes: tp makes several all-reduces per step where ddp makes one (each pays the latency), and a tp "
+            f"rank updates only its 1/{p} of the weights, where every ddp rank updates all of them.{room}")  # fmt: skip
+        if at is not None and at > WIDTHS[0]:
+            below, above = ddp_and_tp(at - WIDTH_STEP, p, machine), ddp_and_tp(at, p, machine)
+            checks.ok(f"{machine.name}: at width {at} tp's predicted step is shorter than ddp's, at {at - WIDTH_STEP}"
+                      " it is not", above[1].total < above[0].total and below[1].total >= below[0].total)  # fmt: skip
+        results["widths"][machine.name] = {"ranks": p, "sweep": sweep, "crossover": at, "bytes_crossover": bytes_cross}
+
+    # ---------------------------------------------------------------------------- 3. micro-batches and the bubble
+    stages, model = world, pipeline_model()
+    print(f"\n3. How micro-batches pay for a pipeline: {model.describe()}, GPipe on {stages} stages of this machine")
+    sweep = microbatch_sweep(model, stages, here)
+    fit = microbatch_fit(sweep, stages)
+    cells = [[f"{s['M']}", f"{s['rows']}", ms(s["step_s"]), ms(s["busy_s"]), ms(s["busy_s"] / s["M"]),
+              ms(s["bubble_s"]), f"{s['fraction']:.3f}", f"{s['formula']:.3f}", ms(s["update_s"])]
+             for s in sweep]  # fmt: skip
+    table(["M", "rows", "step", "busy (M x t)", "t", "bubble", "bubble share", "(P-1)/(M+P-1)", "update"], cells)
+    worst = max(abs(s["fraction"] - s["formula"]) for s in sweep)
+    checks.ok("the bubble's share of the pipelined time is (P-1)/(M+P-1), within 0.01", worst < 0.01,
+              f" (largest difference {worst:.4f})")  # fmt: skip
+    first, best = sweep[0], next(s for s in sweep if s["M"] == fit["best_M"])
+    uneven = (" (the small difference: the first and last stages send one message per micro-batch, the others two)"
+              if worst > 1e-9 else "")  # fmt: skip
+    say(f"With one micro-batch, {stages - 1} of the {stages} stages wait at any moment: the bubble is "
+        f"{100 * first['fraction']:.0f}% of the pipelined time. M micro-batches shrink it to (P-1)/(M+P-1) of it"
+        f"{uneven}. But "
+        f"each micro-batch costs about {ms(fit['per_microbatch_s'])} whatever its rows (the per-layer overheads of "
+        f"its stage's {PIPE_LAYERS // stages} layers, forward and backward, and its messages' latency), so the "
+        f"busy time grows from {ms(first['busy_s'])} at M = 1 to {ms(sweep[-1]['busy_s'])} at M = "
+        f"{sweep[-1]['M']}. The shortest step priced is M = {fit['best_M']} ({ms(best['step_s'])}, bubble "
+        f"{100 * best['fraction']:.0f}%); balancing the two costs, a B + c M + (P-1)(a B / M + c), puts it at M* = "
+        f"sqrt((P-1) a B / c) = {fit['formula_M']:.1f}.")  # fmt: skip
+    results["microbatches"] = {"stages": stages, "sizes": model.sizes, "batch_size": model.batch_size,
+                               "sweep": [{k: v for k, v in s.items() if k != "row"} for s in sweep], **fit}  # fmt: skip
+
+    # ---------------------------------------------------------------------------------------- 4. ZeRO
+    model = zero_model()
+    budget_bytes = args.memory_mib * MIB
+    small = with_memory_per_rank(here, budget_bytes, world)
+    print(f"\n4. What ZeRO buys when memory is the limit: {model.describe()}, on {world} ranks of this machine with "
+          f"{nbytes(budget_bytes)} per rank (an assumption: as if `dtrain plan --memory "
+          f"{args.memory_mib / 1024:g}`)")  # fmt: skip
+    found = zero_table(model, world, small)
+    cells = []
+    for z in found:
+        r, paper = z["row"], z["paper"]
+        cells.append([z["label"], *(nbytes(r.memory[k]) for k in KINDS), nbytes(r.memory["activations"]),
+                      nbytes(r.memory["total"]), "yes" if r.fits else "no", nbytes(sum(paper.values())),
+                      nbytes(sum(z["in_flight"].values())), ms(r.total), nbytes(r.sent_per_step)])  # fmt: skip
+    table(["", "parameters", "gradients", "optimizer", "activations", "total", "fits", "paper", "in flight", "step",
+           "sent/step"], cells)  # fmt: skip
+    exact = all(z["held"][k] == z["paper"][k] + z["in_flight"][k] for z in found for k in KINDS)
+    checks.ok("every stage's bytes per rank = the ZeRO paper's formula + the layer in flight, by kind", exact)
+    fitting = [z for z in found if z["row"].fits]
+    ddp_row = found[0]["row"]
+    if not fitting:
+        said = "Nothing fits: not even stage 3; more ranks, a smaller batch or a smaller model."
+    elif fitting[0]["stage"] == 0:
+        said = (f"ddp fits ({nbytes(ddp_row.memory['total'])} of {nbytes(budget_bytes)}): with this much memory "
+                "ZeRO buys nothing but a smaller footprint; give --memory-mib less to see it pay.")  # fmt: skip
+    else:
+        lowest = fitting[0]
+        r = lowest["row"]
+        said = (f"ddp needs {nbytes(ddp_row.memory['total'])} per rank and a rank has {nbytes(budget_bytes)}: it does "
+                f"not fit. The lowest stage that fits is {lowest['stage']} ({nbytes(r.memory['total'])}); it is "
+                f"priced at {r.total / ddp_row.total:.2f}x ddp's step and sends "
+                f"{r.sent_per_step / ddp_row.sent_per_step:.2f}x its bytes.")  # fmt: skip
+    update = small.slowdown(world) * small.update_time(model.parameters, itemsize(model), buffers(model))
+    said += (f" (Sharding the optimizer state also shards the optimizer's work: each rank updates only its chunk. "
+             f"Adam's update of every weight is {ms(update)} of ddp's {ms(ddp_row.total)} here, memory-bound on "
+             f"{world} ranks sharing {here.cores} cores.)")  # fmt: skip
+    z3 = found[3]
+    say(f"{said} Stage 1 shards the optimizer state (Adam: 2 buffers per weight), stage 2 the gradients too, stage 3 "
+        f"the parameters too. The paper's formula (dtrain's terms: one precision, no master copy) leaves out the "
+        f"layer in flight, {nbytes(z3['in_flight']['parameters'])} here, which stages 2 and 3 hold whole while it "
+        f"is reduce-scattered or used: stage 3's {nbytes(sum(z3['held'].values()))} of state is "
+        f"{nbytes(sum(z3['paper'].values()))} of chunks and {nbytes(sum(z3['in_flight'].values()))} of "
+        "layers.")  # fmt: skip
+    everyone = plan(model, world, small)
+    best = next((r for r in everyone if r.best), None)
+    if best is not None:
+        say(f"But ZeRO is not the only way to fit. With every paradigm competing for this memory: {why(everyone)} "
+            f"It needs {nbytes(best.memory['total'])} per rank.")  # fmt: skip
+    results["zero"] = {"world": world, "memory_per_rank": budget_bytes, "sizes": model.sizes,
+                       "stages": [{"stage": z["stage"], "held": z["held"], "paper": z["paper"],
+                                   "in_flight": z["in_flight"], "total": z["row"].memory["total"],
+                                   "fits": z["row"].fits, "step_s": z["row"].total,
+                                   "sent_per_step": z["row"].sent_per_step} for z in found],
+                       "best": best.label if best else None}  # fmt: skip
+
+    # ---------------------------------------------------------------------------------------- 5. a real cluster
+    model = cluster_model(args.cluster_batch)
+    print(f"\n5. A real cluster: {preset.about}")
+    print(f"   {model.describe()}")
+    print("   what the preset assumes, and where each number comes from (dtrain/hardware.json):")
+    for about, source in sources(args.preset).items():
+        print(textwrap.fill(f"{about}: {source}", width=116, initial_indent="     - ", subsequent_indent="       "))
+    print(textwrap.fill(
+        "and what this lesson and the planner assume besides: the global batch is fixed whatever the ranks (strong "
+        "scaling); float32 arithmetic without tensor cores; ddp's all-reduce after backward, not overlapped with it "
+        "(dtrain's default, --overlap off); tp's and pp's messages not overlapped with compute; no activation "
+        "recomputation; ranks fill nodes in order; a collective that spans nodes is priced on the slower link "
+        "throughout (no hierarchy unless the configuration says so).", width=116, initial_indent="     - ",
+        subsequent_indent="       "))  # fmt: skip
+    results["cluster"] = {"preset": args.preset, "sizes": model.sizes, "batch_size": model.batch_size, "worlds": {}}
+    plans, cells = {}, []
+    for p in worlds:
+        rows = plans[p] = plan(model, p, preset)
+        best, single = next(r for r in rows if r.best), single_row(rows)
+        speedup = single.total / best.total if single.fits else math.nan
+        cells.append([f"{p}", best.label, ms(best.total), f"{speedup:.1f}x", f"{speedup / p:.2f}",
+                      f"{100 * best.time['communication'] / best.total:.0f}%",
+                      f"{100 * best.time['bubble'] / best.total:.0f}%", nbytes(best.memory["total"]),
+                      f"{model.batch_size / best.total:,.0f}"])  # fmt: skip
+        fastest = {name: fastest_of(rows, name) for name in FAMILIES}
+        results["cluster"]["worlds"][str(p)] = {
+            "best": best.label, "step_s": best.total, "single_s": single.total, "why": why(rows),
+            "fastest": {name: {"label": r.label, "step_s": r.total} if r else None
+                        for name, r in fastest.items()}}  # fmt: skip
+    table(["ranks", "the planner's best", "step", "x single", "efficiency", "comm", "bubble", "memory/rank",
+           "samples/s"], cells, left=(1,))  # fmt: skip
+    say(
+        "x single: single's predicted step over the best's; efficiency: that speed-up per rank (1 would be perfect); "
+        "comm and bubble: their shares of the step; memory: the fullest rank's."
+    )
+    for p in worlds:
+        rows = plans[p]
+        best = next(r for r in rows if r.best)
+        families = "; ".join(f"{name}: {fastest_of(rows, name).label} {ms(fastest_of(rows, name).total)}"
+                             if fastest_of(rows, name) else f"{name}: none fits" for name in FAMILIES)  # fmt: skip
+        print(f"\n   {p} ranks ({-(-p // preset.ranks_per_node)} node(s) of {preset.ranks_per_node}):")
+        say(f"The fastest of each paradigm that fits: {families}. {why(rows)}")
+    ddp8 = fastest_of(plans[8], "ddp")
+    overlapped = price(parallel.get("ddp"), "ddp ring --overlap", {"allreduce": "ring", "overlap": True}, 8, model,
+                       preset)  # fmt: skip
+    steps = [results["cluster"]["worlds"][str(p)]["step_s"] for p in worlds]
+    trend = "; ".join(f"{a} -> {b} ranks: {s / t:.2f}x as fast" for (a, s), (b, t) in
+                      itertools.pairwise(zip(worlds, steps)))  # fmt: skip
+    last = (f"{worlds[-1]} ranks take {steps[-1] / steps[-2]:.2f}x as long as {worlds[-2]}: more ranks stopped paying"
+            if steps[-1] > steps[-2] else f"more ranks still pay at {worlds[-1]}")  # fmt: skip
+    say(f"How the best step scales with the ranks, the global batch fixed at {model.batch_size}: {trend}; {last}. "
+        f"Each rank gets less work ({model.batch_size / worlds[-1]:g} sample(s) per rank on {worlds[-1]} ranks, if "
+        "every rank takes a share of the batch) for collectives that do not shrink as fast, and more of them cross "
+        "the slower links between nodes. One assumption weighs on one node: ddp's all-reduce could overlap its "
+        f"backward. With --overlap the formulas give ddp ring {ms(overlapped.total)} on 8 ranks instead of "
+        f"{ms(ddp8.total) if ddp8 else '-'}, against the planner's pick's {ms(steps[0])}; the planner does not "
+        "weigh --overlap.")  # fmt: skip
+    results["cluster"]["ddp_overlap_8_s"] = overlapped.total
+    if args.png and 64 in plans:
+        print(f"\n   drawn: {figure(plans[64], args.png, f'{model.describe()} on 64 ranks of {args.preset}')}")
+
+    seconds = time.perf_counter() - started
+    results["seconds"] = seconds
+    results["checks"] = checks.verdicts
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+        print(f"\nmeasurements written to {args.json}")
+    passed = all(checks.verdicts.values())
+    print(f"\n(the lesson took {seconds:.0f} s)\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
