@@ -59,6 +59,10 @@ class Hardware:
     inter: Machine  # the link between nodes
     ranks_per_node: int | None = None  # None: every rank on one node
     cores: int | None = None  # per node, when ranks share them (CPUs); None: a rank has its own device
+    # the part of an all-reduce started during backward that backward hides: a GPU computes and moves data at once
+    # (NCCL on its own stream); a CPU rank moves its intra-node data with the cores that compute, and MPI progresses
+    # only when the rank calls it, so on this machine --overlap measured slower, not faster (docs/benchmarks.md, 4)
+    hidden: float = 1.0
     loaded: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> Machine measured busy
     slowdowns: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> measured slowdown
     about: str = ""
@@ -152,7 +156,7 @@ class Hardware:
         cores = usable_cores()
         return cls(name=THIS, flops=compute["flops"], layer_s=compute["layer_s"], step_s=compute["step_s"],
                    memory_bandwidth=compute["memory_bandwidth"], memory=_memory_bytes(), intra=idle, inter=idle,
-                   cores=cores, loaded=loaded, slowdowns=slowdowns,
+                   cores=cores, hidden=0.0, loaded=loaded, slowdowns=slowdowns,
                    about=f"this machine: {cores} cores, {_memory_bytes() / GIB:.0f} GiB, links and compute rates "
                    f"from {Path(calibration).name}" + (f" of {compute['date']}" if compute.get("date") else "")
                    + ("" if data.get("compute") else " (compute: defaults; run scripts/calibrate.py --compute)"),

@@ -113,9 +113,9 @@ def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=
                 continue
             rows.append(price(kind, label, flags, ranks, model, machine))
     fitting = [r for r in rows if r.fits and r.same_updates]
-    if fitting:
-        min(fitting, key=lambda r: r.total).best = True
-    return sorted(rows, key=lambda r: (r.ruled_out is not None, not r.fits, r.total))
+    if fitting:  # (of two as fast, the one that needs less memory)
+        min(fitting, key=lambda r: (r.total, r.memory["total"])).best = True
+    return sorted(rows, key=lambda r: (r.ruled_out is not None, not r.fits, r.total, r.memory.get("total", 0)))
 
 
 def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.Hardware) -> Row:
@@ -194,7 +194,8 @@ def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_
     """The plan as text: the configurations that fit, fastest first, then those that do not, then those ruled out."""
     from dtrain.report import text_table
 
-    lines = [f"plan: {model.describe()}", f"  on {world} rank(s) of {machine.name}: {machine.about}",
+    where = machine.about if machine.name == hw.THIS else f"{machine.name}: {machine.about}"
+    lines = [f"plan: {model.describe()}", f"  on {world} rank(s) of {where}",
              f"  memory per rank: {_bytes(machine.per_rank_memory(world))}", ""]  # fmt: skip
     header = ["", "configuration", "step", "compute", "comm", "bubble", "samples/s", "sent/step", "params", "grads",
               "optim", "activ", "memory", "fits"]  # fmt: skip
@@ -251,14 +252,14 @@ def figure(rows: list[Row], path, title: str) -> Path:
         left += widths
     times.set_yticks(y, [("* " if r.best else "~ " if not r.same_updates else "") + r.label for r in shown])
     times.set_xlabel("predicted ms per step")
-    times.legend(loc="lower right")
+    times.legend(loc="best")
     left = np.zeros(len(shown))
     for kind, colour in zip(KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         widths = np.array([r.memory[kind] / (1 << 20) for r in shown])
         memory.barh(y, widths, left=left, color=colour, label=kind)
         left += widths
     memory.set_xlabel("MiB per rank (the fullest rank)")
-    memory.legend(loc="lower right")
+    memory.legend(loc="best")
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)

@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import os
 
+# One thread, as a rank runs, set before NumPy and Numba load (importing anything of dtrain loads NumPy, whose BLAS
+# reads these once): the compute rates and gamma below are one rank's.
+ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+for _name in ONE_THREAD:
+    os.environ.setdefault(_name, "1")
+
 from dtrain.comm.launcher import THREAD_VARIABLES
 
-for _name in THREAD_VARIABLES:  # before NumPy and Numba load: gamma below is measured on one thread, as a rank runs
-    os.environ.setdefault(_name, "1")
+assert set(ONE_THREAD) == set(THREAD_VARIABLES), "the launcher's thread variables changed: update ONE_THREAD"
 
 import argparse
 import json

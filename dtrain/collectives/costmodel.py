@@ -38,7 +38,7 @@ import json
 import math
 from pathlib import Path
 
-from dtrain.collectives._chunks import chunk_offsets
+from dtrain.collectives._chunks import chunk_offsets as _chunk_offsets
 
 CALIBRATION = Path(__file__).with_name("calibration.json")
 ALLREDUCE_ALGORITHMS = (
@@ -80,6 +80,11 @@ def default_machine(p: int | None = None) -> Machine:
 
 
 # --- exact traffic: (messages, elements) sent by one rank in one phase -----------------------------------------
+@functools.lru_cache(maxsize=4096)
+def chunk_offsets(count: int, p: int) -> tuple:
+    """The collectives' cut (:func:`dtrain.collectives.chunk_offsets`), remembered: the traffic of every rank of a
+    big world reads the same offsets (the planner asks for hundreds of ranks at once)."""
+    return tuple(_chunk_offsets(count, p))
 
 
 def _ring_rs(count, p, r):

@@ -221,8 +221,10 @@ class DataParallel(Paradigm):
     # --- the plan ---------------------------------------------------------------------------------------------------
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
-        """Each all-reduce algorithm; the hierarchical ones over the hardware's nodes (this machine: 2 emulated)."""
+        """Each all-reduce algorithm; the ring overlapped with backward; the hierarchical ones over the hardware's
+        nodes (this machine: 2 emulated)."""
         chosen = [(f"ddp {a}", {"allreduce": a}, world) for a in ("ring", "tree", "doubling", "rabenseifner", "mpi")]
+        chosen.append(("ddp ring, overlapped", {"allreduce": "ring", "overlap": True}, world))
         k = hardware.ranks_per_node or (world // 2 if world >= 4 else None)
         if k and 1 < k < world:
             chosen += [(f"ddp {a} ({-(-world // k)} nodes)", {"allreduce": a, "ranks_per_node": k}, world)
@@ -239,5 +241,6 @@ class DataParallel(Paradigm):
         algorithm = "ring" if yours.is_spec(algorithm) else algorithm  # (yours: priced as the ring it should be)
         send = [hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node) for n in buckets]
         compute = cls.replica_compute(sizes, world, config, hardware)
-        exposed = max(sum(send) - 2 / 3 * compute, send[-1]) if config.overlap else sum(send)  # backward: 2/3
+        hidden = min(sum(send) - send[-1], hardware.hidden * 2 / 3 * compute)  # (backward: 2/3 of the compute)
+        exposed = sum(send) - hidden if config.overlap else sum(send)
         return {"compute": compute, "communication": exposed, "bubble": 0.0}

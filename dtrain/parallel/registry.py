@@ -64,7 +64,14 @@ def readers(flag: str) -> list[str]:
 def _registry() -> dict[str, type[Paradigm]]:
     """Import every module of this package once, and those named by ``$DTRAIN_PARADIGMS``, so each paradigm
     registers itself: the registry is the list of files. Sorted by the lesson that teaches it (added ones last)."""
-    added = [name.strip() for name in os.environ.get(MODULES_VAR, "").split(",") if name.strip()]
+    return _imported(os.environ.get(MODULES_VAR, ""), tuple(_REGISTRY.items()))
+
+
+@functools.lru_cache(maxsize=16)
+def _imported(modules_var: str, registered: tuple) -> dict[str, type[Paradigm]]:
+    """:func:`_registry` for one value of ``$DTRAIN_PARADIGMS`` and of what is registered (it is asked for on every
+    flag a config reads: the imports are looked at again only when either changed)."""
+    added = [name.strip() for name in modules_var.split(",") if name.strip()]
     for module in _package_modules() + added:
         try:
             importlib.import_module(module)
