@@ -22,6 +22,7 @@ from pathlib import Path
 from dtrain import kernels, report
 from dtrain.comm import launcher
 from dtrain.errors import UserError
+from dtrain.plan import flag_words
 
 EPOCHS = 2
 
@@ -50,8 +51,8 @@ def measure(row, model, folder, steps: int, timeout: float = 300.0) -> Measured:
              "hidden": ",".join(map(str, model.sizes[1:-1])) or "none", "batch_size": model.batch_size,
              "epochs": EPOCHS, "dtype": model.dtype, "optimizer": model.optimizer, "momentum": model.momentum,
              "out": str(folder)}  # fmt: skip
-    target = ["-m", "dtrain", "train", *[w for k, v in flags.items() for w in (f"--{k.replace('_', '-')}", str(v))],
-              "--no-progress", "--quiet", "--timeout", f"{timeout / 2:g}"]  # fmt: skip
+    target = ["-m", "dtrain", "train", *flag_words(flags), "--no-progress", "--quiet", "--timeout",
+              f"{timeout / 2:g}"]  # fmt: skip
     env = {**os.environ}
     env.setdefault(kernels.ENV_VAR, "numpy")  # (as the tour: Numba's compilation is not what is being predicted)
     done = launcher.launch(row.ranks, target, timeout=timeout, capture=True, env=env)

@@ -227,3 +227,18 @@ def test_check_needs_this_machine():
 def test_a_grid_that_does_not_divide_is_refused_before_anything():
     with pytest.raises(ConfigError, match="--pp 3 does not divide --ranks 4"):
         planner.plan(SMALL, 4, hardware.load("this"), pp=3)
+
+
+def test_every_configurations_command_is_one_dtrain_train_takes():
+    """The command the plan prints for a configuration parses, and asks for that configuration."""
+    import shlex
+
+    from dtrain import cli
+
+    for row in planner.plan(SMALL, 4, hardware.load("this")):
+        words = shlex.split(row.command(SMALL))
+        assert words[:5] == ["dtrain", "launch", "-n", str(row.ranks), "-m"]
+        args = cli.build_parser().parse_args(words[6:])
+        assert args.paradigm == row.paradigm and list(args.hidden) == SMALL.sizes[1:-1]
+        for name, value in row.flags.items():
+            assert getattr(args, name) == value, (row.label, name)
