@@ -4,9 +4,12 @@ The planner (:mod:`dtrain.plan`) asks each paradigm how long a step would take o
 says which layers a rank computes on how many rows, and which collectives over which ranks it makes, and this module
 prices them. Three rates and two links describe a machine::
 
-    one rank's step   = slowdown x ( sum over its Linear layers of (6 rows a b / flops + layer_s)   matrix products
-                                     + step_s                                                         the loss, Python
-                                     + (3 + 2k) parameters x itemsize / memory_bandwidth )            optimizer update
+    one rank's step   = slowdown x ( M x sum over its Linear layers of         each of M micro-batches of rows/M rows:
+                                           (6 (rows/M) a b / flops             its matrix products,
+                                            + layer_s                          a layer's fixed cost (Python, launches)
+                                            + 4 a b itemsize / memory_bandwidth)   4 passes over the layer's weights
+                                     + step_s                                  the loss, the step's own Python
+                                     + (3 + 2k) parameters x itemsize / memory_bandwidth )    the optimizer's update
     slowdown          = ranks on the node / cores, when ranks outnumber cores (they share them), else 1
     a collective      = the alpha-beta-gamma formula of its algorithm (dtrain.collectives.costmodel) on the link it
                         crosses: ``intra`` when every rank of the group is on one node, ``inter`` when it spans nodes
@@ -41,6 +44,9 @@ from dtrain.comm import usable_cores
 from dtrain.errors import ConfigError
 
 PRESETS = Path(__file__).with_name("hardware.json")
+# A micro-batch reads a layer's weights in forward and again in backward, and reads and writes its gradient (which it
+# accumulates into): four passes over a weight-sized array, however few its rows
+WEIGHT_PASSES = 4
 THIS = "this"
 GIB = 1 << 30
 
@@ -90,10 +96,12 @@ class Hardware:
         return self.inter if len({self.node_of(r) for r in ranks}) > 1 else self.intra
 
     # --- compute ----------------------------------------------------------------------------------------------------
-    def layers_time(self, layers, rows: int) -> float:
-        """Seconds of forward and backward through ``layers`` ((a, b) weight shapes) on ``rows`` rows, on a core of
-        its own (the caller multiplies by :meth:`slowdown`)."""
-        return sum(6 * rows * a * b / self.flops + self.layer_s for a, b in layers)
+    def layers_time(self, layers, rows: int, itemsize: int) -> float:
+        """Seconds of one micro-batch's forward and backward through ``layers`` ((a, b) weight shapes) on ``rows``
+        rows, on a core of its own (the caller multiplies by :meth:`slowdown`): the arithmetic, the fixed cost of
+        each layer, and :data:`WEIGHT_PASSES` passes over its weights, which every micro-batch pays again."""
+        return sum(6 * rows * a * b / self.flops + self.layer_s + WEIGHT_PASSES * a * b * itemsize /
+                   self.memory_bandwidth for a, b in layers)  # fmt: skip
 
     def update_time(self, parameters: float, itemsize: int, buffers: int) -> float:
         """Seconds of the rest of a step on a core of its own: the optimizer's update of ``parameters`` with
@@ -204,13 +212,15 @@ def load(name: str, dtype: str = "float32") -> Hardware:
 
 
 # --- measuring this machine's compute ------------------------------------------------------------------------------
-# (sizes, rows): small and wide, shallow and deep, few rows and many, so the fit can tell the four rates apart
-SHAPES = [((64, 64, 10), 8), ((64, 64, 64, 64, 64, 64, 64, 10), 8), ((64, 64, 64, 64, 10), 96),
-          ((784, 512, 512, 10), 16), ((784, 512, 512, 10), 256), ((784, 2048, 2048, 10), 8),
-          ((784, 1024, 1024, 1024, 10), 128), ((2048, 2048, 10), 512)]  # fmt: skip
+# (sizes, rows, micro-batches): small and wide, shallow and deep, few rows and many, one micro-batch and several, so
+# that the fit can tell the four rates apart
+SHAPES = [((64, 64, 10), 8, 1), ((64, 64, 64, 64, 64, 64, 64, 10), 8, 1), ((64, 64, 64, 64, 10), 96, 1),
+          ((64, 64, 64, 64, 10), 96, 4), ((784, 512, 512, 10), 16, 1), ((784, 512, 512, 10), 256, 1),
+          ((784, 512, 512, 10), 256, 8), ((784, 2048, 2048, 10), 8, 1), ((784, 1024, 1024, 1024, 10), 128, 1),
+          ((784, 1024, 1024, 1024, 10), 128, 8), ((2048, 2048, 10), 512, 1)]  # fmt: skip
 
 
-def step_seconds(sizes, rows: int, optimizer: str = "sgd", steps: int = 20) -> float:
+def step_seconds(sizes, rows: int, optimizer: str = "sgd", steps: int = 20, accumulate: int = 1) -> float:
     """Seconds per step of ``dtrain train --paradigm single`` on synthetic data for the MLP ``sizes`` with a batch of
     ``rows``: the driver's whole step (the batch's slicing, forward, backward, the update, the loop's bookkeeping),
     over the second of two epochs of ``steps`` steps (the first warms the caches and the allocator)."""
@@ -219,7 +229,8 @@ def step_seconds(sizes, rows: int, optimizer: str = "sgd", steps: int = 20) -> f
 
     config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
                          hidden=tuple(sizes[1:-1]), batch_size=rows, samples=-(-rows * steps * 5 // 4), epochs=2,
-                         optimizer=optimizer, quiet=True, progress=False, timeout=0)  # fmt: skip
+                         optimizer=optimizer, accumulate=accumulate, quiet=True, progress=False,
+                         timeout=0)  # fmt: skip
     metrics = train(config, sim.solo())
     return metrics["epochs"][-1]["train_time_s"] / steps
 
@@ -230,15 +241,17 @@ def measure_compute(shapes=SHAPES) -> dict:
     seconds."""
     from dtrain.layout import parameter_count
 
-    rounds = [[step_seconds(sizes, rows) for sizes, rows in shapes] for _ in range(3)]  # (interleaved: a busy
+    rounds = [[step_seconds(sizes, rows, accumulate=m) for sizes, rows, m in shapes] for _ in range(3)]  # (a busy
     rows_of, seconds = [], [float(np.median(times)) for times in zip(*rounds)]  # moment is one round's, not a shape's)
-    for sizes, rows in shapes:
-        products = sum(6 * rows * a * b for a, b in itertools.pairwise(sizes))
-        rows_of.append([products, len(sizes) - 1, 1.0, 5 * parameter_count(sizes) * 4])  # SGD with momentum: k = 1
+    for sizes, rows, m in shapes:
+        layers = list(itertools.pairwise(sizes))
+        products, weights = sum(6 * rows * a * b for a, b in layers), sum(a * b for a, b in layers)
+        moved = (5 * parameter_count(sizes) + WEIGHT_PASSES * m * weights) * 4  # SGD with momentum: k = 1; float32
+        rows_of.append([products, len(layers) * m, 1.0, moved])
     a, t = np.array(rows_of), np.array(seconds)
     coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
     coef = np.maximum(coef, 1e-13)  # (a rate the data cannot see is fast, not negative)
     fitted = a @ coef
     return {"flops": 1.0 / coef[0], "layer_s": coef[1], "step_s": coef[2], "memory_bandwidth": 1.0 / coef[3],
-            "shapes": [{"sizes": list(s), "rows": r, "seconds": m, "fitted": f}
-                       for (s, r), m, f in zip(shapes, seconds, fitted)]}  # fmt: skip
+            "shapes": [{"sizes": list(s), "rows": r, "microbatches": m, "seconds": t, "fitted": f}
+                       for (s, r, m), t, f in zip(shapes, seconds, fitted)]}  # fmt: skip

@@ -209,7 +209,8 @@ def fit_compute() -> dict:
         shown = "-".join(map(str, shape["sizes"]))
         measured, fitted = shape["seconds"] * 1e3, shape["fitted"] * 1e3
         print(
-            f"  {shown:28s} rows {shape['rows']:4d}: measured {measured:8.3f} ms, fitted {fitted:8.3f} ms "
+            f"  {shown:28s} rows {shape['rows']:4d} in {shape['microbatches']}: measured {measured:8.3f} ms, fitted "
+            f"{fitted:8.3f} ms "
             f"({fitted / measured:.2f}x)"
         )
     return {**compute, "command": "python " + " ".join(sys.argv), "date": time.strftime("%F")}

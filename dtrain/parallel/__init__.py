@@ -278,13 +278,13 @@ class Paradigm:
 
     @classmethod
     def replica_compute(cls, sizes, world: int, config, hardware, updated: float | None = None) -> float:
-        """Seconds of a whole replica's forward and backward on this paradigm's slice of the batch, and an update of
-        ``updated`` parameters (default: all of them)."""
-        rows = config.batch_size // cls.shard_of(0, world, config)[1]
-        n = parameter_count(sizes) if updated is None else updated
-        update = hardware.update_time(n, np.dtype(config.dtype).itemsize, buffers_per_parameter(config.optimizer,
-                                      config.momentum))  # fmt: skip
-        return hardware.slowdown(world) * (hardware.layers_time(list(itertools.pairwise(sizes)), rows) + update)
+        """Seconds of a whole replica's forward and backward on this paradigm's slice of the batch (in --accumulate
+        micro-batches), and an update of ``updated`` parameters (default: all of them)."""
+        rows, k = config.batch_size // cls.shard_of(0, world, config)[1], config.accumulate
+        n, b = parameter_count(sizes) if updated is None else updated, np.dtype(config.dtype).itemsize
+        update = hardware.update_time(n, b, buffers_per_parameter(config.optimizer, config.momentum))
+        return hardware.slowdown(world) * (k * hardware.layers_time(list(itertools.pairwise(sizes)), rows // k, b)
+                                           + update)  # fmt: skip
 
     @classmethod
     def activations(cls, sizes, world: int, config):

@@ -245,7 +245,8 @@ def step_time(cls, sizes, world: int, config, hardware) -> dict:
     per_worker = 2 * (link.alpha + shard * b * link.beta) + shard * b * link.gamma  # push in, pull out, summed
     update = hardware.update_time(shard, b, buffers_per_parameter(config.optimizer, config.momentum))
     slowdown = hardware.slowdown(world)
-    compute = slowdown * (hardware.layers_time(list(itertools.pairwise(sizes)), rows) + hardware.step_s)
+    k = config.accumulate
+    compute = slowdown * (k * hardware.layers_time(list(itertools.pairwise(sizes)), rows // k, b) + hardware.step_s)
     if cls.synchronous:
         return {"compute": compute, "communication": workers * per_worker + slowdown * update, "bubble": 0.0}
     serving = workers * (per_worker + slowdown * update)  # per round of one step from every worker

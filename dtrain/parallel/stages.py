@@ -163,7 +163,7 @@ def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, h
             split = {"column": lambda a, c: (a, c // shape.tp), "row": lambda a, c: (a // shape.tp, c),
                      "replicated": lambda a, c: (a, c)}  # fmt: skip
             layers = [split[kind](sizes[j], sizes[j + 1]) for j, kind in zip(range(first, stop), plan(stop - first))]
-            compute += slow * hardware.layers_time(layers, rows)
+            compute += slow * hardware.layers_time(layers, rows, b)
             forward, backward = activations_sent(sizes, first, stop, rows)
             if shape.tp > 1:
                 send += sum(hardware.allreduce(config.allreduce, n * b, tensor_group, world)
