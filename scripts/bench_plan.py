@@ -32,14 +32,13 @@ The first choice: the planner's best (the fastest predicted that fits and makes 
 configurations that make single's updates, paired by round: each one's step time over the first choice's in the same
 round, the median over the rounds (the "vs 1st" column); the first choice passes if none is more than 10% faster.
 
-What is timed: every configuration the planner prices that fits here, but of the pipeline one per grid (pp x tp x
-dp: 1F1B with the micro-batch count predicted fastest; GPipe's predicted time is 1F1B's, the schedules differ in
-activation memory), local SGD at its smallest H (it averages most often) and gossip on the ring; not ``ddp ring,
-overlapped``, whose ``--overlap`` switch plan_check.measure cannot pass (it writes ``--overlap True``; on this machine
-the planner prices it as ddp ring, since a CPU hides nothing). Each (ranks, model) block runs all its configurations
-once per round, the order rotated each round, so that a slow minute on this VM falls on all of them alike; the rounds
-follow one another within the block. The steps per epoch: :func:`dtrain.plan_check.steps_for` of the predicted step
-with ``--budget`` seconds (5 to 50 steps), one more each round (local SGD: H more, whole periods).
+What is timed: every configuration the planner prices that fits here, but of the pipeline one per grid (pp x tp x dp:
+1F1B with the micro-batch count predicted fastest; GPipe's predicted time is 1F1B's, the schedules differ in activation
+memory), local SGD at its smallest H (it averages most often) and gossip on the ring; ``ddp ring, overlapped`` too (the
+planner prices it as ddp ring here: a CPU hides nothing behind backward). Each (ranks, model) block runs all its
+configurations once per round, the order rotated each round, so that a slow minute on this VM falls on all of them
+alike; the rounds follow one another within the block. The steps per epoch: :func:`dtrain.plan_check.steps_for` of the
+predicted step with ``--budget`` seconds (5 to 50 steps), one more each round (local SGD: H more, whole periods).
 
 Then worlds this machine cannot run: 16, 32 and 64 simulated ranks (dtrain.comm.sim: threads, the same tracer), a
 tiny model trained for one epoch of 2 and of 4 steps per configuration (ddp ring and hierarchical_rs, ZeRO 1/2/3,
@@ -115,16 +114,9 @@ def rates_line(m: hardware.Hardware) -> str:
 
 
 # --- which configurations ------------------------------------------------------------------------------------------
-def switched(row) -> bool:
-    """A configuration with a switch among its flags (``--overlap``): plan_check.measure passes every flag with a
-    value (``--overlap True``), which ``dtrain train`` refuses, so it cannot be run through measure() as it stands."""
-    return any(isinstance(v, bool) for v in row.flags.values())
-
-
 def timed(rows: list) -> list:
-    """The priced rows that fit, the pipeline's one per grid, local SGD's smallest H, gossip's ring; the best always;
-    none with a switch among its flags (:func:`switched`)."""
-    priced = [r for r in rows if r.time and r.fits and not switched(r)]
+    """The priced rows that fit, the pipeline's one per grid, local SGD's smallest H, gossip's ring; the best always."""
+    priced = [r for r in rows if r.time and r.fits]
     grids, keep = {}, []
     for r in priced:
         if r.paradigm == "pp":
@@ -203,10 +195,6 @@ def run_block(world: int, size: str, machine, rounds: int, budget: float, scratc
     rows = planner.plan(model, world, machine)
     chosen = timed(rows)
     print(f"\n== {world} ranks, {size}: {model.describe()}; {len(chosen)} configurations x {rounds} rounds", flush=True)
-    skipped = [r.label for r in rows if r.time and r.fits and switched(r)]
-    if skipped:
-        print(f"  not timed: {', '.join(skipped)} (plan_check.measure passes a switch with a value, --overlap True, "
-              "which dtrain train refuses)")  # fmt: skip
     runs = {r.label: [] for r in chosen}
     failed = {}
     started = time.perf_counter()
@@ -249,7 +237,7 @@ def run_block(world: int, size: str, machine, rounds: int, budget: float, scratc
             entry["failed"] = failed[row.label]
         out.append(entry)
     block = {"ranks": world, "size": size, "sizes": sizes, "batch_size": batch, "describe": model.describe(),
-             "seconds": time.perf_counter() - started, "load_average": os.getloadavg(), "not_timed": skipped,
+             "seconds": time.perf_counter() - started, "load_average": os.getloadavg(),
              "configurations": out}  # fmt: skip
     block["verdict"] = verdict(out)
     print(block_table(block), flush=True)
