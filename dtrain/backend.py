@@ -35,8 +35,8 @@ def get_xp(device: str = "cpu") -> types.ModuleType:
             import cupy
         except ImportError as exc:
             raise BackendError(
-                "--device gpu needs CuPy, which is not installed: "
-                "pip install cupy-cuda12x (what dtrain's [gpu] extra installs), or use --device cpu"
+                "--device gpu needs CuPy, which is not installed: pip install 'dtrain[gpu]' (CUDA 12) or "
+                "'dtrain[gpu-cuda13]' (CUDA 13; nvidia-smi says which), or use --device cpu"
             ) from exc
         try:
             cupy.cuda.runtime.getDeviceCount()
@@ -44,6 +44,29 @@ def get_xp(device: str = "cpu") -> types.ModuleType:
             raise BackendError(f"--device gpu: CuPy is installed but found no usable GPU ({exc})") from exc
         return cupy
     raise BackendError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+
+
+def gpu_missing() -> str | None:
+    """Why ``--device gpu`` cannot run here (no CuPy, no GPU), or None when it can: for tests to skip with a reason
+    and lessons to say why their GPU part is left out."""
+    try:
+        get_xp("gpu")
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+def select_gpu(local_rank: int) -> dict:
+    """Make GPU ``local_rank % count`` this process's current device (one GPU per rank; when ranks outnumber GPUs,
+    several ranks share one: each gets its own CUDA context and memory, and the GPU time-slices their kernels).
+    Call it before the first CuPy allocation: arrays live on the device that was current when they were made.
+    Returns what a run records: the index, the name, how many GPUs this node has."""
+    cupy = get_xp("gpu")
+    count = cupy.cuda.runtime.getDeviceCount()
+    index = local_rank % count
+    cupy.cuda.Device(index).use()
+    name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
+    return {"index": index, "name": name.decode() if isinstance(name, bytes) else str(name), "count": count}
 
 
 def array_module(array) -> types.ModuleType:
@@ -58,6 +81,28 @@ def array_module(array) -> types.ModuleType:
 def is_device_array(array) -> bool:
     """True for a GPU (CuPy) array."""
     return type(array).__module__.startswith("cupy")
+
+
+def host_or_device_loss(value):
+    """A step's loss, in float64, where it lives: a Python float for a NumPy value, a 0-d float64 CuPy array for a
+    GPU one. Reading a GPU value on the host makes the CPU wait until the GPU has run everything queued so far, so a
+    loss read at every step would stop the CPU from queueing the next step's kernels while the GPU runs this one's:
+    the driver reads GPU losses a few steps at a time instead (:func:`read_losses`)."""
+    if is_device_array(value):
+        return value.astype(np.float64)
+    return float(value)
+
+
+def read_losses(values) -> list[float]:
+    """Python floats of losses from :func:`host_or_device_loss` (and plain numbers): one copy for all GPU ones."""
+    out = list(values)
+    on_device = [i for i, v in enumerate(out) if is_device_array(v)]
+    if on_device:
+        import cupy
+
+        for i, v in zip(on_device, cupy.stack([out[i] for i in on_device]).get().tolist()):
+            out[i] = v
+    return [float(v) for v in out]
 
 
 def to_host(array) -> np.ndarray:

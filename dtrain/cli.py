@@ -202,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with a report (default %(default)g)",
     )
 
+    t.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu, or gpu: every run on CuPy arrays, the "
+        "ranks sharing the node's GPUs (rank %% GPUs) (default %(default)s)",
+    )
+
     _add_plan(sub, defaults, DTYPES, OPTIMIZERS)
 
     plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
@@ -251,10 +259,16 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
     world.add_argument("--ranks", type=int, default=4, help="ranks (default %(default)s)")
     world.add_argument(
         "--machine",
-        default=hardware.THIS,
         metavar="NAME",
         help=f"the hardware: {', '.join(hardware.presets())} (dtrain/hardware.json, with sources; this: "
-        "calibration.json's links and compute rates) (default %(default)s)",
+        f"calibration.json's links and compute rates) (default: this, or {hardware.GPU_MEASURED} with --device gpu)",
+    )
+    world.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where each rank computes: gpu, one "
+        "GPU per rank (the commands and --check's runs say --device gpu) (default %(default)s)",
     )
     world.add_argument("--ranks-per-node", type=int, metavar="K", help="ranks per node (default: the preset's)")
     world.add_argument("--flops", type=float, help="sustained FLOP/s of a rank (overrides the preset)")
@@ -314,7 +328,7 @@ def main(argv=None) -> int:
         if args.command == "tour":
             from dtrain.tour import tour
 
-            return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout)
+            return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout, args.device)
         if args.command == "plan":
             from dtrain.plan import command
 

@@ -211,6 +211,17 @@ def load(name: str, dtype: str = "float32") -> Hardware:
                     about=p["about"], **link)  # fmt: skip
 
 
+# The preset of a GPU machine measured by dtrain itself (scripts/calibrate.py --gpu): what --device gpu plans on when
+# no --machine is named, and what the tour's GPU runs are predicted on.
+GPU_MEASURED = "lent-h100"
+
+
+def for_device(device: str, dtype: str = "float32") -> Hardware:
+    """The machine a plan for ``device`` uses when none is named: this one (its CPU calibration) for "cpu", the
+    measured GPU preset (:data:`GPU_MEASURED`) for "gpu"."""
+    return load(THIS if device == "cpu" else GPU_MEASURED, dtype)
+
+
 # --- measuring this machine's compute ------------------------------------------------------------------------------
 # (sizes, rows, micro-batches): small and wide, shallow and deep, few rows and many, one micro-batch and several, so
 # that the fit can tell the four rates apart
@@ -218,30 +229,37 @@ SHAPES = [((64, 64, 10), 8, 1), ((64, 64, 64, 64, 64, 64, 64, 10), 8, 1), ((64, 
           ((64, 64, 64, 64, 10), 96, 4), ((784, 512, 512, 10), 16, 1), ((784, 512, 512, 10), 256, 1),
           ((784, 512, 512, 10), 256, 8), ((784, 2048, 2048, 10), 8, 1), ((784, 1024, 1024, 1024, 10), 128, 1),
           ((784, 1024, 1024, 1024, 10), 128, 8), ((2048, 2048, 10), 512, 1)]  # fmt: skip
+# a GPU needs big products before their arithmetic shows beside the launches' fixed costs
+GPU_SHAPES = [*SHAPES, ((784, 4096, 4096, 10), 1024, 1), ((784, 8192, 8192, 10), 512, 1),
+              ((784, 4096, 4096, 10), 1024, 4)]  # fmt: skip
 
 
-def step_seconds(sizes, rows: int, optimizer: str = "sgd", steps: int = 20, accumulate: int = 1) -> float:
+def step_seconds(
+    sizes, rows: int, optimizer: str = "sgd", steps: int = 20, accumulate: int = 1, device: str = "cpu"
+) -> float:
     """Seconds per step of ``dtrain train --paradigm single`` on synthetic data for the MLP ``sizes`` with a batch of
     ``rows``: the driver's whole step (the batch's slicing, forward, backward, the update, the loop's bookkeeping),
-    over the second of two epochs of ``steps`` steps (the first warms the caches and the allocator)."""
+    over the second of two epochs of ``steps`` steps (the first warms the caches and the allocator; on a GPU, the
+    epoch's time ends when its last losses have been read back, so its kernels have all run)."""
     from dtrain.comm import sim
     from dtrain.train import TrainConfig, train
 
     config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
                          hidden=tuple(sizes[1:-1]), batch_size=rows, samples=-(-rows * steps * 5 // 4), epochs=2,
-                         optimizer=optimizer, accumulate=accumulate, quiet=True, progress=False,
+                         optimizer=optimizer, accumulate=accumulate, device=device, quiet=True, progress=False,
                          timeout=0)  # fmt: skip
     metrics = train(config, sim.solo())
     return metrics["epochs"][-1]["train_time_s"] / steps
 
 
-def measure_compute(shapes=SHAPES) -> dict:
+def measure_compute(shapes=SHAPES, device: str = "cpu") -> dict:
     """Fit ``flops``, ``layer_s``, ``step_s`` and ``memory_bandwidth`` to dtrain's own steps on this process (run it
-    with one BLAS thread, as a rank runs), least squares on relative error; and each shape's measured and fitted
-    seconds."""
+    with one BLAS thread, as a rank runs; ``device="gpu"``: on the GPU, with :data:`GPU_SHAPES`), least squares on
+    relative error; and each shape's measured and fitted seconds."""
     from dtrain.layout import parameter_count
 
-    rounds = [[step_seconds(sizes, rows, accumulate=m) for sizes, rows, m in shapes] for _ in range(3)]  # (a busy
+    rounds = [[step_seconds(sizes, rows, accumulate=m, device=device) for sizes, rows, m in shapes]  # (a busy
+              for _ in range(3)]  # fmt: skip
     rows_of, seconds = [], [float(np.median(times)) for times in zip(*rounds)]  # moment is one round's, not a shape's)
     for sizes, rows, m in shapes:
         layers = list(itertools.pairwise(sizes))

@@ -46,6 +46,7 @@ class Model:
     dtype: str = "float32"
     optimizer: str = "sgd"
     momentum: float = 0.9
+    device: str = "cpu"  # where each rank's arrays live: "gpu", one GPU per rank
 
     @property
     def parameters(self) -> int:
@@ -54,7 +55,8 @@ class Model:
     def config(self, paradigm: str, flags: dict) -> TrainConfig:
         return TrainConfig(paradigm=paradigm, dataset="synthetic", features=self.sizes[0], classes=self.sizes[-1],
                            hidden=tuple(self.sizes[1:-1]), batch_size=self.batch_size, dtype=self.dtype,
-                           optimizer=self.optimizer, momentum=self.momentum, **flags)  # fmt: skip
+                           optimizer=self.optimizer, momentum=self.momentum, device=self.device,
+                           **flags)  # fmt: skip
 
     def describe(self) -> str:
         widths = self.sizes if len(self.sizes) <= 8 else [*self.sizes[:3], "...", *self.sizes[-2:]]
@@ -92,6 +94,8 @@ class Row:
             "dataset": "synthetic", "features": model.sizes[0], "classes": model.sizes[-1]}  # fmt: skip
         hidden = ",".join(map(str, model.sizes[1:-1])) or "none"
         shared = {"hidden": hidden, "batch_size": model.batch_size, "dtype": model.dtype, "optimizer": model.optimizer}
+        if model.device != "cpu":
+            shared["device"] = model.device
         words = flag_words({"paradigm": self.paradigm, **self.flags, **data, **shared})
         return f"dtrain launch -n {self.ranks} -m dtrain train {' '.join(words)}"
 
@@ -293,12 +297,13 @@ def model_of(args) -> Model:
     for name in ("features", "classes", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return Model([args.features, *hidden, args.classes], args.batch_size, args.dtype, args.optimizer, args.momentum)
+    return Model([args.features, *hidden, args.classes], args.batch_size, args.dtype, args.optimizer, args.momentum,
+                 args.device)  # fmt: skip
 
 
 def machine_of(args, world: int) -> hw.Hardware:
     """The preset, with what the command line overrides (rates must be positive and finite)."""
-    machine = hw.load(args.machine, args.dtype)
+    machine = hw.load(args.machine, args.dtype) if args.machine else hw.for_device(args.device, args.dtype)
     changes = {}
     for option, value in (("flops", args.flops), ("memory", args.memory), ("ranks_per_node", args.ranks_per_node)):
         if value is None:

@@ -50,7 +50,7 @@ def measure(row, model, folder, steps: int, timeout: float = 300.0) -> Measured:
              "features": model.sizes[0], "classes": model.sizes[-1],
              "hidden": ",".join(map(str, model.sizes[1:-1])) or "none", "batch_size": model.batch_size,
              "epochs": EPOCHS, "dtype": model.dtype, "optimizer": model.optimizer, "momentum": model.momentum,
-             "out": str(folder)}  # fmt: skip
+             "device": model.device, "out": str(folder)}  # fmt: skip
     target = ["-m", "dtrain", "train", *flag_words(flags), "--no-progress", "--quiet", "--timeout",
               f"{timeout / 2:g}"]  # fmt: skip
     env = {**os.environ}

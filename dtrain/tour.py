@@ -28,6 +28,7 @@ that, so nothing hangs; Ctrl-C stops the job that runs and the tour.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain import kernels, parallel, report, tour_notes
+from dtrain import backend, kernels, parallel, report, tour_notes
 from dtrain.comm import flavours, launcher
 from dtrain.errors import ConfigError, MissingPackage, UserError
 from dtrain.train import TrainConfig
@@ -190,12 +191,17 @@ def one_line_error(stderr: str, status: int) -> str:
     return raised[-1] if raised else f"exited with status {status}"
 
 
-def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: float) -> int:
-    """The ``dtrain tour`` command: the runs, then the table (printed and written), tour.json and the figure."""
+def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: float, device: str = "cpu") -> int:
+    """The ``dtrain tour`` command: the runs, then the table (printed and written), tour.json and the figure.
+    ``device="gpu"``: every run's arrays on the GPU (its ranks sharing the node's GPUs, ``rank % GPUs``)."""
     if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
         raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
+    if device == "gpu" and backend.gpu_missing():
+        raise UserError(f"--device gpu: {backend.gpu_missing()}")
     started, batch = time.monotonic(), global_batch(ranks)
     chosen = choose(names, ranks, batch, epochs)
+    if device != "cpu":
+        chosen = [dataclasses.replace(e, options={**e.options, "device": device}) for e in chosen]
     try:
         plt = report.pyplot()
     except MissingPackage as exc:  # the table and the metrics do not need it
@@ -204,7 +210,8 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     env.setdefault(KERNELS, "numpy")
     mpi_name = flavours.detect(launcher.mpiexec_path())
     print(f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
-          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}; every "
+          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
+          f"{device.upper()}; every "
           f"run's metrics in {folder}/", flush=True)  # fmt: skip
     launcher.mpiexec_flags()  # what this MPI needs said (run as root) is said now, not in a progress line
     runs = []
@@ -225,6 +232,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tour.txt").write_text(text + "\n")
     meta = {"ranks": ranks, "epochs": epochs, "batch_size": batch, "hidden": list(HIDDEN), "dataset": "digits",
+            "device": device,
             "tour_s": time.monotonic() - started}  # fmt: skip
     (folder / "tour.json").write_text(json.dumps({**meta, "runs": summary}, indent=1, default=str) + "\n")
     written = [folder / "tour.txt", folder / "tour.json"]
@@ -261,7 +269,7 @@ def step_times(run: Run) -> dict:
     """The run's measured seconds per training step (the median of its epochs' after the first, which warms up), the
     planner's prediction for its configuration on this machine, and whether its steps are single's."""
     from dtrain.data import steps_per_epoch
-    from dtrain.hardware import load
+    from dtrain.hardware import for_device
 
     m = run.metrics
     steps = steps_per_epoch(m["dataset"]["train_samples"], m["config"]["batch_size"])
@@ -269,14 +277,19 @@ def step_times(run: Run) -> dict:
     kind = parallel.get(m["config"]["paradigm"])
     config = run.entry.config(m["config"]["batch_size"], len(m["epochs"]))
     sizes = [m["dataset"]["features"], *HIDDEN, m["dataset"]["classes"]]
-    predicted = kind.step_time(sizes, run.entry.ranks, config, load("this"))
-    return {"step_s": statistics.median(times[1:] or times), "predicted_step_s": sum(predicted.values()),
+    try:
+        machine = for_device(config.device)
+    except ConfigError:  # (no preset for this device: the table says "-")
+        predicted = None
+    else:
+        predicted = sum(kind.step_time(sizes, run.entry.ranks, config, machine).values())
+    return {"step_s": statistics.median(times[1:] or times), "predicted_step_s": predicted,
             "same_updates": kind.same_updates}  # fmt: skip
 
 
 def verdict(summary: list[dict]) -> str:
     """Whether the planner's first choice among the runs that make single's updates was the measured fastest."""
-    ran = [r for r in summary if "step_s" in r and r["same_updates"]]
+    ran = [r for r in summary if "step_s" in r and r["same_updates"] and r["predicted_step_s"] is not None]
     if len(ran) < 2:
         return ""
     chosen = min(ran, key=lambda r: r["predicted_step_s"])
@@ -304,7 +317,8 @@ def table(summary: list[dict], footnotes: list[str]) -> str:
         predicted = r["predicted_sent_per_step"]  # (None where costs() cannot say: a learner's all-reduce)
         predicted = "?" if None in predicted else f"{max(predicted):,.0f}"
         lines.append([r["label"], f"{100 * r['test_accuracy']:.2f}%", f"{r['wall_time_s']:.2f}",
-                      f"{r['step_s'] * 1e3:.2f}", f"{r['predicted_step_s'] * 1e3:.2f}",
+                      f"{r['step_s'] * 1e3:.2f}",
+                      "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s'] * 1e3:.2f}",
                       f"{max(r['sent_per_step']):,.0f}",
                       predicted, f"{max(r['messages_per_step']):.1f}", held,
                       f"{max(r['predicted_state_bytes']):,}", r["note"]])  # fmt: skip

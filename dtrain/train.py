@@ -27,7 +27,9 @@ import numpy as np
 
 from dtrain import backend, checkpoint, kernels, parallel, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
+from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.prepare import layers, prepare
+from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import NOT_TRAINING, gather_events, write_chrome_trace
 from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
@@ -163,6 +165,12 @@ class TrainConfig:
             raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
 
 
+# On a GPU the driver reads the steps' losses this many at a time: reading one makes the CPU wait for the GPU to
+# finish every kernel queued so far, so reading each step's would keep the CPU from queueing the next step's
+# kernels while the GPU runs this one's. A run that diverges stops at most this many steps late.
+LOSSES_READ_TOGETHER = 16
+
+
 def train(config: TrainConfig, comm=None) -> dict:
     """Train as ``config`` says; return (and, with ``config.out``, write) the metrics dictionary.
 
@@ -187,6 +195,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             )
     kind.check(config, world)  # the paradigm's own flags, before any rank talks to another
     check_same_config(comm, config)
+    gpu = select_gpu(comm) if config.device == "gpu" else None  # (before the first array is made on it)
     dtype = backend.resolve_dtype(config.dtype)
 
     data = load_dataset(
@@ -242,11 +251,8 @@ def train(config: TrainConfig, comm=None) -> dict:
         "layers": [type(layer).__name__ for layer in layers(comm)],
         "per_rank": comm.gather(mine, root=0),
     }
-    if hasattr(comm, "staged_bytes_to_host"):  # GPU buffers staged through host memory
-        metrics["communication"]["staged_bytes"] = {
-            "to_host": comm.staged_bytes_to_host,
-            "to_device": comm.staged_bytes_to_device,
-        }
+    if gpu is not None:
+        metrics["gpu"] = {**gpu, "staging": comm.gather(staging_figures(comm), root=0)}
     if config.trace:
         events = gather_events(comm.tracer, comm)
         if rank == 0:
@@ -255,6 +261,28 @@ def train(config: TrainConfig, comm=None) -> dict:
         report.write_metrics(config.out, metrics)
     comm.free_made()  # the paradigm's sub-communicators (after the final checkpoint, which may gather over them)
     return metrics
+
+
+def select_gpu(comm) -> dict:
+    """Give this rank GPU ``local rank % GPUs`` (:func:`dtrain.backend.select_gpu`); the local rank is its place
+    among the ranks that share its machine's memory (MPI's ``COMM_TYPE_SHARED``), whatever launched them."""
+    node = comm.Split_type(COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+    return {**backend.select_gpu(local_rank), "local_rank": local_rank, "ranks_on_node": local_size}
+
+
+def staging_figures(comm) -> dict:
+    """This rank's GPU staging: whether MPI took device buffers as they were (and why), the bytes copied each way
+    through pinned host memory and the seconds those copies took (the stream synchronisations before them too)."""
+    staged = next((c for c in layers(comm) if isinstance(c, StagedComm)), None)
+    if staged is None:
+        return {}
+    return {"cuda_aware": staged.cuda_aware, "why": staged.cuda_aware_reason,
+            "bytes_to_host": staged.staged_bytes_to_host, "bytes_to_device": staged.staged_bytes_to_device,
+            "seconds": staged.staging_seconds, "pinned_bytes": staged.pinned_bytes_allocated}  # fmt: skip
 
 
 def default_batch(kind, config: TrainConfig, world: int) -> int:
@@ -287,19 +315,20 @@ class Epochs:
             position.epoch = epoch
             epoch_start = time.perf_counter() - position.train_time_s
             losses = []  # this rank's loss of each step it runs of this epoch
+            unread = []  # losses still on the GPU (on the CPU each is read at once)
+            read_every = 1 if self.xp is np else LOSSES_READ_TOGETHER
             # resuming: the steps already done are skipped
             steps = paradigm.epoch(EpochBatches(loader, epoch, position.done))
             for loss in _progress(steps, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
-                losses.append(loss)
-                if not math.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"the loss became {loss} at epoch {epoch}, step {position.done + len(losses)}: training "
-                        f"diverged; lower the learning rate (--lr {config.lr:g} → try {config.lr / 10:g})"
-                    )
+                unread.append(loss)
                 position.step += 1
-                if config.checkpoint_every and position.step % config.checkpoint_every == 0:
+                checkpoint_now = config.checkpoint_every and position.step % config.checkpoint_every == 0
+                if len(unread) >= read_every or checkpoint_now:
+                    self.read(unread, losses, epoch)
+                if checkpoint_now:
                     position.train_time_s = time.perf_counter() - epoch_start
                     save_checkpoint(paradigm, config, self.sizes, position, losses)
+            self.read(unread, losses, epoch)
             train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
             train_time = time.perf_counter() - epoch_start
             test_loss, test_accuracy = evaluate(paradigm.evaluation_model(), self.data, self.xp)
@@ -321,6 +350,20 @@ class Epochs:
                     f"test acc {100 * e['test_accuracy']:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
                     flush=True,
                 )
+
+    def read(self, unread: list, losses: list, epoch: int) -> None:
+        """Move the ``unread`` losses into ``losses`` as Python floats (GPU ones in one copy), stopping a run whose
+        loss is no longer finite."""
+        first = self.position.done + len(losses)  # the epoch's steps before the first unread one
+        for i, loss in enumerate(backend.read_losses(unread)):
+            if not math.isfinite(loss):
+                lr = self.config.lr
+                raise TrainingDiverged(
+                    f"the loss became {loss} at epoch {epoch}, step {first + i + 1}: training diverged; lower the "
+                    f"learning rate (--lr {lr:g} → try {lr / 10:g})"
+                )
+            losses.append(loss)
+        unread.clear()
 
 
 class EpochBatches:

@@ -20,6 +20,12 @@ busy, so run it again.
     python scripts/bench_kernels.py                  # about half a minute
     python scripts/bench_kernels.py --quick          # sizes up to 1e6, fewer samples: a few seconds
     python scripts/bench_kernels.py --json out.json  # also save every number
+    python scripts/bench_kernels.py --device gpu     # on a GPU: the fused kernel against CuPy's own ufuncs
+
+``--device gpu`` compares, on GPU arrays of 1e4 to 1e8 elements, dtrain's kernels (``cupy``: for ``sum_scale_`` one
+generated ``cupy.ElementwiseKernel`` that reads the k inputs and writes the output once) with CuPy's own operators
+(``ufuncs``: ``out = b0 + b1``, ``out += b2`` ..., ``out *= f``: k passes over the output); the ratio is ufuncs' time
+over the fused kernel's (above 1: fusing pays). GPU times are taken to a device synchronisation after each sample.
 """
 
 from __future__ import annotations
@@ -69,6 +75,26 @@ def make_arrays(xp, k: int, dtype: str, n: int):
     return [xp.asarray(rng.standard_normal(n).astype(dtype)) for _ in range(k + 1)]
 
 
+def ufunc_call(arrays, kernel: str, k: int, aliased: bool):
+    """The same operation with CuPy's own operators: one kernel, one pass over the output, per operator."""
+    import cupy
+
+    out, bufs = arrays[0], arrays[1:]
+    if kernel == "add_":
+        return lambda: cupy.add(out, bufs[0], out=out)
+    if kernel == "scale_":
+        return lambda: cupy.multiply(out, 1.0, out=out)
+    inputs, factor = ([out, *bufs[1:]], 0.5) if aliased else (bufs, 1.0 / k)
+
+    def sum_scale():
+        cupy.add(inputs[0], inputs[1], out=out)  # (out = b0 + b1, or out += b1 when out is b0)
+        for b in inputs[2:]:
+            cupy.add(out, b, out=out)
+        cupy.multiply(out, factor, out=out)
+
+    return sum_scale
+
+
 def make_call(arrays, kernel: str, k: int, aliased: bool):
     """A zero-argument function running the kernel once on ``arrays``."""
     out, bufs = arrays[0], arrays[1:]
@@ -84,8 +110,8 @@ def make_call(arrays, kernel: str, k: int, aliased: bool):
 class Contender:
     """One backend: how to switch to it, its call for the current row, and its timing samples (seconds per call)."""
 
-    def __init__(self, name: str, xp, sync=None):
-        self.name, self.xp, self.sync = name, xp, sync or (lambda: None)
+    def __init__(self, name: str, xp, sync=None, make=make_call):
+        self.name, self.xp, self.sync, self.make = name, xp, sync or (lambda: None), make
         self.call, self.repeat, self.samples = None, 1, []
 
     def select(self):
@@ -121,7 +147,12 @@ class Contender:
         self.samples.append((time.perf_counter() - start) / self.repeat)
 
 
-def contenders():
+def contenders(device: str = "cpu"):
+    if device == "gpu":  # CuPy's own operators first: the ratio is theirs over dtrain's fused kernel
+        import cupy
+
+        sync = cupy.cuda.Device().synchronize
+        return [Contender("ufuncs", cupy, sync, make=ufunc_call), Contender("cupy", cupy, sync)]
     found = [Contender("numpy", np), Contender("numba", np)]
     try:
         import cupy
@@ -133,16 +164,17 @@ def contenders():
     return found
 
 
-def run(rows, samples: int):
-    players = contenders()
+def run(rows, samples: int, device: str = "cpu"):
+    players = contenders(device)
+    slow, fast = players[0].name, players[1].name  # the ratio: slow's time over fast's
     print_header(players)
     results = []
     for row in rows:
         kernel, k, aliased, dtype, n = row
-        host = make_arrays(np, k, dtype, n)  # numpy and numba work on the very same arrays
+        shared = make_arrays(players[0].xp, k, dtype, n)  # the first two work on the very same arrays
         for player in players:
-            arrays = host if player.xp is np else make_arrays(player.xp, k, dtype, n)
-            player.prepare(make_call(arrays, kernel, k, aliased))
+            arrays = shared if player.xp is players[0].xp else make_arrays(player.xp, k, dtype, n)
+            player.prepare(player.make(arrays, kernel, k, aliased))
         for _ in range(samples):
             for player in players:
                 player.sample()
@@ -156,9 +188,9 @@ def run(rows, samples: int):
                 "gbps": nbytes / median / 1e9,
                 "calls_per_sample": player.repeat,
             }
-        result["numpy_over_numba"] = result["numpy"]["median_s"] / result["numba"]["median_s"]
-        result["numpy_over_numba_min"] = result["numpy"]["min_s"] / result["numba"]["min_s"]
-        if "cupy" in result:
+        result[f"{slow}_over_{fast}"] = result[slow]["median_s"] / result[fast]["median_s"]
+        result[f"{slow}_over_{fast}_min"] = result[slow]["min_s"] / result[fast]["min_s"]
+        if "cupy" in result and "numpy" in result:
             result["numpy_over_cupy"] = result["numpy"]["median_s"] / result["cupy"]["median_s"]
         results.append(result)
         print_row(result, players)
@@ -180,7 +212,8 @@ def print_header(players):
 
 def print_row(result, players):
     cols = "".join(f" {result[p.name]['median_s'] * 1e6:11.1f} {result[p.name]['gbps']:11.1f}" for p in players)
-    ratios = f"{result['numpy_over_numba']:9.2f}x {result['numpy_over_numba_min']:9.2f}x"
+    ratio = f"{players[0].name}_over_{players[1].name}"
+    ratios = f"{result[ratio]:9.2f}x {result[ratio + '_min']:9.2f}x"
     print(f"{label(result):<22} {result['dtype']:<7} {result['n']:>9.0e}{cols} {ratios}", flush=True)
 
 
@@ -189,8 +222,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="sizes up to 1e6 and 5 samples each")
     parser.add_argument("--samples", type=int, default=None, help="timing samples per contender and row (21)")
     parser.add_argument("--json", metavar="PATH", help="save every number to this file")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="gpu: fused kernel vs CuPy's ufuncs")
     args = parser.parse_args(argv)
     samples = args.samples or (5 if args.quick else 21)
+    if args.device == "gpu":
+        gpu_main(args, samples)
+        return
 
     kernels.use("numba")  # an ImportError if Numba is missing: there would be nothing to compare
     import numba
@@ -205,6 +242,32 @@ def main(argv=None):
     if args.json:
         meta = run_meta(header=header, thresholds=dict(zip(("NUMBA_MIN_SIZE", "FUSED_MIN_SIZE"), DEFAULT_THRESHOLDS)))
         print(f"saved {write_json(args.json, {'meta': meta, 'results': results})}")
+
+
+def gpu_cases(quick: bool):
+    sizes = [10**4, 10**5, 10**6, 10**7] + ([] if quick else [10**8])
+    rows = []
+    for n in sizes:
+        rows += [("add_", 1, False, "float32", n)]
+        rows += [("sum_scale_", k, False, "float32", n) for k in (2, 4, 8)]
+        rows.append(("sum_scale_", 2, True, "float32", n))
+    return rows
+
+
+def gpu_main(args, samples: int) -> None:
+    from dtrain import backend
+
+    missing = backend.gpu_missing()
+    if missing:
+        raise SystemExit(f"--device gpu: {missing}")
+    import cupy
+
+    gpu = backend.select_gpu(0)
+    header = f"{datetime.date.today()}  {gpu['name']}  CuPy {cupy.__version__}  {samples} samples per cell"
+    print(header)
+    results = run(gpu_cases(args.quick), samples, "gpu")
+    if args.json:
+        print(f"saved {write_json(args.json, {'meta': run_meta(header=header, gpu=gpu), 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python scripts/calibrate.py --ranks 2,4      # rank counts to measure under load (default 2,3,4,8)
     python scripts/calibrate.py --dry-run        # only print the fit
     python scripts/calibrate.py --compute        # only the compute rates (dtrain plan's), keeping the links
+    python scripts/calibrate.py --gpu preset.json   # on a GPU machine: a dtrain plan preset of it (see below)
 
 The alpha-beta model says sending n bytes takes ``alpha + beta * n``. Two ranks play ping-pong: rank 0 sends n
 bytes, rank 1 sends them back; half the round trip is one message. A least-squares fit over sizes from 8 B to
@@ -18,6 +19,12 @@ gamma for that p. With more ranks than cores these are the numbers that predict 
 The compute rates ``dtrain plan`` prices a step with (:mod:`dtrain.hardware`: FLOP/s of the matrix products, seconds
 per layer and per step besides them, the update's memory bandwidth) are fitted to dtrain's own training steps on one
 thread (:func:`dtrain.hardware.measure_compute`) and written under ``"compute"``.
+
+``--gpu FILE`` measures a machine with a GPU for ``dtrain plan --device gpu``, as a preset of dtrain/hardware.json
+(to paste there under a name): the compute rates of dtrain's steps on the GPU (:data:`dtrain.hardware.GPU_SHAPES`),
+the ping-pong of GPU buffers between two ranks sharing the GPU, staged through pinned host memory as this MPI needs
+(:class:`dtrain.comm.staging.StagedComm`), beside the same ping-pong of host buffers, and gamma of the GPU's
+reduction kernel. calibration.json is not touched: it describes the machine the repository's CPU numbers come from.
 
 All these are *this machine's* numbers: two processes on one host talk through shared memory, so beta here is a
 memory-copy rate, not a network's. On a cluster, run it across two nodes for the inter-node constants.
@@ -51,9 +58,9 @@ SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 OUTPUT = Path(__file__).resolve().parents[1] / "dtrain" / "collectives" / "calibration.json"
 
 
-def pingpong(comm, nbytes: int, reps: int) -> float:
-    """Median one-way time of an ``nbytes`` message between ranks 0 and 1."""
-    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
+def pingpong(comm, nbytes: int, reps: int, xp=np) -> float:
+    """Median one-way time of an ``nbytes`` message between ranks 0 and 1 (``xp``: the buffer's array module)."""
+    buf = xp.zeros(max(nbytes, 1), dtype=np.uint8)[:nbytes]
     rank, samples = comm.Get_rank(), []
     for _ in range(reps):
         comm.Barrier()
@@ -163,11 +170,39 @@ def reps_for(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1 << 16)))
 
 
+def gpu_reduce_time_per_byte(nbytes: int = 64 << 20, reps: int = 20) -> float:
+    """Seconds per byte of ``kernels.add_`` on GPU arrays (CUDA events around ``reps`` calls)."""
+    import cupy
+
+    from dtrain import kernels
+
+    a, b = cupy.ones(nbytes // 4, dtype=np.float32), cupy.ones(nbytes // 4, dtype=np.float32)
+    kernels.add_(a, b)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        kernels.add_(a, b)
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / reps / nbytes
+
+
 def worker(result_path: str, mode: str) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    if mode == "pingpong":
+    if mode == "gpu":  # two ranks sharing the GPU: staged GPU buffers, then host buffers, the same sizes
+        from dtrain import backend
+        from dtrain.comm.staging import StagedComm
+
+        gpu = backend.select_gpu(comm.Get_rank())
+        staged = StagedComm(comm)
+        import cupy
+
+        result = {"staged": [pingpong(staged, n, reps_for(n), cupy) for n in SIZES],
+                  "host": [pingpong(comm, n, reps_for(n)) for n in SIZES], "gpu": gpu,
+                  "cuda_aware": staged.cuda_aware, "why": staged.cuda_aware_reason}  # fmt: skip
+    elif mode == "pingpong":
         result = [pingpong(comm, n, reps_for(n)) for n in SIZES]
     else:
         result = {
@@ -196,6 +231,54 @@ def print_fit(title, times, alpha, beta) -> None:
         print(f"{n:10d} {t * 1e6:10.2f}us {(alpha + beta * n) * 1e6:10.2f}us")
 
 
+def gpu_preset(path: str) -> None:
+    """``--gpu FILE``: this GPU machine as a dtrain/hardware.json preset (see the module's docstring)."""
+    import cupy
+
+    from dtrain import backend
+    from dtrain.hardware import GPU_SHAPES, measure_compute
+
+    missing = backend.gpu_missing()
+    if missing:
+        raise SystemExit(f"--gpu: {missing}")
+    gpu = backend.select_gpu(0)
+    compute = measure_compute(GPU_SHAPES, device="gpu")
+    print(f"compute on {gpu['name']}: {compute['flops'] / 1e12:.1f} TFLOP/s in matrix products, "
+          f"{compute['layer_s'] * 1e6:.0f} us per layer, {compute['step_s'] * 1e6:.0f} us per step, "
+          f"{compute['memory_bandwidth'] / 1e9:.0f} GB/s updates")  # fmt: skip
+    for shape in compute["shapes"]:
+        print(f"  {'-'.join(map(str, shape['sizes'])):28s} rows {shape['rows']:5d} in {shape['microbatches']}: "
+              f"measured {shape['seconds'] * 1e3:8.3f} ms, fitted {shape['fitted'] * 1e3:8.3f} ms")  # fmt: skip
+    links = measure(2, "gpu")
+    staged, host = fit(SIZES, links["staged"]), fit(SIZES, links["host"])
+    gamma = gpu_reduce_time_per_byte()
+    print_fit(f"ping-pong of GPU buffers, 2 ranks sharing the GPU ({links['why']})", links["staged"], *staged)
+    print_fit("ping-pong of host buffers, the same 2 ranks", links["host"], *host)
+    print(f"GPU reduction: {gamma * 1e12:.3f} ps per byte ({1e-9 / gamma:.0f} GB/s of reduced bytes)")
+    date, memory = time.strftime("%F"), cupy.cuda.runtime.getDeviceProperties(gpu["index"])["totalGlobalMem"]
+    link = {"alpha": staged[0], "bandwidth": 1.0 / staged[1], "gamma": gamma}
+    preset = {
+        "about": f"this workplace's lent GPU machine: {gpu['count']} {gpu['name']}, ranks sharing it, messages staged "
+        f"through pinned host memory (MPI not CUDA-aware); every number measured by dtrain on it, {date}",
+        "ranks_per_node": gpu["count"], "flops": {"float32": compute["flops"]}, "efficiency": 1.0,
+        "layer_s": compute["layer_s"], "step_s": compute["step_s"], "memory": float(memory),
+        "memory_bandwidth": compute["memory_bandwidth"], "intra": link, "inter": link,
+        "sources": {
+            "flops, layer_s, step_s, memory_bandwidth": f"fitted to dtrain's own steps on the GPU ({date}): "
+            "python scripts/calibrate.py --gpu (dtrain.hardware.measure_compute, GPU_SHAPES); efficiency 1: the "
+            "fit is already what dtrain sustains",
+            "memory": "the GPU's totalGlobalMem, read through CuPy",
+            "intra": f"ping-pong of GPU buffers between 2 ranks staged through pinned host memory ({links['why']}), "
+            f"8 B to 16 MiB; gamma: kernels.add_ on GPU arrays of 64 MiB, CUDA events ({date})",
+            "inter": "no second machine was measured: the intra-node link stands in for it",
+        },
+        "measured": {"compute_shapes": compute["shapes"], "staged_seconds": links["staged"],
+                     "host_seconds": links["host"], "host_fit": {"alpha": host[0], "beta": host[1]}, "bytes": SIZES},
+    }  # fmt: skip
+    Path(path).write_text(json.dumps(preset, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def fit_compute() -> dict:
     """dtrain.hardware's compute rates, fitted on this process (one BLAS thread, as a rank), with the command."""
     from dtrain.hardware import measure_compute
@@ -221,11 +304,15 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,3,4,8", help="rank counts to measure under load (default %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     parser.add_argument("--compute", action="store_true", help="only refit the compute rates, keep the links")
+    parser.add_argument("--gpu", metavar="FILE", help="measure this GPU machine; write a dtrain plan preset to FILE")
     parser.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="pingpong", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.mode)
+        return
+    if args.gpu:
+        gpu_preset(args.gpu)
         return
 
     from dtrain import kernels

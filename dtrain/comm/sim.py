@@ -115,7 +115,7 @@ class SimWorld:
     ``eager_limit``: the largest message (bytes) a ``Send`` delivers without waiting for the receiver.
     ``timeout``: seconds a run may take before :class:`SimTimeout` (``None``: no limit).
     ``record``: keep the log of sends and receives of the last run in ``events``; ``verbose``: print it as it
-    happens.
+    happens. ``cuda_aware``: its communicators take CuPy arrays as they are (see :class:`SimComm`).
     """
 
     def __init__(
@@ -125,11 +125,12 @@ class SimWorld:
         timeout: float | None = 60.0,
         record: bool = False,
         verbose: bool = False,
+        cuda_aware: bool = False,
     ):
         if nranks < 1:
             raise ValueError(f"a world needs at least one rank, got {nranks}")
         self.nranks, self.eager_limit, self.timeout = nranks, eager_limit, timeout
-        self.record, self.verbose = record, verbose
+        self.record, self.verbose, self.cuda_aware = record, verbose, cuda_aware
         self.events: list[SimEvent] = []
         self._lock = threading.Lock()
         self._running = False

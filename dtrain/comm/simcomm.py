@@ -128,12 +128,13 @@ def _fill_status(status, source: int, tag: int, nbytes: int) -> None:
         status.Set_elements(MPI.BYTE, nbytes)
 
 
-def _flat_array(buf, call: str, writable: bool):
+def _flat_array(buf, call: str, writable: bool, device_arrays: bool = False):
     """The 1-D array (in memory order, a view) that a buffer argument describes.
 
     Accepts what mpi4py accepts for the common cases: an array, ``[array, datatype]`` and ``[array, count,
     datatype]`` (the first ``count`` elements; the datatype is assumed to match the array's). ``None`` is an empty
     buffer. The array must be contiguous, as for mpi4py, so a strided slice fails here as it would under MPI.
+    ``device_arrays``: CuPy arrays are accepted too (a CUDA-aware world: they are copied GPU to GPU).
     """
     count = None
     if isinstance(buf, (list, tuple)):
@@ -144,14 +145,17 @@ def _flat_array(buf, call: str, writable: bool):
         buf = buf[0]
     if buf is None:
         return np.empty(0, dtype=np.uint8)
-    if not isinstance(buf, np.ndarray):
-        hint = " (move CuPy arrays to the host first)" if type(buf).__module__.startswith("cupy") else ""
+    on_device = device_arrays and type(buf).__module__.startswith("cupy")
+    if not isinstance(buf, np.ndarray) and not on_device:
+        hint = ""
+        if type(buf).__module__.startswith("cupy"):
+            hint = " (move CuPy arrays to the host first, or make the world with SimWorld(cuda_aware=True))"
         raise TypeError(f"{call}: the simulator communicates NumPy arrays, got {type(buf).__name__}{hint}")
     if not (buf.flags.c_contiguous or buf.flags.f_contiguous):
         raise BufferError(f"{call}: the array is not contiguous (a strided slice?); MPI needs contiguous buffers")
-    if writable and not buf.flags.writeable:
+    if writable and not on_device and not buf.flags.writeable:
         raise BufferError(f"{call}: the receive buffer is read-only")
-    flat = buf.ravel(order="K")  # a view, since the array is contiguous
+    flat = buf.ravel(order="C" if buf.flags.c_contiguous else "F")  # a view, since the array is contiguous
     if count is not None:
         if not 0 <= count <= flat.size:
             raise SimCommError(f"{call}: count {count} does not fit an array of {flat.size} elements")
@@ -251,12 +255,12 @@ class SimRequest:
 class SimComm(CallRecords):
     """One rank's view of a simulated communicator, with mpi4py's method names and signatures.
 
-    ``cuda_aware = False``: it communicates NumPy arrays only (GPU staging reads this).
+    ``cuda_aware``: its world's (``SimWorld(cuda_aware=...)``, False by default): False, it communicates NumPy arrays
+    only, as an MPI without CUDA would; True, CuPy arrays too, copied on the GPU, as a CUDA-aware MPI moves them over
+    NVLink (GPU staging reads this, to decide whether to stage).
 
     ``name`` says which communicator it is ("world", "world.split(1)", "world.dup" ...).
     """
-
-    cuda_aware = False
 
     def __init__(self, world, context: int, group: tuple, rank: int, name: str):
         self._world = world
@@ -270,6 +274,10 @@ class SimComm(CallRecords):
 
     def __repr__(self) -> str:
         return f"<SimComm {self.name} rank {self._rank} of {self._size}>"
+
+    @property
+    def cuda_aware(self) -> bool:
+        return getattr(self._world, "cuda_aware", False)
 
     # --- who am I -------------------------------------------------------------------------------------------
     def Get_rank(self) -> int:
@@ -306,7 +314,7 @@ class SimComm(CallRecords):
         self._check_peer(dest, call, "dest")
         if tag < 0:
             raise SimCommError(f"{call}: tag must be >= 0, got {tag}")
-        data = _flat_array(buf, call, writable=False)
+        data = _flat_array(buf, call, writable=False, device_arrays=self.cuda_aware)
         rendezvous = data.nbytes > self._world.eager_limit
         note = ", rendezvous: waiting for a matching receive" if rendezvous else ""
         what = f"{call}(dest={dest}, tag={tag}, {data.nbytes} bytes{note}){self._where()}"
@@ -327,7 +335,7 @@ class SimComm(CallRecords):
         self._check_peer(source, call, "source", wildcard=ANY_SOURCE)
         if tag < 0 and tag != ANY_TAG:
             raise SimCommError(f"{call}: tag must be >= 0 or ANY_TAG, got {tag}")
-        buffer = _flat_array(buf, call, writable=True)
+        buffer = _flat_array(buf, call, writable=True, device_arrays=self.cuda_aware)
         what = f"{call}(source={show_source(source)}, tag={show_tag(tag)}){self._where()}"
         request = SimRequest(self, "recv", what, buffer, source, tag)
         if source == PROC_NULL:
@@ -438,7 +446,7 @@ class SimComm(CallRecords):
         if root is not None:
             self._check_peer(root, name, "root")
         if name == "Bcast":
-            flat = _flat_array(call.recvbuf, "Bcast", writable=self._rank != root)
+            flat = _flat_array(call.recvbuf, "Bcast", writable=self._rank != root, device_arrays=self.cuda_aware)
             values, _ = self._collective(("Bcast", root), flat.copy() if self._rank == root else None)
             if self._rank != root:
                 _copy_result(values[root], flat, "Bcast")
@@ -446,8 +454,8 @@ class SimComm(CallRecords):
         # Allreduce, Reduce: only Reduce's non-root ranks have no result to receive
         _, ufunc, _, opname = _op_entry(call.op, name)
         receives = name == "Allreduce" or self._rank == root
-        recv = _flat_array(call.recvbuf, name, writable=True) if receives else None
-        send = recv if call.sendbuf is IN_PLACE else _flat_array(call.sendbuf, name, writable=False)
+        recv = _flat_array(call.recvbuf, name, writable=True, device_arrays=self.cuda_aware) if receives else None
+        send = recv if call.sendbuf is IN_PLACE else _flat_array(call.sendbuf, name, False, self.cuda_aware)
         signature = ("Allreduce", opname) if name == "Allreduce" else ("Reduce", opname, root)
         _, result = self._collective(signature, send.copy(), _reducer(ufunc, name))
         if receives:

@@ -37,6 +37,8 @@ real communicator.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from dtrain.backend import is_device_array
@@ -133,6 +135,7 @@ class _Shared:
         self.pool = PinnedPool(device)
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        self.seconds = 0.0  # in the copies and the stream synchronisations before MPI touches a buffer
 
 
 class _Transfer:
@@ -161,7 +164,9 @@ class _Transfer:
 
     def _passthrough(self, spec):
         if not self._synchronized:  # once per call: the data must be complete before MPI touches it
+            started = time.perf_counter()
             self._comm.device.synchronize()
+            self._comm._shared.seconds += time.perf_counter() - started
             self._synchronized = True
         return spec
 
@@ -172,7 +177,9 @@ class _Transfer:
         if self._comm.cuda_aware:
             return self._passthrough(spec)
         host = self._pinned_like(array)
+        started = time.perf_counter()
         self._comm.device.to_host(array, host)
+        self._comm._shared.seconds += time.perf_counter() - started
         self._comm._shared.bytes_to_host += array.nbytes
         return _with_array(spec, host)
 
@@ -195,7 +202,9 @@ class _Transfer:
     def complete(self) -> None:
         shared = self._comm._shared
         for host, array in self._copy_back:
+            started = time.perf_counter()
             self._comm.device.to_device(host, array)
+            shared.seconds += time.perf_counter() - started
             shared.bytes_to_device += array.nbytes
         self._copy_back = []
         self.release()
@@ -273,6 +282,12 @@ class StagedComm(CommWrapper):
     def staged_bytes_to_device(self) -> int:
         """Bytes copied from host to device after MPI had received them."""
         return self._shared.bytes_to_device
+
+    @property
+    def staging_seconds(self) -> float:
+        """Seconds spent copying between device and pinned host buffers (each copy waits for the GPU's queue of
+        work first), or, with a CUDA-aware MPI, in the stream synchronisations before MPI reads device memory."""
+        return self._shared.seconds
 
     @property
     def pinned_bytes_allocated(self) -> int:

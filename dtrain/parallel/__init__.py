@@ -70,7 +70,7 @@ import time
 import numpy as np
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
-from dtrain.backend import weights_digest
+from dtrain.backend import host_or_device_loss, weights_digest
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
@@ -195,8 +195,9 @@ class Paradigm:
         return loss
 
     def gradients(self, x, y) -> float:
-        """Forward and backward over ``--accumulate`` micro-batches (a straggler then sleeps); this rank's mean loss.
-        The step's gradients are then in ``self.model.flat_grads``."""
+        """Forward and backward over ``--accumulate`` micro-batches (a straggler then sleeps); this rank's mean loss
+        (on a GPU, a 0-d array there: see :func:`host_or_device_loss`). The step's gradients are then in
+        ``self.model.flat_grads``."""
         model, k = self.model, self.config.accumulate
         started = time.perf_counter()
         model.zero_grad()
@@ -207,7 +208,7 @@ class Paradigm:
             self.before_backward(last=i == k - 1)
             # each micro-batch's mean loss counts 1/k, so the gradient is that of the whole slice's mean loss
             loss.backward(np.full_like(loss.data, 1.0 / k) if k > 1 else None)
-            total += float(loss.data)
+            total = total + host_or_device_loss(loss.data)
         # a straggler: F times this step's forward and backward (tensor parallelism's all-reduces inside them too)
         if self.rank == self.config.slow_rank:
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))

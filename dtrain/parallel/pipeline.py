@@ -51,7 +51,7 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
-from dtrain.backend import array_module
+from dtrain.backend import array_module, host_or_device_loss, is_device_array
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
@@ -209,7 +209,11 @@ class Pipeline(ModelParallel):
                 self._computed(ins, started, run)
         self.step_s += time.perf_counter() - step_start
         self.timeline = run.timeline  # the last step's, for the lesson to draw
-        return float(np.mean(run.losses)) if run.losses else 0.0
+        if not run.losses:
+            return 0.0
+        if is_device_array(run.losses[0]):  # (kept on the GPU: the driver reads losses a few steps at a time)
+            return array_module(run.losses[0]).stack(run.losses).mean()
+        return float(np.mean(run.losses))
 
     def _forward(self, ins: Forward, run: Step) -> None:
         v, rows = ins.stage, run.micro(ins.micro)
@@ -220,7 +224,7 @@ class Pipeline(ModelParallel):
         out = self.chunks[v](inputs)
         if v == self.stages - 1:
             out = softmax_cross_entropy(out, run.y[rows])
-            run.losses.append(float(out.data))
+            run.losses.append(host_or_device_loss(out.data))
         kept = activation_bytes(out) + (inputs.data.nbytes if v > 0 else 0)
         run.saved[v, ins.micro] = (inputs, out, kept)
         self.held += kept
