@@ -69,6 +69,10 @@ class Hardware:
     # (NCCL on its own stream); a CPU rank moves its intra-node data with the cores that compute, and MPI progresses
     # only when the rank calls it, so on this machine --overlap measured slower, not faster (docs/benchmarks.md, 4)
     hidden: float = 1.0
+    # a GPU: the CPU queues each layer's kernels and goes on while the GPU runs them, so a micro-batch takes the
+    # longer of the two (the layers' fixed costs on the host, their arithmetic and memory traffic on the device)
+    # instead of their sum; ``cores`` is then the node's GPUs, which ranks beyond them share
+    asynchronous: bool = False
     loaded: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> Machine measured busy
     slowdowns: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> measured slowdown
     about: str = ""
@@ -99,7 +103,12 @@ class Hardware:
     def layers_time(self, layers, rows: int, itemsize: int) -> float:
         """Seconds of one micro-batch's forward and backward through ``layers`` ((a, b) weight shapes) on ``rows``
         rows, on a core of its own (the caller multiplies by :meth:`slowdown`): the arithmetic, the fixed cost of
-        each layer, and :data:`WEIGHT_PASSES` passes over its weights, which every micro-batch pays again."""
+        each layer, and :data:`WEIGHT_PASSES` passes over its weights, which every micro-batch pays again. On an
+        :attr:`asynchronous` device the fixed costs (the host's) and the rest (the device's) overlap: the longer."""
+        if self.asynchronous:
+            device = sum(6 * rows * a * b / self.flops + WEIGHT_PASSES * a * b * itemsize / self.memory_bandwidth
+                         for a, b in layers)  # fmt: skip
+            return max(len(layers) * self.layer_s, device)
         return sum(6 * rows * a * b / self.flops + self.layer_s + WEIGHT_PASSES * a * b * itemsize /
                    self.memory_bandwidth for a, b in layers)  # fmt: skip
 
@@ -208,7 +217,8 @@ def load(name: str, dtype: str = "float32") -> Hardware:
     link = {key: Machine(p[key]["alpha"], 1.0 / p[key]["bandwidth"], p[key]["gamma"]) for key in ("intra", "inter")}
     return Hardware(name=name, flops=flops * p["efficiency"], layer_s=p["layer_s"], step_s=p["step_s"],
                     memory_bandwidth=p["memory_bandwidth"], memory=p["memory"], ranks_per_node=p["ranks_per_node"],
-                    about=p["about"], **link)  # fmt: skip
+                    cores=p.get("devices_per_node"), asynchronous=p.get("asynchronous", False),
+                    hidden=p.get("hidden", 1.0), about=p["about"], **link)  # fmt: skip
 
 
 # The preset of a GPU machine measured by dtrain itself (scripts/calibrate.py --gpu): what --device gpu plans on when
@@ -229,7 +239,9 @@ SHAPES = [((64, 64, 10), 8, 1), ((64, 64, 64, 64, 64, 64, 64, 10), 8, 1), ((64, 
           ((64, 64, 64, 64, 10), 96, 4), ((784, 512, 512, 10), 16, 1), ((784, 512, 512, 10), 256, 1),
           ((784, 512, 512, 10), 256, 8), ((784, 2048, 2048, 10), 8, 1), ((784, 1024, 1024, 1024, 10), 128, 1),
           ((784, 1024, 1024, 1024, 10), 128, 8), ((2048, 2048, 10), 512, 1)]  # fmt: skip
-# a GPU needs big products before their arithmetic shows beside the launches' fixed costs
+# a GPU needs big products before their arithmetic shows beside the launches' fixed costs; below HOST_BOUND_FLOP a
+# step's arithmetic takes a fraction of its kernel launches' time (well under 0.1 ms at tens of TFLOP/s)
+HOST_BOUND_FLOP = 2e9
 GPU_SHAPES = [*SHAPES, ((784, 4096, 4096, 10), 1024, 1), ((784, 8192, 8192, 10), 512, 1),
               ((784, 4096, 4096, 10), 1024, 4)]  # fmt: skip
 
@@ -254,22 +266,71 @@ def step_seconds(
 
 def measure_compute(shapes=SHAPES, device: str = "cpu") -> dict:
     """Fit ``flops``, ``layer_s``, ``step_s`` and ``memory_bandwidth`` to dtrain's own steps on this process (run it
-    with one BLAS thread, as a rank runs; ``device="gpu"``: on the GPU, with :data:`GPU_SHAPES`), least squares on
-    relative error; and each shape's measured and fitted seconds."""
+    with one BLAS thread, as a rank runs), least squares on relative error; and each shape's measured and fitted
+    seconds. ``device="gpu"`` (pass :data:`GPU_SHAPES`): the steps on the GPU, fitted to the asynchronous model
+    (:meth:`Hardware.layers_time`, :func:`asynchronous_seconds`): the fixed costs on the shapes whose arithmetic is
+    negligible (under :data:`HOST_BOUND_FLOP`), the memory bandwidth from a copy on the device
+    (:func:`device_memory_bandwidth`), then the arithmetic rate on the shapes of one micro-batch, by a search over
+    a grid (the model is a maximum, not a sum: no linear fit)."""
     from dtrain.layout import parameter_count
 
     rounds = [[step_seconds(sizes, rows, accumulate=m, device=device) for sizes, rows, m in shapes]  # (a busy
               for _ in range(3)]  # fmt: skip
-    rows_of, seconds = [], [float(np.median(times)) for times in zip(*rounds)]  # moment is one round's, not a shape's)
+    seconds = [float(np.median(times)) for times in zip(*rounds)]  # (moment is one round's, not a shape's)
+    rows_of = []  # per shape: products, layers, micro-batches, weights, parameters
     for sizes, rows, m in shapes:
         layers = list(itertools.pairwise(sizes))
         products, weights = sum(6 * rows * a * b for a, b in layers), sum(a * b for a, b in layers)
-        moved = (5 * parameter_count(sizes) + WEIGHT_PASSES * m * weights) * 4  # SGD with momentum: k = 1; float32
-        rows_of.append([products, len(layers) * m, 1.0, moved])
-    a, t = np.array(rows_of), np.array(seconds)
-    coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
-    coef = np.maximum(coef, 1e-13)  # (a rate the data cannot see is fast, not negative)
-    fitted = a @ coef
-    return {"flops": 1.0 / coef[0], "layer_s": coef[1], "step_s": coef[2], "memory_bandwidth": 1.0 / coef[3],
-            "shapes": [{"sizes": list(s), "rows": r, "microbatches": m, "seconds": t, "fitted": f}
-                       for (s, r, m), t, f in zip(shapes, seconds, fitted)]}  # fmt: skip
+        rows_of.append([products, len(layers), m, weights, parameter_count(sizes)])
+    f, t = np.array(rows_of, dtype=float), np.array(seconds)
+    products, layers, m, weights, parameters = f.T
+    moved = (5 * parameters + WEIGHT_PASSES * m * weights) * 4  # SGD with momentum: k = 1; float32
+    if device == "gpu":
+        small = products < HOST_BOUND_FLOP
+        host = np.stack([layers * m, np.ones_like(t)], axis=1)[small]
+        (layer_s, step_s), *_ = np.linalg.lstsq(host / t[small, None], np.ones(small.sum()), rcond=None)
+        bandwidth = device_memory_bandwidth()  # (measured apart: the fit would lend it costs the model leaves out)
+        grid = np.logspace(11, 16, 401)[:, None]  # FLOP/s, 80 points a decade
+        whole = m == 1  # (a micro-batch's own fixed costs, its loss's, are not in the model either)
+        model = asynchronous_seconds(f[whole], grid, layer_s, step_s, bandwidth)  # (rates, shapes)
+        best = float(grid[np.argmin((np.log(model / t[whole]) ** 2).sum(axis=1)), 0])
+        coef = [1.0 / best, layer_s, step_s, 1.0 / bandwidth]
+        fitted = asynchronous_seconds(f, best, layer_s, step_s, bandwidth)
+    else:
+        a = np.stack([products, layers * m, np.ones_like(t), moved], axis=1)
+        coef, *_ = np.linalg.lstsq(a / t[:, None], np.ones_like(t), rcond=None)
+        coef = np.maximum(coef, 1e-13)  # (a rate the data cannot see is fast, not negative)
+        fitted = a @ coef
+    return {"flops": 1.0 / coef[0], "layer_s": float(coef[1]), "step_s": float(coef[2]),
+            "memory_bandwidth": 1.0 / coef[3],
+            "shapes": [{"sizes": list(s), "rows": r, "microbatches": m, "seconds": t, "fitted": float(x)}
+                       for (s, r, m), t, x in zip(shapes, seconds, fitted)]}  # fmt: skip
+
+
+def device_memory_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Bytes per second the current GPU reads and writes in a device-to-device copy of ``nbytes`` (both counted), the
+    median of ``reps`` copies timed with CUDA events."""
+    import cupy
+
+    src, dst = cupy.ones(nbytes // 4, dtype=np.float32), cupy.empty(nbytes // 4, dtype=np.float32)
+    dst[...] = src
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        dst[...] = src
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return 2 * nbytes / float(np.median(times))
+
+
+def asynchronous_seconds(shapes, flops, layer_s: float, step_s: float, memory_bandwidth):
+    """A step's seconds on an asynchronous device, for :func:`measure_compute`'s ``shapes`` (rows of products,
+    layers, micro-batches, weights, parameters; float32, SGD with momentum): each micro-batch the longer of its
+    layers' fixed costs and its arithmetic and weight passes, then the step's fixed cost and the update's traffic,
+    as :meth:`Hardware.layers_time` and :meth:`Hardware.update_time` price it. ``flops`` and ``memory_bandwidth``
+    may be columns, for many rates at once."""
+    products, layers, m, weights, parameters = np.asarray(shapes, dtype=float).T
+    device = products / m / flops + WEIGHT_PASSES * weights * 4 / memory_bandwidth
+    return m * np.maximum(layers * layer_s, device) + step_s + 5 * parameters * 4 / memory_bandwidth

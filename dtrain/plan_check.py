@@ -70,11 +70,13 @@ def measure(row, model, folder, steps: int, timeout: float = 300.0) -> Measured:
 def check(rows, model, count: int, machine) -> int:
     """Run the ``count`` best configurations that fit here (``dtrain plan --check K``); print predicted beside
     measured, and whether the planner's first choice was the measured fastest. 1 if a count differed."""
-    from dtrain.hardware import THIS
+    from dtrain.hardware import GPU_MEASURED, THIS
     from dtrain.report import text_table
 
-    if machine.name != THIS:
-        raise UserError(f"--check runs the configurations here, so it needs --machine this, not {machine.name}")
+    here = GPU_MEASURED if model.device == "gpu" else THIS  # (the machine the runs happen on, as measured)
+    if machine.name != here:
+        raise UserError(f"--check runs the configurations here, so it needs the machine measured here, --machine "
+                        f"{here} (with --device {model.device}), not {machine.name}")  # fmt: skip
     chosen = [r for r in rows if r.fits and r.same_updates][:count]
     print(f"\nchecking the {len(chosen)} best here ({EPOCHS} epochs each; the last one timed):", flush=True)
     cells, results, wrong = [], [], 0

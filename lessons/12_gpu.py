@@ -49,6 +49,14 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+CHECKS: list[tuple[str, bool]] = []
+
+
+def check(claim: str, holds: bool) -> None:
+    CHECKS.append((claim, holds))
+    say(f"   {'OK' if holds else 'NO'}: {claim}: {'yes' if holds else 'no'}")
+
+
 def part_cuda_aware() -> dict:
     from dtrain.comm.cuda_aware import ENV_VAR, cuda_aware_mpi, cuda_awareness_reason
 
@@ -79,6 +87,7 @@ def part_stream() -> dict:
     stream.synchronize()
     done = time.perf_counter() - started
     say(f"   four 8192x8192 products queued: the Python line returned after {returned * 1e3:.3f} ms, the GPU finished")
+    check("the call returned before the GPU had done a tenth of its work", returned < done / 10)
     say(f"   after {done * 1e3:.1f} ms. An MPI_Send of c right after the line returned would have sent c's memory as")
     say("   it was before the products wrote it. So StagedComm synchronises the stream before it copies a buffer down,")
     say("   and, with a CUDA-aware MPI, before it hands MPI the buffer itself. (A stream-ordered MPI, or NCCL on the")
@@ -108,7 +117,12 @@ def part_staging(quick: bool) -> dict:
         how = "handed to MPI as they were" if s["cuda_aware"] else "staged"
         say(f"   rank {r}: MPI sent {sent:,} B; {s['bytes_to_host']:,} B copied down and {s['bytes_to_device']:,} B up "
             f"({how}) in {s['seconds'] * 1e3:.0f} ms of {train_s * 1e3:.0f} ms of training")  # fmt: skip
-    return {"gpu": gpu, "staging": staging, "bytes_sent": [c["totals"]["bytes_sent"] for c in per_rank]}
+    sent = [c["totals"]["bytes_sent"] for c in per_rank]
+    if not staging[0]["cuda_aware"]:
+        check("every byte a rank sent was copied down first, and every byte it received copied up after",
+              all(s["bytes_to_host"] == mine and s["bytes_to_device"] == sum(sent) - mine
+                  for s, mine in zip(staging, sent)))  # fmt: skip
+    return {"gpu": gpu, "staging": staging, "bytes_sent": sent}
 
 
 def part_breakdown(results: dict, source: str) -> None:
@@ -163,8 +177,12 @@ def main() -> None:
             command = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--json", str(result)]
             subprocess.run(command + (["--quick"] if args.quick else []), check=True, timeout=900)
             part_breakdown(json.loads(result.read_text()), "measured now, scripts/bench_gpu.py")
+    out["checks"] = dict(CHECKS)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    passed = all(holds for _, holds in CHECKS)
+    say(f"\nall checks passed: {'yes' if passed else 'no'} ({len(CHECKS)} checks; timings are printed, never checked)")
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

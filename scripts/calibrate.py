@@ -260,14 +260,19 @@ def gpu_preset(path: str) -> None:
     preset = {
         "about": f"this workplace's lent GPU machine: {gpu['count']} {gpu['name']}, ranks sharing it, messages staged "
         f"through pinned host memory (MPI not CUDA-aware); every number measured by dtrain on it, {date}",
-        "ranks_per_node": gpu["count"], "flops": {"float32": compute["flops"]}, "efficiency": 1.0,
-        "layer_s": compute["layer_s"], "step_s": compute["step_s"], "memory": float(memory),
+        "ranks_per_node": None, "devices_per_node": gpu["count"], "asynchronous": True, "hidden": 0.0,
+        "flops": {"float32": compute["flops"]}, "efficiency": 1.0, "layer_s": compute["layer_s"],
+        "step_s": compute["step_s"], "memory": float(memory) * gpu["count"],
         "memory_bandwidth": compute["memory_bandwidth"], "intra": link, "inter": link,
         "sources": {
-            "flops, layer_s, step_s, memory_bandwidth": f"fitted to dtrain's own steps on the GPU ({date}): "
-            "python scripts/calibrate.py --gpu (dtrain.hardware.measure_compute, GPU_SHAPES); efficiency 1: the "
-            "fit is already what dtrain sustains",
-            "memory": "the GPU's totalGlobalMem, read through CuPy",
+            "flops, layer_s, step_s": f"fitted to dtrain's own steps on the GPU ({date}): python "
+            "scripts/calibrate.py --gpu (dtrain.hardware.measure_compute, GPU_SHAPES, the asynchronous model); "
+            "efficiency 1: the fit is already what dtrain sustains",
+            "memory_bandwidth": "a 1 GiB device-to-device copy, bytes read and written (dtrain.hardware."
+            "device_memory_bandwidth)",
+            "memory": "the node's GPUs' totalGlobalMem, read through CuPy: ranks beyond one per GPU share it (and the "
+            "GPU: devices_per_node)",
+            "hidden": "0: dtrain's messages are staged by the rank's own thread, so none hides behind backward",
             "intra": f"ping-pong of GPU buffers between 2 ranks staged through pinned host memory ({links['why']}), "
             f"8 B to 16 MiB; gamma: kernels.add_ on GPU arrays of 64 MiB, CUDA events ({date})",
             "inter": "no second machine was measured: the intra-node link stands in for it",

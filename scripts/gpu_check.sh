@@ -3,19 +3,19 @@
 #
 #     bash scripts/gpu_check.sh [OUT]          # OUT defaults to gpu-check/ (git-ignored); ~6 min on an H100 machine
 #     GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh   # the benchmarks' --quick forms: ~3 min
-#     GPU_CHECK_PARTS="tests bench" ...   # some of: env tests kernels bench calibrate lesson tour (default: all)
+#     GPU_CHECK_PARTS="tests bench" ...   # some of: env tests bench kernels calibrate lesson plan tour (default: all)
 #
 # Run it with the Python environment that has CuPy (and NumPy, and PyTorch for its comparisons): GPU_CHECK_PYTHON
 # (default python3). It installs into that environment the wheels found in .whl/ (mpich's mpiexec and mpi4py, for a
 # machine with no registry: `pip download` them where one can be reached) and dtrain itself, editable and without
 # dependencies; then runs each part on its own, a failure never stopping the next: the GPU tests (pytest -m gpu),
 # the reduction kernels (bench_kernels.py --device gpu), the step and the all-reduce (bench_gpu.py), this machine as
-# a dtrain plan preset (calibrate.py --gpu), lesson 12 (its part 4 from the benchmark's results) and the tour on the
-# GPU. The last lines printed are a summary.
+# a dtrain plan preset (calibrate.py --gpu), lesson 12 (its part 4 from the benchmark's results), dtrain plan
+# --device gpu --check (the lent-h100 preset against runs) and the tour on the GPU. The last lines printed are a summary.
 set -u
 OUT=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-env tests bench kernels calibrate lesson tour}
+PARTS=${GPU_CHECK_PARTS:-env tests bench kernels calibrate lesson plan tour}
 QUICK=${GPU_CHECK_QUICK:+--quick}
 export PYTHONUNBUFFERED=1  # (dtrain launch sets the yielding wait itself, only when ranks outnumber cores)
 PY=${GPU_CHECK_PYTHON:-python3}
@@ -70,8 +70,12 @@ EOF"
         ;;
     lesson)
         results=()
+        [ -f docs/bench/gpu.json ] && results=(--results docs/bench/gpu.json)
         [ -f "$OUT/gpu.json" ] && results=(--results "$OUT/gpu.json")
         step lesson 120 "$PY" lessons/12_gpu.py $QUICK "${results[@]}" --json "$OUT/lesson.json"
+        ;;
+    plan)
+        step plan 200 bash -c "$PY -m dtrain plan --device gpu --ranks 2 --check 3 && $PY -m dtrain plan --device gpu --ranks 4 --check 3"
         ;;
     tour)
         step tour 200 "$PY" -m dtrain tour --device gpu --ranks 4 --epochs 3 --out "$OUT/tour"

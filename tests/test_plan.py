@@ -219,7 +219,7 @@ def test_check_runs_the_best_here_and_counts_agree(tmp_path):
 
 
 def test_check_needs_this_machine():
-    with pytest.raises(Exception, match="needs --machine this"):
+    with pytest.raises(Exception, match=r"--machine this \(with --device cpu\)"):
         from dtrain import plan_check
 
         plan_check.check([], SMALL, 1, hardware.load("dgx-h100"))
