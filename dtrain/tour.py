@@ -197,7 +197,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
         raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
     if device == "gpu" and backend.gpu_missing():
-        raise UserError(f"--device gpu: {backend.gpu_missing()}")
+        raise UserError(backend.gpu_missing())
     started, batch = time.monotonic(), global_batch(ranks)
     chosen = choose(names, ranks, batch, epochs)
     if device != "cpu":

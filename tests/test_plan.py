@@ -243,3 +243,49 @@ def test_every_configurations_command_is_one_dtrain_train_takes():
         assert args.paradigm == row.paradigm and list(args.hidden) == SMALL.sizes[1:-1]
         for name, value in row.flags.items():
             assert getattr(args, name) == value, (row.label, name)
+
+
+def test_an_asynchronous_device_takes_the_longer_of_host_and_device():
+    """A GPU queues kernels while it runs earlier ones: a micro-batch's time is max(layers x layer_s, arithmetic +
+    weight passes), where a CPU adds them."""
+    layers, rows, b = [(784, 4096), (4096, 4096), (4096, 10)], 1024, 4
+    gpu = flat_machine(flops=4e13, layer_s=3e-4, memory_bandwidth=3e12, asynchronous=True)
+    cpu = dataclasses.replace(gpu, asynchronous=False)
+    device = sum(6 * rows * x * y / 4e13 + 4 * x * y * b / 3e12 for x, y in layers)
+    assert gpu.layers_time(layers, rows, b) == pytest.approx(max(3 * 3e-4, device))
+    assert cpu.layers_time(layers, rows, b) == pytest.approx(3 * 3e-4 + device)
+    few = [(64, 64)] * 3  # host-bound: the fixed costs alone
+    assert gpu.layers_time(few, 8, b) == pytest.approx(3 * 3e-4)
+
+
+def test_the_gpu_fit_recovers_the_rates_that_made_the_times(monkeypatch):
+    """measure_compute(device="gpu") on step times made by the asynchronous model from known rates gets them back
+    (FLOP/s to the grid's 80 points a decade; the fixed costs to the few percent the update adds to small shapes)."""
+    import itertools
+
+    truth = {"flops": 4.2e13, "layer_s": 3.5e-4, "step_s": 6e-4, "memory_bandwidth": 2.9e12}
+
+    def seconds(sizes, rows, accumulate=1, device="cpu"):
+        layers = list(itertools.pairwise(sizes))
+        shape = [sum(6 * rows * a * b for a, b in layers), len(layers), accumulate, sum(a * b for a, b in layers),
+                 parallel.parameter_count(sizes)]  # fmt: skip
+        return float(hardware.asynchronous_seconds([shape], truth["flops"], truth["layer_s"], truth["step_s"],
+                                                   truth["memory_bandwidth"])[0])  # fmt: skip
+
+    monkeypatch.setattr(hardware, "step_seconds", seconds)
+    monkeypatch.setattr(hardware, "device_memory_bandwidth", lambda: truth["memory_bandwidth"])
+    fit = hardware.measure_compute(hardware.GPU_SHAPES, device="gpu")
+    assert fit["flops"] == pytest.approx(truth["flops"], rel=0.03)
+    assert fit["layer_s"] == pytest.approx(truth["layer_s"], rel=0.05)
+    assert fit["step_s"] == pytest.approx(truth["step_s"], rel=0.05)
+    assert all(s["fitted"] == pytest.approx(s["seconds"], rel=0.05) for s in fit["shapes"])
+
+
+def test_plan_for_the_gpu_uses_the_measured_preset_and_says_device_gpu(tmp_path):
+    result = dtrain_plan("--device", "gpu", "--ranks", "2", "--json", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert out["machine"]["name"] == hardware.GPU_MEASURED and out["model"]["device"] == "gpu"
+    assert "--device gpu" in result.stdout.split("run it:")[1].splitlines()[0]
+    refused = dtrain_plan("--device", "gpu", "--machine", "this", "--check", "1")
+    assert refused.returncode == 2 and "--machine lent-h100 (with --device gpu)" in refused.stderr

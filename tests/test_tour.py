@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from dtrain import tour
+from dtrain import backend, tour
 
 BOOM = textwrap.dedent('''
     """A learner's paradigm whose rank 1 fails at its first step."""
@@ -97,6 +97,14 @@ def test_bad_input_is_one_line_and_nothing_is_launched(tmp_path, args, message):
     assert result.returncode == 2
     assert result.stderr.startswith(f"dtrain: error: {message}") and result.stderr.count("\n") == 1, result.stderr
     assert result.stdout == "" and not (tmp_path / "tour").exists()
+
+
+@pytest.mark.skipif(backend.gpu_missing() is None, reason="a GPU is here: the tour would run")
+def test_the_gpu_without_one_is_one_line_and_nothing_is_launched(tmp_path):
+    result, _ = dtrain_tour(tmp_path, "--device", "gpu", "--paradigms", "single")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("dtrain: error: --device gpu needs CuPy")
+    assert not (tmp_path / "tour").exists()
 
 
 def test_every_entry_fits_4_ranks_and_those_that_cannot_fit_2_are_skipped():
