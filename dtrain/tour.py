@@ -324,7 +324,8 @@ def table(summary: list[dict], footnotes: list[str]) -> str:
                       f"{max(r['predicted_state_bytes']):,}", r["note"]])  # fmt: skip
     legend = [
         "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what",
-        "  dtrain plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json).",
+        "  dtrain plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with",
+        "  --device gpu, the lent-h100 preset of dtrain/hardware.json, or '-' where the device has none).",
         "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's,",
         "  a checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer",
         "  state the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same.",
