@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -376,7 +377,7 @@ def diagnose(worlds: list, sizes: list, machine) -> dict:
     """(1) How much slower a rank computes with every rank of a world computing at once than alone (one thread each)
     on its share of the batch, beside calibration.json's slowdown, which the formulas multiply compute by; (2) what
     splitting a step into MICRO micro-batches costs one process, beside what the formulas add for it (a pipeline's
-    compute is charged per micro-batch: its rows' arithmetic and layer_s per layer)."""
+    compute is charged per micro-batch: its rows' arithmetic, layer_s per layer and four passes over the weights)."""
     from bench_util import launch
 
     def run(ranks: int, divisor: int, micro: bool = False) -> dict:
@@ -404,7 +405,8 @@ def diagnose(worlds: list, sizes: list, machine) -> dict:
     for size in sizes:
         model, batch = SIZES[size]
         one, many = whole[size]["accumulate_1"], whole[size][f"accumulate_{MICRO}"]
-        formula = (MICRO - 1) * (len(model) - 1) * machine.layer_s  # (rows' arithmetic is the same in all)
+        layers = list(itertools.pairwise(model))  # the planner's own charge: M micro-batches against one
+        formula = MICRO * machine.layers_time(layers, batch // MICRO, 4) - machine.layers_time(layers, batch, 4)
         micro.append({"size": size, "batch": batch, "one_s": one, "micro_s": many, "formula_extra_s": formula})
         cells.append([f"{size} {batch}", _ms(one), _ms(many), _ms((many - one) / (MICRO - 1)),
                       _ms(formula / (MICRO - 1))])  # fmt: skip
