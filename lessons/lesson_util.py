@@ -40,6 +40,38 @@ def parse_and_start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace
     return args, world, world.Get_size(), world.Get_rank()
 
 
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """``--device cpu|gpu``: where the lesson's models, batches and gradients live (gpu: CuPy arrays, each rank on
+    GPU local rank % GPUs, as ``dtrain train --device gpu``)."""
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the lesson's arrays live: gpu needs CuPy and a GPU (default %(default)s)",
+    )
+
+
+def lesson_xp(args: argparse.Namespace, world):
+    """The array module of the lesson's own models and buffers (``numpy``, or ``cupy`` on GPU local rank % GPUs),
+    once its arguments are parsed: a missing GPU is refused on every rank alike, before any message."""
+    import numpy as np
+
+    device = getattr(args, "device", "cpu")
+    if device == "cpu":
+        return np
+    from dtrain import backend
+
+    missing = backend.gpu_missing()
+    if missing:
+        mpi.refuse_arguments(missing)
+    from mpi4py import MPI
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    backend.select_gpu(node.Get_rank())
+    node.Free()
+    return backend.get_xp("gpu")
+
+
 def big_model_parser(description: str, *, epochs: int, trained_in: int, model: str, hidden: str, big_batch: int,
                      steps: int, timed_in: int) -> argparse.ArgumentParser:  # fmt: skip
     """The arguments of a lesson that trains a small model on digits (in section ``trained_in``) and times a big
