@@ -4,6 +4,7 @@ Everything distributed training does happens around this loop, so we look at it 
 
     python lessons/01_single_device.py                  # or: dtrain launch -n 1 lessons/01_single_device.py
     python lessons/01_single_device.py --epochs 30 --plot digits.png
+`--device gpu` runs the same on a GPU (one rank, so GPU 0); section 1's five numbers stay on the CPU.
 
 What you will see:
   1. autograd on a three-line function, checked against finite differences;
@@ -33,6 +34,7 @@ import argparse
 import tempfile
 
 import numpy as np
+from lesson_util import add_device_flag, lesson_xp
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.comm import mpi
@@ -46,6 +48,7 @@ from dtrain.train import TrainConfig, evaluate, train
 parser = argparse.ArgumentParser(description="Lesson 1: single-device training")
 parser.add_argument("--epochs", type=int, default=15)
 parser.add_argument("--plot", metavar="PNG", help="save the loss/accuracy curves here")
+add_device_flag(parser)
 args = parser.parse_args()
 
 if mpi.size() > 1:
@@ -55,9 +58,12 @@ if args.plot:
         pyplot()  # now, not after training: a missing matplotlib is one line before anything runs
     except MissingPackage as exc:
         mpi.refuse_arguments(f"--plot: {exc}")
+xp = lesson_xp(args, mpi.world())  # numpy, or cupy (--device gpu; no GPU here: one line, and exit status 2)
 
 # ---------------------------------------------------------------------------------------------- 1. autograd
 print("1. Autograd: y = sum(relu(w * x + b)), gradients by the chain rule vs by finite differences")
+if args.device == "gpu":
+    print("   (--device gpu: these five numbers stay on the CPU; sections 2-4 run on the GPU)")
 rng = np.random.default_rng(0)
 x = Tensor(rng.normal(size=5))
 w = Tensor(rng.normal(size=5), requires_grad=True)
@@ -78,19 +84,19 @@ assert np.allclose(w.grad, numeric, atol=1e-5)
 
 # ----------------------------------------------------------------------------------------- 2. flat buffers
 data = load_dataset("digits")
-model = MLP([data.n_features, 128, 128, data.n_classes], seed=0)
+model = MLP([data.n_features, 128, 128, data.n_classes], seed=0, xp=xp)
 print(f"\n2. The model: {model}")
 print(f"   {model.num_parameters():,} parameters, all in one buffer of {model.flat_params.nbytes:,} bytes:")
 for name, where in model.param_slices.items():
     print(f"     {name:18s} flat_params[{where.start:6d}:{where.stop:6d}]")
 first = model.layers[0].weight
-shares = np.shares_memory(first.data, model.flat_params)
+shares = xp.shares_memory(first.data, model.flat_params)
 print(f"   layers.0.weight is a view: shares memory with flat_params -> {shares}")
 
 # -------------------------------------------------------------------------------------- 3. the training loop
 print(f"\n3. Training on digits: {data.describe()}")
 optimizer = SGD(model, lr=0.05, momentum=0.9)
-loader = ShardedLoader(data.x_train, data.y_train, global_batch=64, seed=0)  # one rank: the whole batch
+loader = ShardedLoader(data.x_train, data.y_train, global_batch=64, seed=0, xp=xp)  # one rank: the whole batch
 for epoch in range(1, args.epochs + 1):
     losses = []
     for xb, yb in loader.epoch(epoch):
@@ -99,13 +105,13 @@ for epoch in range(1, args.epochs + 1):
         loss.backward()  # gradients land in flat_grads
         optimizer.step()  # a few vector operations on flat_params
         losses.append(float(loss.data))
-    test_loss, test_acc = evaluate(model, data, np)
+    test_loss, test_acc = evaluate(model, data, xp)
     print(f"   epoch {epoch:2d}  train loss {np.mean(losses):.4f}  test accuracy {100 * test_acc:.2f}%")
 
 # -------------------------------------------------------------------------------------------- 4. the driver
 print("\n4. The same through the driver (what `dtrain train` runs), which writes metrics.json:")
 with tempfile.TemporaryDirectory() as out:
-    train(TrainConfig(epochs=args.epochs, out=out, progress=False, quiet=True))
+    train(TrainConfig(epochs=args.epochs, out=out, progress=False, quiet=True, device=args.device))
     metrics = load_metrics(out)
     final = metrics["final"]["test_accuracy"]
     print(

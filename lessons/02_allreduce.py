@@ -8,6 +8,7 @@ lesson runs each of them on the ranks mpiexec started:
     dtrain launch -n 3 lessons/02_allreduce.py                      # p not a power of two: fix-ups, uneven chunks
     dtrain launch -n 4 lessons/02_allreduce.py --ranks-per-node 2   # two emulated "nodes" of 2 ranks
     dtrain launch -n 4 lessons/02_allreduce.py --size-mib 16 --trace allreduce.json
+    dtrain launch -n 2 lessons/02_allreduce.py --device gpu         # CuPy buffers, one GPU per rank
 
 What you will see, for one float32 buffer (1 MiB by default; each rank's values come from its own seed):
 
@@ -22,6 +23,10 @@ What you will see, for one float32 buffer (1 MiB by default; each rank's values 
        the two agree on every rank; the cost model's predicted time;
   2. the bytes each rank sent, per algorithm: naive piles (p-1) n on rank 0, the ring spreads 2(p-1)/p n evenly;
   3. a last line `all algorithms agree with MPI_Allreduce: yes` (the exit status is non-zero if not).
+
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs): each rank's buffer is a CuPy array, all-reduced
+through StagedComm (pinned host memory when MPI is not CUDA-aware; the times then include the copies). The oracles,
+NumPy's sum and MPI_Allreduce of the host copy, stay on the CPU.
 
 Things to try:
   * -n 3 or -n 6: doubling and rabenseifner fold the extra ranks in first (see doubling.py), and their bytes per
@@ -48,10 +53,12 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import everywhere, parse_and_start
+from lesson_util import add_device_flag, everywhere, lesson_xp, parse_and_start
 
+from dtrain.backend import to_host
 from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
 from dtrain.comm import mpi
+from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import TracedComm, Tracer, write_chrome_trace
 
 parser = argparse.ArgumentParser(description="Lesson 2: every all-reduce algorithm on MPI ranks")
@@ -67,8 +74,10 @@ parser.add_argument(
 parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
 parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of one all-reduce per algorithm")
 parser.add_argument("--seed", type=int, default=0)
+add_device_flag(parser)
 
 args, comm, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+xp = lesson_xp(args, comm)  # numpy, or cupy on this rank's GPU (--device gpu)
 from mpi4py import MPI  # for MPI.SUM, MPI.MAX (MPI has started by now)
 
 K = args.ranks_per_node
@@ -96,26 +105,43 @@ mpi_result = np.empty_like(src)
 comm.Allreduce(src, mpi_result, op=MPI.SUM)
 mpi_agrees_with_numpy = bool(np.array_equal(mpi_result, expected))
 
+# The algorithms run on alg_comm: the world itself, or with --device gpu the world wrapped in StagedComm, which hands
+# GPU buffers to MPI (through pinned host memory when MPI cannot read GPU memory: dtrain/comm/staging.py).
+alg_comm = StagedComm(comm) if args.device == "gpu" else comm
+mine = xp.asarray(src)  # this rank's input where the algorithms run (the host array itself on the CPU)
 tracer = Tracer()
-tcomm = TracedComm(comm, tracer)  # one traced communicator for the whole run
+tcomm = TracedComm(alg_comm, tracer)  # one traced communicator for the whole run
 # The hierarchical algorithms run on nodes: split the communicator once (a collective call, slower than a small
 # all-reduce) and hand the topology to every call; the other algorithms ignore it. The traced communicator gets its
 # own, whose sub-communicators are traced too.
-nodes = hierarchical.topology(comm, K)
+nodes = hierarchical.topology(alg_comm, K)
 traced_nodes = hierarchical.topology(tcomm, K)
-buf = np.empty_like(src)
+buf = xp.empty_like(mine)
 trace_events = []  # this rank's events, one traced all-reduce per algorithm
 rows = []
 
 
 def correct() -> bool:
-    return bool(np.array_equal(buf, mpi_result) and np.array_equal(buf, expected))
+    result = to_host(buf)  # (copied from the GPU with --device gpu)
+    return bool(np.array_equal(result, mpi_result) and np.array_equal(result, expected))
+
+
+def finished() -> None:
+    """With --device gpu, wait for the GPU's queued work (its kernels run asynchronously): an all-reduce is over
+    when its result is."""
+    if args.device == "gpu":
+        xp.cuda.get_current_stream().synchronize()
 
 
 mpi.print0(
     f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), "
     f"median of {args.repeats} run(s), time = slowest rank"
 )
+if args.device == "gpu":
+    staged = "handed to MPI as they are" if alg_comm.cuda_aware else "staged through pinned host memory"
+    mpi.print0(f"--device gpu: each rank's buffer is a CuPy array, {staged} ({alg_comm.cuda_aware_reason});\n"
+               "the times include the staging (the cost model's do not); every result is checked against MPI_Allreduce"
+               " of the host copy")  # fmt: skip
 # The cost model numbers the ranks of K-rank nodes node * K + local rank. On real nodes of equal size a rank is priced
 # at that place, wherever mpiexec put it (a hostfile fills each machine in turn; --oversubscribe deals ranks round).
 real, place = list(nodes.node_sizes), rank
@@ -134,25 +160,27 @@ for alg in algorithms:
     name = costmodel.choose(nbytes, p) if alg == "auto" else alg  # what actually runs
 
     # 1. warm up (Numba compilation, MPI connections) and check the result
-    buf[...] = src
-    allreduce(comm, buf, algorithm=alg, topology=nodes)
+    buf[...] = mine
+    allreduce(alg_comm, buf, algorithm=alg, topology=nodes)
     ok = correct()
 
     # 2. time it: the slowest rank's time of each run, then the median over runs
     times = []
     for _ in range(args.repeats):
-        buf[...] = src
+        buf[...] = mine
+        finished()
         comm.Barrier()
         start = time.perf_counter()
-        allreduce(comm, buf, algorithm=alg, topology=nodes)
+        allreduce(alg_comm, buf, algorithm=alg, topology=nodes)
+        finished()
         times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         ok = ok and correct()
 
     # 3. count what this rank sends, with the tracer (one untimed warm-up first, so only the all-reduce is counted)
-    buf[...] = src
+    buf[...] = mine
     allreduce(tcomm, buf, algorithm=alg, topology=traced_nodes)
     tracer.reset()
-    buf[...] = src
+    buf[...] = mine
     label = "allreduce/auto" if alg == "auto" else f"allreduce/{name}"
     span = tracer.operation(label, nbytes=nbytes) if alg == "auto" else contextlib.nullcontext()
     with span:  # auto's own span, so its row in the trace says "auto" around the algorithm it picked

@@ -6,6 +6,7 @@ with an all-reduce (lesson 2), and every rank takes the same optimizer step (dtr
     dtrain launch -n 4 lessons/03_data_parallel.py
     dtrain launch -n 2 lessons/03_data_parallel.py
     dtrain launch -n 4 lessons/03_data_parallel.py --trace ddp.json     # one step on every rank, for Perfetto
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs); section 5's cost model still prices host-to-host MPI.
 
 What you will see:
   1. why it works: the average of the ranks' slice gradients IS the global batch's gradient (in float64, to ~1e-16);
@@ -44,10 +45,11 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
 
 from dtrain import collectives
 from dtrain.autograd import Tensor, softmax_cross_entropy
+from dtrain.backend import to_host
 from dtrain.collectives import costmodel
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
@@ -67,6 +69,7 @@ parser.add_argument("--steps", type=int, default=20, help="timed steps per measu
 parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size, MiB (default: one bucket per layer)")
 parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of section 4's step")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
+add_device_flag(parser)
 
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.UNDEFINED, MPI.MAX (MPI has started by now)
@@ -76,6 +79,7 @@ if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 
         f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
         f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
     )
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 RANKS = sorted({k for k in (1, 2, 4) if k < p} | {p})  # the world sizes compared: 1, 2, 4 (and p)
 OVERSUBSCRIBED = p > usable_cores()  # more ranks than cores: a rank often waits for a core, not for a message
@@ -112,13 +116,13 @@ mpi.print0(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(s
 # of unequal slices is not the mean (that is why the global batch must divide by p, see dtrain/data.py).
 mpi.print0(f"1. One global batch of {B} digits, {B // p} per rank: the average of the slice gradients")
 x64 = digits.x_train.astype(np.float64)
-x_mine, y_mine = next(ShardedLoader(x64, digits.y_train, B, rank, p, seed=0).epoch(1))  # my slice of batch 0
-x_all, y_all = next(ShardedLoader(x64, digits.y_train, B, seed=0).epoch(1))  # the whole of batch 0
+x_mine, y_mine = next(ShardedLoader(x64, digits.y_train, B, rank, p, seed=0, xp=xp).epoch(1))  # my slice of batch 0
+x_all, y_all = next(ShardedLoader(x64, digits.y_train, B, seed=0, xp=xp).epoch(1))  # the whole of batch 0
 
 
 def gradient(x, y):
     """Loss and flat gradient of the mean loss over (x, y); seed 0, so every rank starts from the same weights."""
-    model = MLP(SMALL, seed=0, dtype=np.float64)
+    model = MLP(SMALL, seed=0, dtype=np.float64, xp=xp)
     loss = softmax_cross_entropy(model(Tensor(x)), y)
     loss.backward()
     return float(loss.data), model.flat_grads.copy()
@@ -126,8 +130,11 @@ def gradient(x, y):
 
 full_loss, full_grad = gradient(x_all, y_all)  # one process, the whole batch (every rank can compute it)
 my_loss, my_grad = gradient(x_mine, y_mine)
-averaged = collectives.allreduce(world, my_grad.copy(), "avg", "ring")  # what data parallelism computes
+# (CuPy gradients reach MPI through a prepared world: staged through host memory unless MPI is CUDA-aware)
+gpu_world = prepare(world, device="gpu") if args.device == "gpu" else world
+averaged = collectives.allreduce(gpu_world, my_grad.copy(), "avg", "ring")  # what data parallelism computes
 mean_loss = float(collectives.allreduce(world, np.array([my_loss]), "avg", "ring")[0])
+my_grad, full_grad, averaged = to_host(my_grad), to_host(full_grad), to_host(averaged)  # compared with NumPy
 own_error, error = np.abs(my_grad - full_grad).max(), np.abs(averaged - full_grad).max()
 rows = world.gather((own_error, error), root=0)
 if rank == 0:
@@ -148,7 +155,7 @@ checks.ok("the average of the slice gradients is the whole batch's gradient",
 # product adds the samples', so they agree to ~1e-8, not to the bit (the weights' digests differ).
 mpi.print0(f"\n2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
 config = TrainConfig(paradigm="ddp", epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=B,
-                     allreduce="ring", progress=False, quiet=True)  # fmt: skip
+                     allreduce="ring", progress=False, quiet=True, device=args.device)  # fmt: skip
 runs = {k: on_first(k, lambda sub: train(config, sub)) for k in RANKS}
 training_ok = True
 if rank == 0:
@@ -178,13 +185,14 @@ class Run:
     """One data-parallel training run on the ranks of ``comm``, stepped by hand, each step timed."""
 
     def __init__(self, comm, sizes, data, batch, overlap=True, bucket_mb=1.0, warmup=3):
-        self.comm = prepare(comm)  # the tracer around the communicator (and the watchdog, if one is armed)
+        self.comm = prepare(comm, device=args.device)  # the tracer (and the watchdog, if armed; GPU: the staging)
         self.config = TrainConfig(paradigm="ddp", hidden=tuple(sizes[1:-1]), batch_size=batch, allreduce="ring",
-                                  bucket_mb=bucket_mb, overlap=overlap)  # fmt: skip
+                                  bucket_mb=bucket_mb, overlap=overlap, device=args.device)  # fmt: skip
         self.ddp = DataParallel(self.comm, self.config)
-        self.ddp.build(lambda: MLP(sizes, seed=0), lambda model: make_optimizer("sgd", model, 0.05, 0.9))
+        self.ddp.build(lambda: MLP(sizes, seed=0, xp=xp), lambda model: make_optimizer("sgd", model, 0.05, 0.9))
         index, count = self.ddp.data_shard()
-        self.batches = itertools.cycle(list(ShardedLoader(data.x_train, data.y_train, batch, index, count).epoch(1)))
+        loader = ShardedLoader(data.x_train, data.y_train, batch, index, count, xp=xp)
+        self.batches = itertools.cycle(list(loader.epoch(1)))
         for _ in range(warmup):  # Numba's first calls, MPI's first connections: not what we measure
             self.ddp.step(*next(self.batches))
         self.comm.tracer.reset()
@@ -196,6 +204,8 @@ class Run:
             self.comm.Barrier()  # the ranks start each step together; a step ends when the slowest rank's does
             mark, waited, start = len(self.comm.tracer.events), self.ddp.timing["exposed_comm_s"], time.perf_counter()
             self.ddp.step(x, y)
+            if xp is not np:  # a GPU step ends when its kernels have run, not when Python has queued them
+                xp.cuda.get_current_stream().synchronize()
             elapsed, waited = time.perf_counter() - start, self.ddp.timing["exposed_comm_s"] - waited
             self.times.append(self.comm.allreduce(elapsed, op=MPI.MAX))  # the step's time: its slowest rank's
             self.busy.append(self.comm.allreduce(elapsed - waited, op=MPI.MAX))  # the busiest rank's own work
@@ -259,7 +269,7 @@ checks.ok("bytes per step match DataParallel.costs() and 2(p-1)/p n on every ran
 # Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its
 # all-reduce while backward is still computing the earlier layers' gradients. Where each bucket lies:
 mpi.print0(f"\n4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s), --bucket-mb {args.bucket_mb:g}")
-model = MLP(BIG, seed=0)
+model = MLP(BIG, seed=0, xp=xp)
 layout = [(where.start, where.stop - where.start, 4) for where in model.param_slices.values()]
 names = list(model.param_slices)
 for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20)))):

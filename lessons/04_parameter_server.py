@@ -8,6 +8,7 @@ the server's loop, one method per message, in ps_server.py):
     dtrain launch -n 4 lessons/04_parameter_server.py          # 3 workers and 1 server (2 and 2 in the S=2 runs)
     dtrain launch -n 3 lessons/04_parameter_server.py          # the least: 2 workers and a server
     dtrain launch -n 5 lessons/04_parameter_server.py --quick
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs), servers included; the checks read host copies.
 
 What you will see:
   1. the roles and the protocol: which rank does what, the first and last messages of a real run drawn as a sequence
@@ -52,7 +53,7 @@ import shutil
 import tempfile
 
 import numpy as np
-from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
 
 from dtrain import checkpoint
 from dtrain.comm import mpi, usable_cores
@@ -65,6 +66,7 @@ parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's
 parser.add_argument("--batch-size", type=int, default=60, help="global batch on digits (default %(default)s)")
 parser.add_argument("--quick", action="store_true", help="one epoch per straggler run instead of two (section 4)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file (the notebook draws them)")
+add_device_flag(parser)
 
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 B = args.batch_size
@@ -80,13 +82,14 @@ if args.epochs < 1 or B < 1 or any(B % (p - s) for s in SERVERS) or B % p:
         f"bad arguments: --batch-size {B} must be divisible by {', '.join(map(str, counts))} (the workers of each "
         f"run, and the {p} ranks of ddp, each take an equal slice of it), --epochs {args.epochs} must be >= 1",
     )
+lesson_xp(args, world)  # --device gpu: this rank's GPU, or one line if there is none (every array is the driver's)
 
 W = p - 1  # workers when there is one server
 OVERSUBSCRIBED = p > usable_cores()
 TAGS = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", WEIGHTS: "WEIGHTS", END: "END"}
 # Every run: the digits, a 64-32-10 MLP, the driver of `dtrain train` (train(config, comm)), a watchdog of 120 s.
 BASE = dict(dataset="digits", hidden=(32,), batch_size=B, lr=0.05, momentum=0.9, progress=False, quiet=True,
-            timeout=120)  # fmt: skip
+            timeout=120, device=args.device)  # fmt: skip
 results = {"world": p, "workers": W, "servers": SERVERS, "batch_size": B, "cores": usable_cores()}
 checks = Checks(world)  # the checks are made on rank 0, which holds the gathered metrics (the others pass True)
 

@@ -8,6 +8,7 @@ average, one all-reduce of the weights every H steps instead of one of the gradi
     dtrain launch -n 4 lessons/05_local_sgd.py
     dtrain launch -n 2 lessons/05_local_sgd.py
     dtrain launch -n 3 lessons/05_local_sgd.py --sync-every 1,2,7,14
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs); the checks' distances are NumPy's, on host copies.
 
 What you will see:
   1. H = 1 is ddp: with SGD, momentum and weight decay the weights after every step equal ddp's (float64, to
@@ -41,10 +42,10 @@ import math
 import statistics
 
 import numpy as np
-from lesson_util import Checks, conclude, everywhere, parse_and_start, say, whole_numbers
+from lesson_util import Checks, add_device_flag, conclude, everywhere, lesson_xp, parse_and_start, say, whole_numbers
 
 from dtrain import parallel
-from dtrain.backend import weights_digest
+from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
@@ -67,6 +68,7 @@ parser.add_argument(
 )
 parser.add_argument("--seeds", type=int, default=5, help="seeds averaged over in section 4 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+add_device_flag(parser)
 
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.IN_PLACE, MPI.SUM, MPI.MAX (MPI has started by now)
@@ -86,6 +88,7 @@ problems = [
 ]  # fmt: skip
 if any(bad for bad, _ in problems):
     mpi.refuse_arguments("bad arguments: " + "; ".join(why for bad, why in problems if bad))
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 B, W, H_MAX = args.batch_size, args.warmup_sync_steps, max(HS)
 SIZES = [digits["float32"].n_features, 32, digits["float32"].n_classes]  # 64-32-10: 2,410 parameters
@@ -100,7 +103,7 @@ checks = Checks(world)  # each claim checked on every rank, and printed: checks.
 def config(**overrides) -> TrainConfig:
     """The run every section varies: 64-32-10 on the digits, SGD with momentum, a ring all-reduce."""
     base = dict(paradigm="local-sgd", epochs=args.epochs, hidden=tuple(SIZES[1:-1]), batch_size=B, lr=0.05,
-                momentum=0.9, allreduce="ring", progress=False, quiet=True)  # fmt: skip
+                momentum=0.9, allreduce="ring", progress=False, quiet=True, device=args.device)  # fmt: skip
     return TrainConfig(**{**base, **overrides})
 
 
@@ -113,15 +116,15 @@ def stepped(cfg: TrainConfig, steps: int | None = None):
     """
     kind = parallel.get(cfg.paradigm)
     kind.check(cfg, p)
-    paradigm = kind(prepare(world), cfg)
+    paradigm = kind(prepare(world, device=cfg.device), cfg)  # (GPU: CuPy buffers reach MPI through staging)
     dtype = np.dtype(cfg.dtype)
     paradigm.build(
-        lambda: MLP(SIZES, seed=cfg.seed, dtype=dtype),
+        lambda: MLP(SIZES, seed=cfg.seed, dtype=dtype, xp=xp),
         lambda model: make_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum, cfg.weight_decay),
     )
     index, count = paradigm.data_shard()
     data = digits[cfg.dtype]
-    loader = ShardedLoader(data.x_train, data.y_train, cfg.batch_size, index, count, cfg.seed)
+    loader = ShardedLoader(data.x_train, data.y_train, cfg.batch_size, index, count, cfg.seed, xp)
     step = 0
     for epoch in range(1, cfg.epochs + 1):
         for x, y in loader.epoch(epoch):
@@ -144,6 +147,7 @@ def trained(cfg: TrainConfig) -> dict:
 
 
 def relative(a, b) -> float:
+    a, b = to_host(a), to_host(b)  # (GPU weights are compared on the host)
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
@@ -301,6 +305,7 @@ mpi.print0(f"\n3. Drift: distance of the replicas from their average after every
 
 
 def consensus(flat) -> float:
+    flat = to_host(flat)  # (GPU weights: measured on a host copy)
     mean = mean_over_ranks(flat)
     return world.allreduce(float(np.linalg.norm(flat - mean))) / p / float(np.linalg.norm(mean))
 

@@ -7,6 +7,7 @@ replaces its own by a weighted average (D-PSGD, dtrain/parallel/gossip.py, ``dtr
     dtrain launch -n 4 lessons/06_gossip.py
     dtrain launch -n 6 lessons/06_gossip.py
     dtrain launch -n 8 lessons/06_gossip.py
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs); the graphs' matrices (sections 1-2) stay on the CPU.
 
 What you will see:
   1. the graphs: each rank's neighbours on a ring and on the exponential graph (r +- 1, 2, 4, ...), their mixing
@@ -43,10 +44,10 @@ import statistics
 from fractions import Fraction
 
 import numpy as np
-from lesson_util import Checks, conclude, parse_and_start, say
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say
 
 from dtrain.autograd import Tensor, no_grad
-from dtrain.backend import weights_digest
+from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
@@ -63,6 +64,7 @@ parser.add_argument("--epochs", type=int, default=8, help="epochs of the trainin
 parser.add_argument("--batch-size", type=int, default=96, help="global batch on digits (default %(default)s)")
 parser.add_argument("--rounds", type=int, default=12, help="gossip rounds of section 3 (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+add_device_flag(parser)
 
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.IN_PLACE, MPI.SUM (MPI has started by now)
@@ -78,6 +80,7 @@ problems = [
 ]  # fmt: skip
 if any(bad for bad, _ in problems):
     mpi.refuse_arguments("bad arguments: " + "; ".join(why for bad, why in problems if bad))
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 
 def valid(topology: str, k: int) -> bool:
@@ -107,11 +110,13 @@ def second_modulus(w: np.ndarray) -> float:
 
 def config(**overrides) -> TrainConfig:
     base = dict(paradigm="gossip", epochs=args.epochs, hidden=tuple(SIZES[1:-1]), batch_size=B, lr=0.05,
-                momentum=0.9, allreduce="ring", progress=False, quiet=True)  # fmt: skip
+                momentum=0.9, allreduce="ring", progress=False, quiet=True, device=args.device)  # fmt: skip
     return TrainConfig(**{**base, **overrides})
 
 
 mpi.print0(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}\n")
+if args.device == "gpu":
+    mpi.print0("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of sections 1-2 on the CPU)\n")
 
 # ---------------------------------------------------------------------------------------- 1. graphs and matrices
 # Rank r gives weight 1/(d+1) to itself and to each of its d neighbours: W[r, j] = 1/(d+1) for j = r and j a
@@ -205,10 +210,10 @@ mpi.print0(f"\n3. Gossip rounds on these {p} ranks, from random weights (float64
 
 
 def gossiper(topology: str) -> Gossip:
-    g = Gossip(prepare(world), config(topology=topology, dtype="float64"))
-    g.build(lambda: MLP(SIZES, seed=0, dtype=np.float64), lambda model: make_optimizer("sgd", model, 0.05))
+    g = Gossip(prepare(world, device=args.device), config(topology=topology, dtype="float64"))  # (GPU: staged)
+    g.build(lambda: MLP(SIZES, seed=0, dtype=np.float64, xp=xp), lambda model: make_optimizer("sgd", model, 0.05))
     flat = g.model.flat_params
-    flat[...] = np.random.default_rng(100 + rank).normal(size=flat.size)  # every rank its own weights
+    flat[...] = xp.asarray(np.random.default_rng(100 + rank).normal(size=flat.size))  # every rank its own weights
     return g
 
 
@@ -219,13 +224,13 @@ def spread(x: np.ndarray) -> float:
 round_ok, rounds = True, {}
 for topology in TOPOLOGIES:
     g = gossiper(topology)
-    before = np.array(world.allgather(g.model.flat_params.copy()))
+    before = np.array(world.allgather(to_host(g.model.flat_params).copy()))  # (GPU weights: host copies)
     history = [spread(before)]
     for t in range(args.rounds):
         g.steps = t  # the step number (random pairings change with it; Gossip.step calls mix() after the update)
-        x = np.array(world.allgather(g.model.flat_params.copy()))
+        x = np.array(world.allgather(to_host(g.model.flat_params).copy()))
         g.mix()
-        after = np.array(world.allgather(g.model.flat_params.copy()))
+        after = np.array(world.allgather(to_host(g.model.flat_params).copy()))
         w = mixing_matrix(topology, p, t)
         scale = np.abs(x).max()
         round_ok &= bool(
@@ -275,6 +280,7 @@ def trained(cfg: TrainConfig) -> dict:
 
 
 def consensus(flat) -> float:
+    flat = to_host(flat)  # (GPU weights: measured on a host copy)
     mean = np.array(flat, dtype=np.float64)
     world.Allreduce(MPI.IN_PLACE, mean, op=MPI.SUM)
     mean /= p
@@ -284,12 +290,12 @@ def consensus(flat) -> float:
 def by_hand(cfg: TrainConfig):
     """dtrain.train's loop for ``cfg``, step by step: the distance after every step, then the final model's test
     accuracy (computed here) and weights digest."""
-    paradigm = Gossip(prepare(world), cfg)
+    paradigm = Gossip(prepare(world, device=cfg.device), cfg)
     paradigm.build(
-        lambda: MLP(SIZES, seed=cfg.seed),
+        lambda: MLP(SIZES, seed=cfg.seed, xp=xp),
         lambda model: make_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum, cfg.weight_decay),
     )
-    loader = ShardedLoader(digits.x_train, digits.y_train, B, *paradigm.data_shard(), cfg.seed)
+    loader = ShardedLoader(digits.x_train, digits.y_train, B, *paradigm.data_shard(), cfg.seed, xp)
     distances = []
     for epoch in range(1, cfg.epochs + 1):
         for x, y in loader.epoch(epoch):
@@ -297,7 +303,7 @@ def by_hand(cfg: TrainConfig):
             distances.append(consensus(paradigm.model.flat_params))
     figures = paradigm.finish()  # the final model: one all-reduce average of the replicas
     with no_grad():
-        predicted = paradigm.model(Tensor(digits.x_test)).data.argmax(axis=1)
+        predicted = to_host(paradigm.model(Tensor(xp.asarray(digits.x_test))).data.argmax(axis=1))
     accuracy = float((predicted == digits.y_test).mean())
     return distances, accuracy, weights_digest(paradigm.model.flat_params), figures
 

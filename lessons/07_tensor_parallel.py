@@ -28,6 +28,9 @@ What you will see:
 Every check compares with an independent oracle and prints an OK line; the last line says whether all passed (the
 exit status is non-zero if not).
 
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs): the models, batches and all-reduces of every
+section (through StagedComm when MPI is not CUDA-aware); only the comparisons are made on host copies.
+
 Things to try:
   * --hidden 4096,4096: the split layers' share of the memory grows; does the step time follow?
   * dtrain launch -n 4 -m dtrain train --paradigm tp --tp 2 --trace tp.json, then https://ui.perfetto.dev: the
@@ -48,10 +51,12 @@ import time
 import numpy as np
 from lesson_util import (
     Checks,
+    add_device_flag,
     against_single,
     big_model_parser,
     big_model_widths,
     conclude,
+    lesson_xp,
     parse_and_start,
     say,
     single_reference,
@@ -59,6 +64,7 @@ from lesson_util import (
 )
 
 from dtrain.autograd import Tensor
+from dtrain.backend import to_host
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
 from dtrain.data import ShardedLoader, load_dataset
@@ -70,7 +76,9 @@ from dtrain.train import TrainConfig, train
 
 parser = big_model_parser("Lesson 7: tensor parallelism on MPI ranks", epochs=3, trained_in=4, model="wide",
                           hidden="2048,2048", big_batch=256, steps=6, timed_in=5)  # fmt: skip
+add_device_flag(parser)
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
 HIDDEN = big_model_widths(args, p, split=True)  # the widths are split over the ranks
@@ -91,6 +99,12 @@ def name(sizes) -> str:
     return "-".join(map(str, sizes))
 
 
+def relative(a, b):
+    """The largest difference of ``a`` from ``b``, relative to b's largest magnitude (on host copies)."""
+    a, b = to_host(a), to_host(b)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
 def traffic(comm) -> dict:
     """This rank's tracer: calls and bytes sent per label."""
     return {label: (o["calls"], o["bytes_sent"]) for label, o in comm.tracer.summary()["operations"].items()}
@@ -106,13 +120,13 @@ mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)\n")
 BLOCK = [96, 192, 48]  # widths that split over 1, 2, 3, 4, 6 and 12 ranks
 m = 16
 mpi.print0(f"1. A column-then-row block {name(BLOCK)} split over {p} rank(s), against the whole block (float64)")
-whole = MLP(BLOCK, seed=1, dtype=np.float64)
-x = np.random.default_rng(2).standard_normal((m, BLOCK[0]))
-upstream = np.random.default_rng(3).standard_normal((m, BLOCK[-1]))
+whole = MLP(BLOCK, seed=1, dtype=np.float64, xp=xp)
+x = xp.asarray(np.random.default_rng(2).standard_normal((m, BLOCK[0])))
+upstream = xp.asarray(np.random.default_rng(3).standard_normal((m, BLOCK[-1])))
 oracle_in = Tensor(x.copy(), requires_grad=True)
 oracle_out = whole(oracle_in)
 oracle_out.backward(upstream)
-comm = prepare(world, timeout=0)
+comm = prepare(world, device=args.device, timeout=0)
 modules, pieces = shard(whole, 0, 2, TensorGroup(comm, "ring"))
 worst, counts = 0.0, {}
 for needs_grad in (True, False):  # a hidden block (its input needs a gradient) and a model's first block (data)
@@ -121,15 +135,14 @@ for needs_grad in (True, False):  # a hidden block (its input needs a gradient) 
     out = inputs
     for module in modules:
         for parameter in module.parameters():
-            parameter.grad = np.zeros_like(parameter.data)
+            parameter.grad = xp.zeros_like(parameter.data)
         out = module(out)
     out.backward(upstream.copy())
     mine = [parameter.grad for module in modules for parameter in module.parameters()]
-    diffs = [np.abs(out.data - oracle_out.data).max() / np.abs(oracle_out.data).max()]
-    diffs += [np.abs(g - piece.view(whole.flat_grads)).max() / np.abs(piece.view(whole.flat_grads)).max()
-              for g, piece in zip(mine, pieces)]  # fmt: skip
+    diffs = [relative(out.data, oracle_out.data)]
+    diffs += [relative(g, piece.view(whole.flat_grads)) for g, piece in zip(mine, pieces)]
     if needs_grad:
-        diffs.append(np.abs(inputs.grad - oracle_in.grad).max() / np.abs(oracle_in.grad).max())
+        diffs.append(relative(inputs.grad, oracle_in.grad))
     worst = max(worst, *diffs)
     counts[needs_grad] = traffic(comm)
 if rank == 0:
@@ -187,9 +200,10 @@ say(
     f"parameters per rank; the replicated output layer ({WIDE[-2]} x {WIDE[-1]}) costs all of it on every rank, so "
     "the share falls a little slower than 1/T. Gradients and optimizer state follow the parameters."
 )
-config = TrainConfig(paradigm="tp", tp=p, hidden=HIDDEN, batch_size=args.big_batch, timeout=0, quiet=True)
-paradigm = TensorParallel(prepare(world, timeout=0), config)
-paradigm.build(lambda: MLP(WIDE, seed=0), lambda model: make_optimizer("sgd", model, 0.01, momentum=0.9))
+config = TrainConfig(paradigm="tp", tp=p, hidden=HIDDEN, batch_size=args.big_batch, timeout=0, quiet=True,
+                     device=args.device)  # fmt: skip
+paradigm = TensorParallel(prepare(world, device=args.device, timeout=0), config)
+paradigm.build(lambda: MLP(WIDE, seed=0, xp=xp), lambda model: make_optimizer("sgd", model, 0.01, momentum=0.9))
 held = paradigm.held_bytes()
 costs = TensorParallel.costs(WIDE, p, config)
 formula = sum((i * h + h + h * o) // p + o for i, h, o in zip(WIDE[0::2], WIDE[1::2], WIDE[2::2]))  # each block
@@ -204,7 +218,7 @@ results["memory"] = {"rows": rows, "held": held}
 # ------------------------------------------------------------------------------------ 4. training on real ranks
 mpi.print0(f"\n4. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
-              timeout=0, progress=False, quiet=True)  # fmt: skip
+              timeout=0, progress=False, quiet=True, device=args.device)  # fmt: skip
 single, alone = single_reference(TrainConfig(paradigm="single", **common), world)
 runs = {f"dp {dp} x tp {t}": train(TrainConfig(paradigm="tp", dp=dp, tp=t, **common), world) for dp, t in factorings}
 results["training"] = against_single(
@@ -222,14 +236,14 @@ mpi.print0(f"\n5. A step of {name(WIDE)}, float32, global batch {args.big_batch}
 
 def timed(paradigm, comm, count: int) -> tuple[list, list]:
     """Step times (the slowest rank's) and the time in the tensor group's all-reduces, per step."""
-    batches = itertools.cycle(list(ShardedLoader(wide.x_train, wide.y_train, args.big_batch, 0, 1).epoch(1)))
+    batches = itertools.cycle(list(ShardedLoader(wide.x_train, wide.y_train, args.big_batch, 0, 1, xp=xp).epoch(1)))
     steps, comm_s = [], []
     for _ in range(count):
         x, y = next(batches)
         before = sum(o["time_s"] for lab, o in comm.tracer.summary()["operations"].items() if lab.startswith("tp/"))
         comm.Barrier()
         start = time.perf_counter()
-        paradigm.step(x, y)
+        float(paradigm.step(x, y))  # (float: on a GPU, reading the loss waits for the step's queued work)
         steps.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
         after = sum(o["time_s"] for lab, o in comm.tracer.summary()["operations"].items() if lab.startswith("tp/"))
         comm_s.append(comm.allreduce(after - before, op=MPI.MAX))
@@ -237,10 +251,11 @@ def timed(paradigm, comm, count: int) -> tuple[list, list]:
 
 
 def contender(comm, t):
-    cfg = TrainConfig(paradigm="tp", tp=t, hidden=HIDDEN, batch_size=args.big_batch, timeout=0, quiet=True)
-    prepared = prepare(comm, timeout=0)
+    cfg = TrainConfig(paradigm="tp", tp=t, hidden=HIDDEN, batch_size=args.big_batch, timeout=0, quiet=True,
+                      device=args.device)  # fmt: skip
+    prepared = prepare(comm, device=args.device, timeout=0)
     built = TensorParallel(prepared, cfg)
-    built.build(lambda: MLP(WIDE, seed=0), lambda model: make_optimizer("sgd", model, 0.01, momentum=0.9))
+    built.build(lambda: MLP(WIDE, seed=0, xp=xp), lambda model: make_optimizer("sgd", model, 0.01, momentum=0.9))
     timed(built, prepared, 1)  # warm-up: first touches of the buffers
     return timed(built, prepared, args.steps)
 

@@ -24,6 +24,9 @@ What you will see:
 Every check compares with an independent oracle and prints an OK line; the last line says whether all passed (the
 exit status is non-zero if not).
 
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs): sections 2 to 5, their models, batches and
+messages (through StagedComm when MPI is not CUDA-aware); section 1 simulates the schedules in plain Python.
+
 Things to try:
   * --sleep-ms 0: the real compute of a small model is tens of microseconds, and the bubble drowns in overhead;
   * dtrain launch -n 4 -m dtrain train --paradigm pp --pp 4 --hidden 64,64,64 --trace pp.json, then
@@ -39,7 +42,16 @@ Exercises (`dtrain exercises init ex` once, then `dtrain exercises check 8.1 --p
 import argparse
 
 import numpy as np
-from lesson_util import Checks, against_single, conclude, parse_and_start, say, single_reference
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    against_single,
+    conclude,
+    lesson_xp,
+    parse_and_start,
+    say,
+    single_reference,
+)
 
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
@@ -57,8 +69,10 @@ parser.add_argument("--sleep-ms", type=float, default=5.0, help="section 3: a la
                     "backward twice as long (default %(default)s)")  # fmt: skip
 parser.add_argument("--max-microbatches", type=int, default=8, help="section 3's largest M (default %(default)s)")
 parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+add_device_flag(parser)
 
 args, world, P, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 if args.batch_size % (4 * P) or args.epochs < 1 or args.sleep_ms < 0 or args.max_microbatches < 1:
     mpi.refuse_arguments(
         f"bad arguments: --batch-size {args.batch_size} must be divisible by 4 x the {P} ranks (4 micro-batches per "
@@ -102,15 +116,18 @@ mpi.print0(f"\n2. One 1F1B step of {'-'.join(map(str, DEEP))} on these {P} rank(
            f"instruction")  # fmt: skip
 rows = 8 * max(P + 1, args.max_microbatches)  # 8 samples per micro-batch, for every M below
 rng = np.random.default_rng(0)
-x_batch, y_batch = rng.standard_normal((rows, DEEP[0])), rng.integers(0, 10, rows)
+x_batch, y_batch = xp.asarray(rng.standard_normal((rows, DEEP[0]))), xp.asarray(rng.integers(0, 10, rows))
 
 
 def built(schedule: str, microbatches: int, sizes=DEEP) -> Pipeline:
     """A pipeline of ``sizes`` over this world's P ranks, built as the driver builds it, for batches of 8 M."""
     config = TrainConfig(paradigm="pp", pp=P, microbatches=microbatches, schedule=schedule, dtype="float64",
-                         hidden=tuple(sizes[1:-1]), batch_size=8 * microbatches, timeout=0, quiet=True)  # fmt: skip
-    pipeline = Pipeline(prepare(world, timeout=0), config)
-    pipeline.build(lambda: MLP(sizes, seed=0, dtype=np.float64), lambda model: make_optimizer("sgd", model, 0.01))
+                         hidden=tuple(sizes[1:-1]), batch_size=8 * microbatches, timeout=0, quiet=True,
+                         device=args.device)  # fmt: skip
+    pipeline = Pipeline(prepare(world, device=args.device, timeout=0), config)
+    pipeline.build(
+        lambda: MLP(sizes, seed=0, dtype=np.float64, xp=xp), lambda model: make_optimizer("sgd", model, 0.01)
+    )
     return pipeline
 
 
@@ -197,7 +214,7 @@ results["activations"] = peaks
 mpi.print0(f"\n5. Training {'-'.join(map(str, DEEP))} on digits, float64, global batch {args.batch_size}, "
            f"{args.epochs} epochs")  # fmt: skip
 common = dict(epochs=args.epochs, hidden=tuple(DEEP[1:-1]), batch_size=args.batch_size, dtype="float64", timeout=0,
-              progress=False, quiet=True)  # fmt: skip
+              progress=False, quiet=True, device=args.device)  # fmt: skip
 single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
 configs = {f"pp {P} {s}": dict(pp=P, schedule=s) for s in ("gpipe", "1f1b")}
 if P > 1 and 4 % P == 0:  # (interleaving: the 4 micro-batches must be a multiple of the stages)

@@ -27,6 +27,9 @@ the tracer's bytes against the formula) and prints an OK line; the last line say
 status is non-zero if not). Timings are measurements, printed and never checked; with more ranks than cores (4 ranks
 on 2 cores) a rank often waits for a core rather than for a message (docs/benchmarks.md, section 7).
 
+`--device gpu` runs the same on GPUs (one per rank, rank % GPUs): the models, batches, optimizer state and
+collectives of every section (through StagedComm when MPI is not CUDA-aware); nothing stays on the CPU.
+
 Things to try:
   * --hidden 2048,2048: the largest layer is 72% of the model, and stages 2 and 3 hold it whole while it is in
     flight: how much do they still save?
@@ -45,7 +48,17 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, big_model_parser, big_model_widths, conclude, parse_and_start, say, single_reference
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    big_model_parser,
+    big_model_widths,
+    conclude,
+    lesson_xp,
+    parse_and_start,
+    say,
+    single_reference,
+)
 
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
@@ -61,7 +74,9 @@ from dtrain.train import TrainConfig, train
 
 parser = big_model_parser("Lesson 9: ZeRO on MPI ranks", epochs=3, trained_in=3, model="big", hidden="1024,1024",
                           big_batch=192, steps=8, timed_in=4)  # fmt: skip
+add_device_flag(parser)
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
 HIDDEN = big_model_widths(args, p, split=False)
@@ -85,13 +100,13 @@ def mb(nbytes: float) -> str:
 
 def zero_config(stage: int, sizes, batch: int, **extra) -> TrainConfig:
     return TrainConfig(paradigm="zero", zero_stage=stage, hidden=tuple(sizes[1:-1]), batch_size=batch,
-                       allreduce="ring", timeout=0, **extra)  # fmt: skip
+                       allreduce="ring", timeout=0, device=args.device, **extra)  # fmt: skip
 
 
 def built(stage: int, sizes, batch: int, optimizer: str = "sgd") -> Zero:
     """A Zero paradigm on the whole world, built as the driver builds it (each rank: its chunks)."""
-    zero = Zero(prepare(world, timeout=0), zero_config(stage, sizes, batch, optimizer=optimizer))
-    zero.build(lambda: MLP(sizes, seed=0), lambda model: make_optimizer(optimizer, model, 0.01))
+    zero = Zero(prepare(world, device=args.device, timeout=0), zero_config(stage, sizes, batch, optimizer=optimizer))
+    zero.build(lambda: MLP(sizes, seed=0, xp=xp), lambda model: make_optimizer(optimizer, model, 0.01))
     return zero
 
 
@@ -103,7 +118,7 @@ mpi.print0(f"Lesson 9: ZeRO, sharded data parallelism, on {p} rank(s)\n")
 # intermediate result for backward, one row per sample, so they grow with the batch, not with the parameters.
 n_big = parameter_count(BIG)
 mpi.print0(f"1. What one replica of {name(BIG)} ({n_big:,} parameters) holds for a step, in float32 (MB)")
-model = MLP(BIG, seed=0)
+model = MLP(BIG, seed=0, xp=xp)
 state = {
     "parameters": model.flat_params.nbytes,
     "gradients": model.flat_grads.nbytes,
@@ -114,7 +129,8 @@ batches = (8, 64, 512)
 activations = {}
 for b in batches:  # measured: the intermediate results one forward keeps for its backward
     rows = np.arange(b) % len(wide.y_train)  # (repeating samples where the set is smaller: the bytes are the same)
-    activations[b] = activation_bytes(softmax_cross_entropy(model(Tensor(wide.x_train[rows])), wide.y_train[rows]))
+    x, y = xp.asarray(wide.x_train[rows]), xp.asarray(wide.y_train[rows])
+    activations[b] = activation_bytes(softmax_cross_entropy(model(Tensor(x)), y))
 mpi.print0(f"   {'what':28s} {'grows with':>14s} " + "".join(f"{f'batch {b}':>10s}" for b in batches) + "   ZeRO")
 sharded_from = {"parameters": "stage 3", "gradients": "stage 2"}
 for what, nbytes in state.items():
@@ -162,7 +178,7 @@ if rank == 0:
 # One stage-3 step on rank 0, as its ledger saw it: a layer exists whole only between its gather and its free.
 zero = built(3, BIG, args.big_batch)
 zero.ledger.start_recording()
-x, y = next(ShardedLoader(wide.x_train, wide.y_train, args.big_batch, rank, p).epoch(1))
+x, y = next(ShardedLoader(wide.x_train, wide.y_train, args.big_batch, rank, p, xp=xp).epoch(1))
 zero.step(x, y)
 history = zero.ledger.history
 peak_ok = True
@@ -183,7 +199,7 @@ checks.ok("every layer is freed after use; the peak is chunks + largest layer", 
 # ZeRO's three stages on all p ranks. Same seed, same global batches: every curve must be single's.
 mpi.print0(f"\n3. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
-              timeout=0, progress=False, quiet=True)  # fmt: skip
+              timeout=0, progress=False, quiet=True, device=args.device)  # fmt: skip
 single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
 configs = {"ddp": TrainConfig(paradigm="ddp", allreduce="ring", bucket_mb=0, **common)}
 configs.update({f"zero {s}": TrainConfig(paradigm="zero", zero_stage=s, allreduce="ring", **common) for s in STAGES})
@@ -281,7 +297,7 @@ def timed_steps(paradigm, batches, count: int) -> list[float]:
         x, y = next(batches)
         world.Barrier()
         start = time.perf_counter()
-        paradigm.step(x, y)
+        float(paradigm.step(x, y))  # (float: on a GPU, reading the loss waits for the step's queued work)
         times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return times
 
@@ -291,13 +307,14 @@ paradigms, feeds = {}, {}
 for label, stage in contenders.items():
     if stage is None:
         cfg = TrainConfig(paradigm="ddp", hidden=HIDDEN, batch_size=args.big_batch, allreduce="ring", bucket_mb=0,
-                          optimizer="adam")  # fmt: skip
-        paradigm = DataParallel(prepare(world, timeout=0), cfg)
-        paradigm.build(lambda: MLP(BIG, seed=0), lambda m: make_optimizer("adam", m, 0.001))
+                          optimizer="adam", device=args.device)  # fmt: skip
+        paradigm = DataParallel(prepare(world, device=args.device, timeout=0), cfg)
+        paradigm.build(lambda: MLP(BIG, seed=0, xp=xp), lambda m: make_optimizer("adam", m, 0.001))
     else:
         paradigm = built(stage, BIG, args.big_batch, "adam")
     paradigms[label] = paradigm
-    feeds[label] = itertools.cycle(list(ShardedLoader(wide.x_train, wide.y_train, args.big_batch, rank, p).epoch(1)))
+    loader = ShardedLoader(wide.x_train, wide.y_train, args.big_batch, rank, p, xp=xp)
+    feeds[label] = itertools.cycle(list(loader.epoch(1)))
     timed_steps(paradigm, feeds[label], 1)  # warm-up: first touches, Numba's first calls
 times = {label: [] for label in contenders}
 for _ in range(args.steps):  # interleaved, step by step: a slow moment of the machine slows every contender alike
