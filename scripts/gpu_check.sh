@@ -3,19 +3,20 @@
 #
 #     bash scripts/gpu_check.sh [OUT]          # OUT defaults to gpu-check/ (git-ignored); ~6 min on an H100 machine
 #     GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh   # the benchmarks' --quick forms: ~3 min
-#     GPU_CHECK_PARTS="tests bench" ...   # some of: env tests bench kernels calibrate lesson plan tour (default: all)
+#     GPU_CHECK_PARTS="tests bench" ...   # some of: env tests bench kernels calibrate lesson lessons plan tour
 #
 # Run it with the Python environment that has CuPy (and NumPy, and PyTorch for its comparisons): GPU_CHECK_PYTHON
 # (default python3). It installs into that environment the wheels found in .whl/ (mpich's mpiexec and mpi4py, for a
 # machine with no registry: `pip download` them where one can be reached) and dtrain itself, editable and without
 # dependencies; then runs each part on its own, a failure never stopping the next: the GPU tests (pytest -m gpu),
 # the reduction kernels (bench_kernels.py --device gpu), the step and the all-reduce (bench_gpu.py), this machine as
-# a dtrain plan preset (calibrate.py --gpu), lesson 12 (its part 4 from the benchmark's results), dtrain plan
+# a dtrain plan preset (calibrate.py --gpu), lesson 12 (its part 4 from the benchmark's results), lessons 1-9 with
+# --device gpu (small flags, four jobs at a time), dtrain plan
 # --device gpu --check (the lent-h100 preset against runs) and the tour on the GPU. The last lines printed are a summary.
 set -u
 OUT=${1:-${OUT:-gpu-check}}
 mkdir -p "$OUT"
-PARTS=${GPU_CHECK_PARTS:-env tests bench kernels calibrate lesson plan tour}
+PARTS=${GPU_CHECK_PARTS:-env tests bench kernels calibrate lesson lessons plan tour}
 QUICK=${GPU_CHECK_QUICK:+--quick}
 export PYTHONUNBUFFERED=1  # (dtrain launch sets the yielding wait itself, only when ranks outnumber cores)
 PY=${GPU_CHECK_PYTHON:-python3}
@@ -73,6 +74,30 @@ EOF"
         [ -f docs/bench/gpu.json ] && results=(--results docs/bench/gpu.json)
         [ -f "$OUT/gpu.json" ] && results=(--results "$OUT/gpu.json")
         step lesson 120 "$PY" lessons/12_gpu.py $QUICK "${results[@]}" --json "$OUT/lesson.json"
+        ;;
+    lessons)  # lessons 1-9 with --device gpu and their tests' small flags, four 4-rank jobs at a time
+        lesson_gpu() {  # lesson_gpu NAME RANKS FLAGS...
+            local name=$1 ranks=$2
+            shift 2
+            if [ "$ranks" = 1 ]; then set -- "$PY" "lessons/$name.py" "$@"
+            else set -- "$PY" -m dtrain launch -n "$ranks" "lessons/$name.py" "$@"; fi
+            timeout 90 "$@" --device gpu >"$OUT/lesson_$name.log" 2>&1
+            echo "rc=$? $(tail -n 1 "$OUT/lesson_$name.log" | cut -c1-140)" >"$OUT/lesson_$name.rc"
+        }
+        started=$SECONDS
+        lesson_gpu 01_single_device 1 --epochs 2 &
+        lesson_gpu 02_allreduce 4 --size-mib 0.05 --repeats 2 &
+        lesson_gpu 03_data_parallel 4 --epochs 2 --steps 8 --big-batch 192 &
+        lesson_gpu 04_parameter_server 4 --epochs 2 --quick &
+        lesson_gpu 05_local_sgd 4 --epochs 2 --seeds 2 --warmup-sync-steps 10 &
+        wait
+        lesson_gpu 06_gossip 4 --epochs 2 --rounds 6 &
+        lesson_gpu 07_tensor_parallel 4 --epochs 2 --hidden 256,256 --big-batch 64 --steps 2 &
+        lesson_gpu 08_pipeline_parallel 4 --epochs 2 --max-microbatches 4 &
+        lesson_gpu 09_zero 4 --epochs 2 --hidden 256,256 --big-batch 48 --steps 2 &
+        wait
+        for f in "$OUT"/lesson_0*.rc; do summary+=("$(basename "$f" .rc): $(cat "$f")"); done
+        summary+=("lessons: $((SECONDS - started))s")
         ;;
     plan)
         step plan 200 bash -c "$PY -m dtrain plan --device gpu --ranks 2 --check 3 && $PY -m dtrain plan --device gpu --ranks 4 --check 3"
