@@ -88,7 +88,7 @@ class Module:
         for (name, p), (offset, n) in zip(self.named_parameters(), spans(p.data.size for p in params)):
             shape = p.data.shape
             view = self.flat_params[offset : offset + n]
-            view[...] = to_device(np.asarray(p.data).ravel(), xp)
+            view[...] = to_device(p.data, xp).ravel()  # (a parameter may be on the host or already on the GPU)
             p.data = view.reshape(shape)
             p.grad = self.flat_grads[offset : offset + n].reshape(shape)
             self.param_slices[name] = slice(offset, offset + n)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dtrain import collectives
 from dtrain.autograd import Tensor
-from dtrain.backend import array_module, resolve_dtype, to_host
+from dtrain.backend import array_module, resolve_dtype
 from dtrain.collectives import costmodel
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
@@ -100,8 +100,9 @@ class _Sliced(Module):
         self.in_features, self.out_features, self.group = layer.in_features, layer.out_features, group
         rows, cols = self.slices(layer.in_features, layer.out_features, group.rank, group.size)
         self.index = {"weight": (rows, cols), "bias": (cols if self.kind == "column" else slice(None),)}
-        self.weight = Parameter(to_host(layer.weight.data)[rows, cols].copy(), "weight")
-        self.bias = Parameter(to_host(layer.bias.data)[self.index["bias"]].copy(), "bias")
+        # (sliced where the whole layer lives: a GPU model's slices stay on the GPU, used as they are or flattened)
+        self.weight = Parameter(layer.weight.data[rows, cols].copy(), "weight")
+        self.bias = Parameter(layer.bias.data[self.index["bias"]].copy(), "bias")
         self.pieces = pieces_of(whole, index, self.index)  # where they live in the whole flat buffer
 
     @staticmethod
