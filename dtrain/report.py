@@ -94,13 +94,16 @@ def state_bytes(metrics: dict) -> tuple[list | None, list]:
     """(measured, predicted): the bytes of parameters, gradients and optimizer state each rank held, as the paradigm
     read them off its arrays (``held_bytes`` in its figures; None if it reports none) and as its ``costs()`` says (a
     number there: every rank alike; a list: by rank)."""
-    kinds, world, costs = ("parameters", "gradients", "optimizer"), metrics["world_size"], metrics["costs"]
+    # (compression: a compressor's state beside ddp's, --compress; the other paradigms have none)
+    kinds = ("parameters", "gradients", "optimizer", "compression")
+    world, costs = metrics["world_size"], metrics["costs"]
     predicted = [0] * world
     for kind in kinds:
-        values = costs[kind] if isinstance(costs[kind], list) else [costs[kind]] * world
+        value = costs.get(kind, 0)
+        values = value if isinstance(value, list) else [value] * world
         predicted = [a + b for a, b in zip(predicted, values)]
     held = metrics["communication"]["per_rank"][0]["paradigm"].get("held_bytes")
-    return ([sum(h[k] for k in kinds) for h in held] if held else None), predicted
+    return ([sum(h.get(k, 0) for k in kinds) for h in held] if held else None), predicted
 
 
 def run_summary(metrics: dict) -> dict:

@@ -60,6 +60,8 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from dtrain import collectives, kernels
@@ -67,7 +69,7 @@ from dtrain.backend import is_device_array
 from dtrain.collectives import costmodel, hierarchical, yours
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_spans, spans
-from dtrain.parallel import Paradigm, check_replicas, register
+from dtrain.parallel import Paradigm, check_replicas, compression, register
 from dtrain.parallel.buckets import Buckets, plan_buckets
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
 
@@ -87,13 +89,14 @@ class DataParallel(Paradigm):
     name = "ddp"
     summary = "data parallel, gradients all-reduced every step"
     lesson = 3
-    flags = (ALLREDUCE_OR_YOURS, RANKS_PER_NODE, OVERLAP, BUCKET_MB)
+    flags = (ALLREDUCE_OR_YOURS, RANKS_PER_NODE, OVERLAP, BUCKET_MB, *compression.FLAGS)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
         if yours.is_spec(config.allreduce):  # your own all-reduce: its file loads, and takes (comm, buf)
             yours.entry(config.allreduce)
+        compression.check(config)
         k = config.ranks_per_node
         if config.allreduce == "hierarchical_rs" and k is not None and world % k:
             sizes = list(hierarchical.node_sizes(world, k))
@@ -135,6 +138,8 @@ class DataParallel(Paradigm):
         if self.overlap:  # backward's gradient-ready hooks start each bucket once it is complete
             for index, p in enumerate(params):
                 p.register_hook(lambda _p, index=index: self.reducer.ready(index))
+        compression.check(self.config, [p.grad.shape for p in params])  # (every rank alike: the same model)
+        self.compressor = compression.make(self.config, self.grad_comm, [p.grad for p in params])
 
     @staticmethod
     def bucket_bytes(config) -> int:
@@ -170,7 +175,9 @@ class DataParallel(Paradigm):
     def average_gradients(self) -> None:
         """Start every bucket not started yet (no overlap, or parameters the loss did not use), in order, and wait for
         all of them: every rank then holds the average of the ranks' gradients."""
-        if self.world > 1:
+        if self.compressor is not None:  # --compress: the compressed exchange instead of the buckets' all-reduce
+            self.compressor.exchange(self.model.flat_grads)
+        elif self.world > 1:
             self.reducer.finish()
 
     def global_loss(self, local_mean: float) -> float:
@@ -191,17 +198,29 @@ class DataParallel(Paradigm):
             "allreduce": self.algorithm,
             "bucket_bytes": [int(b.nbytes) for b in self.buckets],
             "overlap": self.overlap,
+            "compress": self.config.compress,
             **t,
             # of the time buckets were in flight, the part spent while backward was still computing
             "overlap_fraction": t["hidden_s"] / t["in_flight_s"] if t["in_flight_s"] else 0.0,
             **super().finish(),  # held_bytes
         }
 
+    def held_bytes(self) -> dict:
+        held = super().held_bytes()
+        if self.compressor is not None:  # top-k's residual, PowerSGD's error and Q
+            held["compression"] = self.compressor.state_bytes()
+        return held
+
     # --- the cost as code ---------------------------------------------------------------------------------
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
-        """Bytes each rank sends per step: one all-reduce per bucket (exact, from the cost model's counts)."""
+        """Bytes each rank sends per step: one all-reduce per bucket (exact, from the cost model's counts); with
+        --compress, the compressor's exchange (:mod:`dtrain.parallel.compression`) and its state."""
         base = super().costs(sizes, world, config)
+        if config.compress != "none":
+            shapes = [shape for a, b in itertools.pairwise(sizes) for shape in ((a, b), (b,))]
+            return {**base, "sent_per_step": [compression.bytes_sent(config, shapes, world, r) for r in range(world)],
+                    "compression": compression.state_bytes(config, shapes)}  # fmt: skip
         itemsize = np.dtype(config.dtype).itemsize
         layout = [(offset, n, itemsize) for offset, n in parameter_spans(sizes)]
         buckets = plan_buckets(layout, cls.bucket_bytes(config))

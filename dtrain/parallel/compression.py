@@ -1,0 +1,279 @@
+"""Gradient compression for data parallelism (``ddp --compress``): send fewer bytes per step.
+
+Data parallelism all-reduces the whole gradient every step: 2 (p-1)/p x n bytes a rank, whatever the network. When
+the network is slow, the two answers dtrain teaches elsewhere are to send less often (local SGD) and to overlap. This
+is the third: send a smaller version of the gradient. PyTorch DDP ships it as communication hooks
+(``fp16_compress_hook``, ``powerSGD_hook``), Horovod as ``Compression.fp16``. Every rank compresses its own gradient,
+the ranks exchange the compressed forms, and every rank ends with the same approximate average::
+
+    rank r:  g_r ---compress---> c_r ---exchange (all-reduce or all-gather)---> every c ---decompress, average---> g~
+
+**Half precision** (``fp16``, ``bf16``): each element travels in 2 bytes instead of 4, so the ring all-reduce sends
+half the bytes; the sums are made in float32 (each rank decodes what it receives, adds, and encodes what it passes
+on). fp16 keeps 10 bits of mantissa but only 5 of exponent: magnitudes under 6e-8 flush to zero (a small gradient
+*underflows*, which is why fp16 training scales the loss up first). bf16 keeps float32's 8 exponent bits and 7 of
+mantissa: coarser (3 significant digits), but nothing a float32 can hold underflows, so it needs no loss scaling.
+NumPy has no bfloat16: here a bf16 number is the upper 16 bits of a float32, rounded to nearest even (what hardware
+does); it travels as 2 bytes, exactly as a real bf16 would.
+
+**Top-k with error feedback** (``topk``, ``--compress-ratio k/n``): each rank sends only the k entries of largest
+magnitude, as (index, value) pairs; what it did not send is not thrown away but kept in a *residual* and added to the
+next step's gradient, so every coordinate is eventually sent (without this, small coordinates would never move: the
+lesson measures it). Different ranks choose different indices, so the pairs cannot be summed on the way as an
+all-reduce sums dense chunks: they are *all-gathered* (every rank receives every rank's k pairs) and summed into a
+dense gradient at each rank::
+
+    residual += g;  idx = k largest |residual|;  send (idx, residual[idx]);  residual[idx] = 0
+    g~ = (1/p) x sum over ranks q of scatter(idx_q, values_q)       (the same on every rank)
+
+**PowerSGD** (``powersgd``, ``--powersgd-rank r``; Vogels, Karimireddy and Jaggi, 2019): a weight matrix's gradient
+M (a x b) is close to low rank, so send a rank-r factorisation of it. One step of power iteration, warm-started from
+the previous step's Q, and error feedback as top-k's::
+
+    M = G + E                    (E: what earlier steps did not send)
+    P = M Q          (a x r)     all-reduce P (average), orthonormalise its columns
+    Q = M^T P        (b x r)     all-reduce Q (average)
+    G~ = P Q^T;  E = M - G~      (every rank the same G~)
+
+Two all-reduces of (a + b) r numbers instead of one of a b; the biases, vectors, are all-reduced uncompressed. At
+full rank (r = min(a, b)) P Q^T is the averaged M itself, to rounding: PowerSGD is then plain ddp.
+
+**Cost per step** (p ranks, n gradient elements of s bytes; every exchange is dtrain's ring, whose exact bytes per
+rank are :func:`dtrain.collectives.costmodel.bytes_sent`'s): fp16/bf16, a ring all-reduce of n elements of 2 bytes;
+top-k, a ring all-gather of p x 2k elements of s bytes (an index and a value each), (p-1) 2k s a rank, p k / n of
+ddp's bytes; PowerSGD, ring all-reduces of sum (a_i + b_i) r and of the biases' elements. State a rank holds beside
+ddp's: top-k's residual (n s), PowerSGD's E (each matrix, a b s) and Q (b r s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dtrain import collectives
+from dtrain.backend import array_module
+from dtrain.collectives import costmodel
+from dtrain.collectives._chunks import bounds_for
+from dtrain.comm import sendrecv
+from dtrain.errors import ConfigError
+from dtrain.parallel.flags import Flag
+
+NAMES = ("none", "fp16", "bf16", "topk", "powersgd")
+COMPRESS = Flag("compress", "none", "send a compressed gradient: fp16 or bf16 (half the bytes), topk (the "
+                "--compress-ratio largest entries, error feedback), powersgd (rank --powersgd-rank factors, error "
+                "feedback); none: the whole gradient", choices=NAMES)  # fmt: skip
+RATIO = Flag("compress_ratio", 0.01, "top-k: the fraction of the gradient's entries a rank sends (0 < ratio <= 1)",
+             type=float, metavar="K/N")  # fmt: skip
+RANK = Flag("powersgd_rank", 2, "PowerSGD: the rank of each weight matrix's factors (<= its smaller side)", type=int,
+            metavar="R", at_least=1)  # fmt: skip
+FLAGS = (COMPRESS, RATIO, RANK)
+
+
+def check(config, shapes=None) -> None:
+    """Refuse what cannot run, before any message; ``shapes`` (the model's parameter shapes, once it exists) for the
+    PowerSGD rank against each weight matrix."""
+    if config.compress == "none":
+        return
+    if not 0 < config.compress_ratio <= 1:
+        raise ConfigError(f"--compress-ratio must be in (0, 1] (the fraction of entries a rank sends), got "
+                          f"{config.compress_ratio}")  # fmt: skip
+    if config.compress == "powersgd" and shapes is not None:
+        sides = [min(s) for s in shapes if len(s) == 2]
+        if sides and config.powersgd_rank > min(sides):
+            raise ConfigError(f"--powersgd-rank {config.powersgd_rank} is larger than the smaller side of a weight "
+                              f"matrix ({min(sides)}): use --powersgd-rank {min(sides)} or less")  # fmt: skip
+    if shapes is None and config.overlap:
+        raise ConfigError(f"--compress {config.compress} exchanges the whole gradient after backward: drop --overlap")
+    if shapes is None and config.bucket_mb:
+        raise ConfigError(f"--compress {config.compress} exchanges the whole gradient at once: drop --bucket-mb")
+
+
+def make(config, comm, grads):
+    """The compressor ``config.compress`` names for this rank's gradients ``grads`` (views into the flat gradient,
+    in parameter order), or None for "none"."""
+    kinds = {"fp16": HalfPrecision, "bf16": HalfPrecision, "topk": TopK, "powersgd": PowerSGD}
+    return kinds[config.compress](config, comm, grads) if config.compress != "none" else None
+
+
+def bytes_sent(config, shapes, world: int, rank: int) -> int:
+    """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
+    itemsize = np.dtype(config.dtype).itemsize
+    n = sum(math.prod(s) for s in shapes)
+    if config.compress in ("fp16", "bf16"):
+        return costmodel.bytes_sent("ring", n, 2, world, rank)
+    if config.compress == "topk":
+        k = TopK.k_of(n, config.compress_ratio)
+        return costmodel.bytes_sent("ring", world * 2 * k, itemsize, world, rank, collective="allgather")
+    p_count, q_count, vectors = PowerSGD.counts(shapes, config.powersgd_rank)
+    return sum(costmodel.bytes_sent("ring", c, itemsize, world, rank) for c in (p_count, q_count, vectors) if c)
+
+
+def state_bytes(config, shapes) -> int:
+    """Bytes of state a rank keeps for ``config.compress`` beside ddp's (residual, error, Q)."""
+    itemsize = np.dtype(config.dtype).itemsize
+    if config.compress == "topk":
+        return sum(math.prod(s) for s in shapes) * itemsize
+    if config.compress == "powersgd":
+        r = config.powersgd_rank
+        return sum((s[0] * s[1] + s[1] * r) * itemsize for s in shapes if len(s) == 2)
+    return 0
+
+
+# --- half precision ------------------------------------------------------------------------------------------------
+def encode_fp16(x, xp):
+    return x.astype(np.float16).view(np.uint16)
+
+
+def decode_fp16(code, xp):
+    return code.view(np.float16).astype(np.float32)
+
+
+def encode_bf16(x, xp):
+    """The upper 16 bits of float32, rounded to nearest, ties to even (as bf16 hardware rounds)."""
+    bits = xp.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def decode_bf16(code, xp):
+    return (code.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class HalfPrecision:
+    """fp16 or bf16: dtrain's ring all-reduce with every message 2 bytes an element, sums in float32."""
+
+    def __init__(self, config, comm, grads):
+        self.comm, self.name = comm, config.compress
+        self.encode, self.decode = (encode_fp16, decode_fp16) if self.name == "fp16" else (encode_bf16, decode_bf16)
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def exchange(self, flat) -> None:
+        """Replace ``flat`` (this rank's gradient) by the average over ranks, every message in 2 bytes an element."""
+        comm, xp = self.comm, array_module(flat)
+        p, r = comm.Get_size(), comm.Get_rank()
+        work = flat.astype(np.float32)  # (the sums' precision, whatever the gradient's dtype)
+        if p > 1:
+            cut = bounds_for(work.size, p)
+            right, left = (r + 1) % p, (r - 1) % p
+            incoming = xp.empty(cut[0][1], dtype=np.uint16)  # chunk 0 is the longest
+            for s in range(p - 1):  # reduce-scatter, as dtrain's ring: rank r ends owning chunk r
+                (a, b), (c, d) = cut[(r - s - 1) % p], cut[(r - s - 2) % p]
+                sendrecv(comm, self.encode(work[a:b], xp), right, incoming[: d - c], left)
+                work[c:d] += self.decode(incoming[: d - c], xp)
+            codes = xp.empty(work.size, dtype=np.uint16)  # every chunk as it travels: the same bits on every rank
+            a, b = cut[r]
+            codes[a:b] = self.encode(work[a:b], xp)
+            for s in range(p - 1):  # all-gather of the encoded chunks
+                (a, b), (c, d) = cut[(r - s) % p], cut[(r - s - 1) % p]
+                sendrecv(comm, codes[a:b], right, codes[c:d], left)
+            work = self.decode(codes, xp)
+        else:
+            work = self.decode(self.encode(work, xp), xp)
+        flat[...] = work * np.float32(1.0 / p)
+
+
+# --- top-k with error feedback -------------------------------------------------------------------------------------
+class TopK:
+    """Each rank's k largest entries of gradient + residual, all-gathered as (index, value) pairs; the rest kept."""
+
+    def __init__(self, config, comm, grads):
+        self.comm = comm
+        n = sum(g.size for g in grads)
+        xp, dtype = array_module(grads[0]), grads[0].dtype
+        self.k = self.k_of(n, config.compress_ratio)
+        self.residual = xp.zeros(n, dtype=dtype)
+        self.last_sent = None  # (indices, values) this rank sent last step: the error-feedback invariant's evidence
+
+    @staticmethod
+    def k_of(n: int, ratio: float) -> int:
+        return max(1, min(n, math.ceil(ratio * n)))
+
+    def state_bytes(self) -> int:
+        return int(self.residual.nbytes)
+
+    def exchange(self, flat) -> None:
+        comm, xp, k, n = self.comm, array_module(flat), self.k, flat.size
+        p, r = comm.Get_size(), comm.Get_rank()
+        residual = self.residual
+        residual += flat  # what this rank owes: its gradient and everything it has not sent yet
+        index = xp.argpartition(xp.abs(residual), n - k)[n - k :] if k < n else xp.arange(n)
+        index = xp.sort(index)  # (a canonical order: the pairs then travel and sum in index order)
+        values = residual[index]
+        residual[index] = 0  # sent: what remains is exactly what was not
+        self.last_sent = (index, values.copy())
+        # an index and a value per pair, both of flat's item size; the indices travel as the bits of unsigned
+        # integers in a buffer of flat's dtype (the collectives move floats; nothing adds them on the way)
+        whole = np.dtype(f"u{flat.itemsize}")
+        pairs = xp.empty(p * 2 * k, dtype=flat.dtype)
+        mine = pairs[r * 2 * k : (r + 1) * 2 * k]
+        mine[:k] = index.astype(whole).view(flat.dtype)
+        mine[k:] = values
+        if p > 1:
+            collectives.allgather(comm, pairs, "ring")
+        total = xp.zeros(n, dtype=flat.dtype)
+        for q in range(p):  # every rank sums the same pairs in the same order: the same result everywhere
+            chunk = pairs[q * 2 * k : (q + 1) * 2 * k]
+            total[chunk[:k].view(whole).astype(np.int64)] += chunk[k:]
+        flat[...] = total * flat.dtype.type(1.0 / p)
+
+
+# --- PowerSGD ------------------------------------------------------------------------------------------------------
+class PowerSGD:
+    """Each weight matrix's gradient as a rank-r product P Q^T, one power-iteration step a step, error feedback."""
+
+    SEED = 2019  # the initial Q, the same on every rank
+
+    def __init__(self, config, comm, grads):
+        self.comm, self.r = comm, config.powersgd_rank
+        xp, dtype = array_module(grads[0]), grads[0].dtype
+        self.matrices = [g for g in grads if g.ndim == 2]
+        self.vectors = [g for g in grads if g.ndim != 2]
+        rng = np.random.default_rng(self.SEED)
+        self.errors = [xp.zeros(g.shape, dtype=dtype) for g in self.matrices]
+        self.qs = [xp.asarray(rng.standard_normal((g.shape[1], self.r)).astype(dtype)) for g in self.matrices]
+
+    @staticmethod
+    def counts(shapes, r: int) -> tuple[int, int, int]:
+        """Elements of the P all-reduce, of the Q all-reduce, and of the vectors' all-reduce."""
+        matrices = [s for s in shapes if len(s) == 2]
+        vectors = sum(math.prod(s) for s in shapes if len(s) != 2)
+        return sum(a * r for a, _ in matrices), sum(b * r for _, b in matrices), vectors
+
+    def state_bytes(self) -> int:
+        return int(sum(e.nbytes for e in self.errors) + sum(q.nbytes for q in self.qs))
+
+    def exchange(self, flat) -> None:
+        comm, xp = self.comm, array_module(flat)
+        p = comm.Get_size()
+        ms = []
+        for g, e in zip(self.matrices, self.errors):
+            e += g  # M = G + E, kept in E's buffer
+            ms.append(e)
+        ps = self._allreduced([m @ q for m, q in zip(ms, self.qs)], xp)
+        ps = [xp.linalg.qr(p_)[0] for p_ in ps]  # orthonormal columns, the same on every rank
+        self.qs = self._allreduced([m.T @ p_ for m, p_ in zip(ms, ps)], xp)
+        for g, e, p_, q in zip(self.matrices, ms, ps, self.qs):
+            approx = p_ @ q.T
+            g[...] = approx
+            e -= approx  # what was not sent
+        if self.vectors and p > 1:
+            joined = xp.concatenate([v.ravel() for v in self.vectors])
+            collectives.allreduce(comm, joined, op="avg", algorithm="ring")
+            offset = 0
+            for v in self.vectors:
+                v[...] = joined[offset : offset + v.size].reshape(v.shape)
+                offset += v.size
+
+    def _allreduced(self, arrays, xp) -> list:
+        """The average over ranks of each array, in one ring all-reduce of them all, laid end to end."""
+        joined = xp.concatenate([a.ravel() for a in arrays])
+        if self.comm.Get_size() > 1:
+            collectives.allreduce(self.comm, joined, op="avg", algorithm="ring")
+        out, offset = [], 0
+        for a in arrays:
+            out.append(joined[offset : offset + a.size].reshape(a.shape))
+            offset += a.size
+        return out
