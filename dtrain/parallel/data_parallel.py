@@ -47,6 +47,11 @@ gradients are zero on the ranks that did not use them, and the average is what i
 **Gradient accumulation** (``--accumulate k``, DDP's ``no_sync``): the first k-1 micro-batches only accumulate
 gradients; the hooks start buckets on the last one alone, so communication is paid once per step.
 
+**Sending fewer bytes** (``--compress fp16|bf16|topk|powersgd``): instead of the buckets' all-reduce, a compressor
+(:mod:`dtrain.parallel.compression`) exchanges a smaller form of the whole gradient after backward, and every rank
+ends with the same approximate average: half precision, the k largest entries, or low-rank factors, the last two
+with error feedback. Its bytes and the state it keeps are in :meth:`DataParallel.costs`.
+
 **Replicas stay identical** because they start identical (rank 0's weights are broadcast before the first step) and
 take identical steps. This is checked, not assumed: at the end of training every rank's weights digest is compared
 (with ``DTRAIN_DEBUG=1`` also every ``CHECK_EVERY`` steps); a difference is an error naming the ranks.
