@@ -67,7 +67,9 @@ RATIO = Flag("compress_ratio", 0.01, "top-k: the fraction of the gradient's entr
              type=float, metavar="K/N")  # fmt: skip
 RANK = Flag("powersgd_rank", 2, "PowerSGD: the rank of each weight matrix's factors (<= its smaller side)", type=int,
             metavar="R", at_least=1)  # fmt: skip
-FLAGS = (COMPRESS, RATIO, RANK)
+FEEDBACK = Flag("compress_feedback", "on", "top-k and PowerSGD: carry what a step did not send into the next (on), "
+                "or drop it (off: to see why error feedback is needed)", choices=("on", "off"))  # fmt: skip
+FLAGS = (COMPRESS, RATIO, RANK, FEEDBACK)
 
 
 def check(config, shapes=None) -> None:
@@ -184,6 +186,7 @@ class TopK:
         n = sum(g.size for g in grads)
         xp, dtype = array_module(grads[0]), grads[0].dtype
         self.k = self.k_of(n, config.compress_ratio)
+        self.feedback = config.compress_feedback == "on"
         self.residual = xp.zeros(n, dtype=dtype)
         self.last_sent = None  # (indices, values) this rank sent last step: the error-feedback invariant's evidence
 
@@ -204,6 +207,8 @@ class TopK:
         values = residual[index]
         residual[index] = 0  # sent: what remains is exactly what was not
         self.last_sent = (index, values.copy())
+        if not self.feedback:  # (what was not sent is lost)
+            residual[...] = 0
         # an index and a value per pair, both of flat's item size; the indices travel as the bits of unsigned
         # integers in a buffer of flat's dtype (the collectives move floats; nothing adds them on the way)
         whole = np.dtype(f"u{flat.itemsize}")
@@ -228,6 +233,7 @@ class PowerSGD:
 
     def __init__(self, config, comm, grads):
         self.comm, self.r = comm, config.powersgd_rank
+        self.feedback = config.compress_feedback == "on"
         xp, dtype = array_module(grads[0]), grads[0].dtype
         self.matrices = [g for g in grads if g.ndim == 2]
         self.vectors = [g for g in grads if g.ndim != 2]
@@ -259,6 +265,8 @@ class PowerSGD:
             approx = p_ @ q.T
             g[...] = approx
             e -= approx  # what was not sent
+            if not self.feedback:  # (lost)
+                e[...] = 0
         if self.vectors and p > 1:
             joined = xp.concatenate([v.ravel() for v in self.vectors])
             collectives.allreduce(comm, joined, op="avg", algorithm="ring")
