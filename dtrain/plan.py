@@ -136,8 +136,8 @@ def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=
 
 def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.Hardware) -> Row:
     """One configuration's row: ruled out by its paradigm's check, or its time, bytes and memory."""
-    row = Row(label, kind.name, flags, ranks, kind.same_updates)
     config = model.config(kind.name, flags)
+    row = Row(label, kind.name, flags, ranks, kind.updates_like_single(config))
     try:
         kind.check(config, ranks)
     except ConfigError as exc:
@@ -145,6 +145,8 @@ def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.H
         return row
     costs = kind.costs(model.sizes, ranks, config)
     held = {k: _per_rank(costs.get(k, 0), ranks) for k in ("parameters", "gradients", "optimizer")}
+    # (a compressor's state, ddp --compress, is optimizer-like state: residuals, error feedback, warm starts)
+    held["optimizer"] = [a + b for a, b in zip(held["optimizer"], _per_rank(costs.get("compression", 0), ranks))]
     held["activations"] = _per_rank(kind.activations(model.sizes, ranks, config), ranks)
     held["buffers"] = _per_rank(costs.get("receive_buffers", 0), ranks)
     totals = [sum(held[k][r] for k in KINDS) for r in range(ranks)]

@@ -284,7 +284,7 @@ def step_times(run: Run) -> dict:
     else:
         predicted = sum(kind.step_time(sizes, run.entry.ranks, config, machine).values())
     return {"step_s": statistics.median(times[1:] or times), "predicted_step_s": predicted,
-            "same_updates": kind.same_updates}  # fmt: skip
+            "same_updates": kind.updates_like_single(config)}  # fmt: skip
 
 
 def verdict(summary: list[dict]) -> str:

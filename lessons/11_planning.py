@@ -190,7 +190,7 @@ def width_model(width: int, batch: int = WIDTH_BATCH, layers: int = WIDTH_LAYERS
 def ddp_and_tp(width: int, world: int, machine, batch: int = WIDTH_BATCH, layers: int = WIDTH_LAYERS):
     """(the fastest ddp row, the tp row on all ``world`` ranks) for :func:`width_model`, priced by plan()."""
     rows = plan(width_model(width, batch, layers), world, machine, only=["ddp", "tp"])
-    ddp = min((r for r in rows if r.paradigm == "ddp" and r.time), key=lambda r: r.total)
+    ddp = min((r for r in rows if r.paradigm == "ddp" and r.time and r.same_updates), key=lambda r: r.total)
     tp = next(r for r in rows if r.paradigm == "tp" and r.flags["tp"] == world)
     return ddp, tp
 
@@ -297,8 +297,9 @@ FAMILIES = ("ddp", "zero", "tp", "pp")  # part 5 shows the fastest of each
 
 
 def fastest_of(rows: list[Row], paradigm: str) -> Row | None:
-    """The fastest row of one paradigm that fits (rows come fastest first)."""
-    return next((r for r in rows if r.paradigm == paradigm and r.fits), None)
+    """The fastest row of one paradigm that fits and takes single's steps (rows come fastest first; ddp's
+    compressed rows are approximations)."""
+    return next((r for r in rows if r.paradigm == paradigm and r.fits and r.same_updates), None)
 
 
 def sources(name: str) -> dict:

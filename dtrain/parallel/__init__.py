@@ -264,6 +264,12 @@ class Paradigm:
     same_updates = True  # its steps are single's on the global batch (to rounding); local SGD, gossip, ps-async: not
 
     @classmethod
+    def updates_like_single(cls, config) -> bool:
+        """Whether a run with ``config`` takes single's steps on the global batch (to rounding): the class's
+        :attr:`same_updates`, unless a flag changes it (ddp's --compress sends an approximation)."""
+        return cls.same_updates
+
+    @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
         """The ways the planner should weigh running it on ``world`` ranks of ``hardware``: (label, flags, ranks
         used) each, the flags as a TrainConfig takes them. The planner asks :meth:`check` whether each can run. By

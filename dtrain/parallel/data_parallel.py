@@ -244,11 +244,18 @@ class DataParallel(Paradigm):
 
     # --- the plan ---------------------------------------------------------------------------------------------------
     @classmethod
+    def updates_like_single(cls, config) -> bool:
+        return cls.same_updates and config.compress == "none"  # (a compressed gradient approximates the average)
+
+    @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
         """Each all-reduce algorithm; the ring overlapped with backward; the hierarchical ones over the hardware's
-        nodes (this machine: 2 emulated)."""
+        nodes (this machine: 2 emulated); each compressor (fp16, bf16, top-k 1%, PowerSGD rank 2)."""
         chosen = [(f"ddp {a}", {"allreduce": a}, world) for a in ("ring", "tree", "doubling", "rabenseifner", "mpi")]
         chosen.append(("ddp ring, overlapped", {"allreduce": "ring", "overlap": True}, world))
+        chosen += [("ddp fp16", {"compress": "fp16"}, world), ("ddp bf16", {"compress": "bf16"}, world),
+                   ("ddp topk 1%", {"compress": "topk", "compress_ratio": 0.01}, world),
+                   ("ddp powersgd r=2", {"compress": "powersgd", "powersgd_rank": 2}, world)]  # fmt: skip
         k = hardware.ranks_per_node or (world // 2 if world >= 4 else None)
         if k and 1 < k < world:
             chosen += [(f"ddp {a} ({-(-world // k)} nodes)", {"allreduce": a, "ranks_per_node": k}, world)
@@ -257,8 +264,13 @@ class DataParallel(Paradigm):
 
     @classmethod
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
-        """A replica's step, then an all-reduce per bucket (with --overlap, what backward does not hide of them)."""
+        """A replica's step, then an all-reduce per bucket (with --overlap, what backward does not hide of them);
+        with --compress, the compressor's exchanges (its own arithmetic is not priced)."""
         b = np.dtype(config.dtype).itemsize
+        if config.compress != "none":
+            compute = cls.replica_compute(sizes, world, config, hardware)
+            return {"compute": compute, "communication": compressed_exchange_time(config, sizes, world, hardware),
+                    "bubble": 0.0}  # fmt: skip
         buckets = [(stop - start) * b for start, stop, _ in plan_buckets(
             [(offset, n, b) for offset, n in parameter_spans(sizes)], cls.bucket_bytes(config))]  # fmt: skip
         algorithm = cls.choose_algorithm(config, world, max(buckets))
@@ -268,3 +280,20 @@ class DataParallel(Paradigm):
         hidden = min(sum(send) - send[-1], hardware.hidden * 2 / 3 * compute)  # (backward: 2/3 of the compute)
         exposed = sum(send) - hidden if config.overlap else sum(send)
         return {"compute": compute, "communication": exposed, "bubble": 0.0}
+
+
+def compressed_exchange_time(config, sizes, world: int, hardware) -> float:
+    """Seconds of a compressor's exchanges on ``hardware`` (the ring's formulas, at the compressed sizes): half
+    precision, a ring all-reduce of 2-byte elements; top-k, a ring all-gather of p x 2k elements; PowerSGD, ring
+    all-reduces of the P's, the Q's and the vectors."""
+    b = np.dtype(config.dtype).itemsize
+    ranks = range(world)
+    shapes = [shape for x, y in itertools.pairwise(sizes) for shape in ((x, y), (y,))]
+    n = sum(int(np.prod(s)) for s in shapes)
+    if config.compress in ("fp16", "bf16"):
+        return hardware.allreduce("ring", n * 2, ranks, world)
+    if config.compress == "topk":
+        k = compression.TopK.k_of(n, config.compress_ratio)
+        return hardware.collective("allgather", "ring", world * 2 * k * b, ranks, world)
+    counts = compression.PowerSGD.counts(shapes, config.powersgd_rank)
+    return sum(hardware.allreduce("ring", c * b, ranks, world) for c in counts if c)
