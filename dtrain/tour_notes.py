@@ -90,6 +90,17 @@ def _ps_async(s, m, c) -> str:
     return f"the straggler took {pushes[slow]} steps, the others {others}: none waited for it; {tail}"
 
 
+def _compressed(s, m, c) -> str:
+    ring = _x(max(s["sent_per_step"]), max(ddp_costs(m, allreduce="ring")["sent_per_step"]))
+    how = {
+        "fp16": "every element in 2 bytes",
+        "topk": f"the {m['config']['compress_ratio']:.0%} largest entries as "
+        "(index, value) pairs, the rest kept for later",
+        "powersgd": f"rank-{m['config']['powersgd_rank']} factors of each weight matrix, the rest kept for later",
+    }.get(m["config"]["compress"], "compressed")
+    return f"{how}: {ring} ddp ring's bytes; {c.accuracy(s)}"
+
+
 def _local_sgd(s, m, c) -> str:
     ratio = _x(max(s["sent_per_step"]), max(ddp_costs(m)["sent_per_step"]))
     return f"weights averaged every {m['config']['sync_every']} steps: {ratio} ddp's bytes; {c.accuracy(s)}"
@@ -124,6 +135,9 @@ NOTES = {
     "central-storage": _central,
     "ps-sync": _ps_sync,
     "ps-async": _ps_async,
+    "ddp-fp16": _compressed,
+    "ddp-topk": _compressed,
+    "ddp-powersgd": _compressed,
     "local-sgd": _local_sgd,
     "gossip": _gossip,
     "zero-3": _zero,
