@@ -1,6 +1,7 @@
 """The exercises' checker, both ways: dtrain's reference implementations pass every exercise through the learner's
-own command, the untouched stubs fail every one, and each planted bug (tests/exercise_bugs/) fails with a message
-that points at its mistake. Also: ``init`` never overwrites, and every kind of bad input is one clear message."""
+own command, the untouched stubs fail every one, each planted bug (tests/exercise_bugs/) fails with a message that
+points at its mistake, and another correct way (tests/exercise_alternatives/) passes. Also: ``init`` never
+overwrites, and every kind of bad input is one clear message."""
 
 from __future__ import annotations
 
@@ -87,7 +88,15 @@ def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expect
 
 def test_every_subject_has_a_planted_bug():
     lessons_with_bugs = {exercises.get(p.values[1]).lesson for p in planted_bugs()}
-    assert lessons_with_bugs >= {1, 2, 3, 8, 10}  # grows with the subjects
+    assert lessons_with_bugs >= {1, 2, 3, 8, 10, 13}  # grows with the subjects
+
+
+@pytest.mark.parametrize("exercise_id", ["13.1", "13.2"])
+def test_another_correct_way_passes(exercise_id, tmp_path, capsys):
+    """Lesson 13's checks pass solutions that are not dtrain's (tests/exercise_alternatives/compression.py):
+    another exchange of the pairs, another orthonormal basis for PowerSGD's P."""
+    (tmp_path / "compression.py").write_text((BUGS.parent / "exercise_alternatives" / "compression.py").read_text())
+    assert checker.check(exercise_id, tmp_path, mpi=False) == 0, capsys.readouterr().out
 
 
 def test_init_never_overwrites(tmp_path, capsys):

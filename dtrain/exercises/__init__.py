@@ -48,6 +48,7 @@ SUBJECTS = (
     "pipeline",
     "zero",
     "debugging",
+    "compression",
 )
 
 

@@ -36,6 +36,7 @@ LESSONS = {
     8: "lessons/08_pipeline_parallel.py",
     9: "lessons/09_zero.py",
     10: "lessons/10_debugging.py",
+    13: "lessons/13_compression.py",
 }
 RINGS = (1, 2, 3, 4, 5, 8)  # simulated world sizes for a collective: one rank, powers of two and others
 MPI = (2, 3, 4)  # under mpiexec: small, and a non-power-of-two

@@ -26,6 +26,8 @@ dense gradient at each rank::
     residual += g;  idx = k largest |residual|;  send (idx, residual[idx]);  residual[idx] = 0
     g~ = (1/p) x sum over ranks q of scatter(idx_q, values_q)       (the same on every rank)
 
+That step is :func:`topk_step` (the course's exercise 13.1); the class :class:`TopK` keeps the residual and calls it.
+
 **PowerSGD** (``powersgd``, ``--powersgd-rank r``; Vogels, Karimireddy and Jaggi, 2019): a weight matrix's gradient
 M (a x b) is close to low rank, so send a rank-r factorisation of it. One step of power iteration, warm-started from
 the previous step's Q, and error feedback as top-k's::
@@ -36,7 +38,9 @@ the previous step's Q, and error feedback as top-k's::
     G~ = P Q^T;  E = M - G~      (every rank the same G~)
 
 Two all-reduces of (a + b) r numbers instead of one of a b; the biases, vectors, are all-reduced uncompressed. At
-full rank (r = min(a, b)) P Q^T is the averaged M itself, to rounding: PowerSGD is then plain ddp.
+full rank (r = min(a, b)) P Q^T is the averaged M itself, to rounding: PowerSGD is then plain ddp. That step, over
+all the weight matrices at once, is :func:`powersgd_step` (exercise 13.2); the class :class:`PowerSGD` keeps E and Q,
+calls it, and all-reduces the vectors.
 
 **Cost per step** (p ranks, n gradient elements of s bytes; every exchange is dtrain's ring, whose exact bytes per
 rank are :func:`dtrain.collectives.costmodel.bytes_sent`'s): fp16/bf16, a ring all-reduce of n elements of 2 bytes;
@@ -178,6 +182,36 @@ class HalfPrecision:
 
 
 # --- top-k with error feedback -------------------------------------------------------------------------------------
+def topk_step(comm, flat, residual, k: int):
+    """One top-k step with error feedback (exercise 13.1): add ``flat`` to ``residual``, send the k entries of
+    largest magnitude to every rank as (index, value) pairs, zero them in ``residual``, and leave in ``flat`` the
+    average over ranks of every rank's pairs (scattered into zeros). Returns this rank's ``(index, values)``, the
+    indices in ascending order. ``residual`` is this rank's own (flat's size and dtype) and afterwards holds exactly
+    what was not sent; ``flat`` ends the same on every rank."""
+    xp, n = array_module(flat), flat.size
+    p, r = comm.Get_size(), comm.Get_rank()
+    residual += flat  # what this rank owes: its gradient and everything it has not sent yet
+    index = xp.argpartition(xp.abs(residual), n - k)[n - k :] if k < n else xp.arange(n)
+    index = xp.sort(index)  # (a canonical order: the pairs then travel and sum in index order)
+    values = residual[index]  # (a copy: fancy indexing)
+    residual[index] = 0  # sent: what remains is exactly what was not
+    # an index and a value per pair, both of flat's item size; the indices travel as the bits of unsigned
+    # integers in a buffer of flat's dtype (the collectives move floats; nothing adds them on the way)
+    whole = np.dtype(f"u{flat.itemsize}")
+    pairs = xp.empty(p * 2 * k, dtype=flat.dtype)
+    mine = pairs[r * 2 * k : (r + 1) * 2 * k]
+    mine[:k] = index.astype(whole).view(flat.dtype)
+    mine[k:] = values
+    if p > 1:
+        collectives.allgather(comm, pairs, "ring")
+    total = xp.zeros(n, dtype=flat.dtype)
+    for q in range(p):  # every rank sums the same pairs in the same order: the same result everywhere
+        chunk = pairs[q * 2 * k : (q + 1) * 2 * k]
+        total[chunk[:k].view(whole).astype(np.int64)] += chunk[k:]
+    flat[...] = total * flat.dtype.type(1.0 / p)
+    return index, values
+
+
 class TopK:
     """Each rank's k largest entries of gradient + residual, all-gathered as (index, value) pairs; the rest kept."""
 
@@ -198,34 +232,45 @@ class TopK:
         return int(self.residual.nbytes)
 
     def exchange(self, flat) -> None:
-        comm, xp, k, n = self.comm, array_module(flat), self.k, flat.size
-        p, r = comm.Get_size(), comm.Get_rank()
-        residual = self.residual
-        residual += flat  # what this rank owes: its gradient and everything it has not sent yet
-        index = xp.argpartition(xp.abs(residual), n - k)[n - k :] if k < n else xp.arange(n)
-        index = xp.sort(index)  # (a canonical order: the pairs then travel and sum in index order)
-        values = residual[index]
-        residual[index] = 0  # sent: what remains is exactly what was not
-        self.last_sent = (index, values.copy())
+        self.last_sent = topk_step(self.comm, flat, self.residual, self.k)
         if not self.feedback:  # (what was not sent is lost)
-            residual[...] = 0
-        # an index and a value per pair, both of flat's item size; the indices travel as the bits of unsigned
-        # integers in a buffer of flat's dtype (the collectives move floats; nothing adds them on the way)
-        whole = np.dtype(f"u{flat.itemsize}")
-        pairs = xp.empty(p * 2 * k, dtype=flat.dtype)
-        mine = pairs[r * 2 * k : (r + 1) * 2 * k]
-        mine[:k] = index.astype(whole).view(flat.dtype)
-        mine[k:] = values
-        if p > 1:
-            collectives.allgather(comm, pairs, "ring")
-        total = xp.zeros(n, dtype=flat.dtype)
-        for q in range(p):  # every rank sums the same pairs in the same order: the same result everywhere
-            chunk = pairs[q * 2 * k : (q + 1) * 2 * k]
-            total[chunk[:k].view(whole).astype(np.int64)] += chunk[k:]
-        flat[...] = total * flat.dtype.type(1.0 / p)
+            self.residual[...] = 0
 
 
 # --- PowerSGD ------------------------------------------------------------------------------------------------------
+def powersgd_step(comm, matrices, errors, qs) -> list:
+    """One PowerSGD step with error feedback (exercise 13.2) over this rank's weight matrices' gradients
+    ``matrices`` (each a x b), with this rank's ``errors`` (E, each a x b) and the ``qs`` (each b x r, the same on
+    every rank): M = G + E; P = M Q, all-reduced (average) and orthonormalised; Q = M^T P, all-reduced; then each
+    matrix holds P Q^T (the same on every rank) and each error M - P Q^T. Returns the new Qs (next step's warm start).
+    The Ps of all the matrices travel in one ring all-reduce, laid end to end, and the Qs in another."""
+    xp = array_module(matrices[0])
+    ms = []
+    for g, e in zip(matrices, errors):
+        e += g  # M = G + E, kept in E's buffer
+        ms.append(e)
+    ps = allreduced(comm, [m @ q for m, q in zip(ms, qs)], xp)
+    ps = [xp.linalg.qr(p_)[0] for p_ in ps]  # orthonormal columns, the same on every rank
+    qs = allreduced(comm, [m.T @ p_ for m, p_ in zip(ms, ps)], xp)
+    for g, e, p_, q in zip(matrices, ms, ps, qs):
+        approx = p_ @ q.T
+        g[...] = approx
+        e -= approx  # what was not sent
+    return qs
+
+
+def allreduced(comm, arrays, xp) -> list:
+    """The average over ranks of each array, in one ring all-reduce of them all, laid end to end."""
+    joined = xp.concatenate([a.ravel() for a in arrays])
+    if comm.Get_size() > 1:
+        collectives.allreduce(comm, joined, op="avg", algorithm="ring")
+    out, offset = [], 0
+    for a in arrays:
+        out.append(joined[offset : offset + a.size].reshape(a.shape))
+        offset += a.size
+    return out
+
+
 class PowerSGD:
     """Each weight matrix's gradient as a rank-r product P Q^T, one power-iteration step a step, error feedback."""
 
@@ -253,35 +298,14 @@ class PowerSGD:
 
     def exchange(self, flat) -> None:
         comm, xp = self.comm, array_module(flat)
-        p = comm.Get_size()
-        ms = []
-        for g, e in zip(self.matrices, self.errors):
-            e += g  # M = G + E, kept in E's buffer
-            ms.append(e)
-        ps = self._allreduced([m @ q for m, q in zip(ms, self.qs)], xp)
-        ps = [xp.linalg.qr(p_)[0] for p_ in ps]  # orthonormal columns, the same on every rank
-        self.qs = self._allreduced([m.T @ p_ for m, p_ in zip(ms, ps)], xp)
-        for g, e, p_, q in zip(self.matrices, ms, ps, self.qs):
-            approx = p_ @ q.T
-            g[...] = approx
-            e -= approx  # what was not sent
-            if not self.feedback:  # (lost)
+        self.qs = powersgd_step(comm, self.matrices, self.errors, self.qs)
+        if not self.feedback:  # (what was not sent is lost)
+            for e in self.errors:
                 e[...] = 0
-        if self.vectors and p > 1:
+        if self.vectors and comm.Get_size() > 1:
             joined = xp.concatenate([v.ravel() for v in self.vectors])
             collectives.allreduce(comm, joined, op="avg", algorithm="ring")
             offset = 0
             for v in self.vectors:
                 v[...] = joined[offset : offset + v.size].reshape(v.shape)
                 offset += v.size
-
-    def _allreduced(self, arrays, xp) -> list:
-        """The average over ranks of each array, in one ring all-reduce of them all, laid end to end."""
-        joined = xp.concatenate([a.ravel() for a in arrays])
-        if self.comm.Get_size() > 1:
-            collectives.allreduce(self.comm, joined, op="avg", algorithm="ring")
-        out, offset = [], 0
-        for a in arrays:
-            out.append(joined[offset : offset + a.size].reshape(a.shape))
-            offset += a.size
-        return out
