@@ -36,6 +36,7 @@ Per contender, from each run's metrics.json:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -170,6 +171,33 @@ def targets(results: dict) -> list[str]:
     return lines
 
 
+def plot(results: dict, png) -> Path:
+    """Accuracy against bytes per step on the digits (mean over seeds), every compressor beside ddp and local SGD,
+    and the 784 model's bytes beside them: the figure docs/benchmarks.md shows."""
+    from dtrain import report
+
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ddp = 100 * results["digits"]["ddp ring"]["accuracy_mean"]
+    ax.axhspan(ddp - 1.5, ddp + 1.5, color="0.93", label="within 1.5 points of ddp (top-k, PowerSGD targets)")
+    ax.axhspan(ddp - 0.5, ddp + 0.5, color="0.85", label="within 0.5 points (fp16, bf16 target)")
+    for i, (label, r) in enumerate(sorted(results["digits"].items(), key=lambda item: item[1]["bytes_per_step"])):
+        kind = "local" if label.startswith("local") else "ddp" if label.startswith("ddp") else "compressed"
+        style = {"ddp": ("k", "s"), "local": ("tab:green", "^"), "compressed": ("tab:blue", "o")}[kind]
+        ax.scatter(r["bytes_per_step"], 100 * r["accuracy_mean"], color=style[0], marker=style[1], zorder=3)
+        ax.annotate(label, (r["bytes_per_step"], 100 * r["accuracy_mean"]), fontsize=8, rotation=60,
+                    xytext=(0, 6 if i % 2 else -40), textcoords="offset points", ha="center")  # fmt: skip
+    ax.set_ylim(ddp - 2.5, ddp + 2.5)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes a rank sends per step (4 ranks, digits MLP 64-64-64-10)")
+    ax.set_ylabel("final test accuracy, mean of the seeds (%)")
+    ax.set_title("Sending fewer bytes: compression and local SGD against ddp's ring")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return Path(png)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10, help="digits: epochs (default %(default)s)")
@@ -178,7 +206,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="784 model: runs of each (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="3 epochs, 1 seed, 4 steps, 1 round: checks the script")
     parser.add_argument("--json", default="docs/bench/compression.json", help="where to write the numbers")
+    parser.add_argument("--png", default="docs/bench/compression.png", help="the figure (accuracy against bytes)")
+    parser.add_argument("--plot-only", metavar="JSON", help="draw the figure from an earlier run's JSON and stop")
     args = parser.parse_args()
+    if args.plot_only:
+        print(f"wrote {plot(json.loads(Path(args.plot_only).read_text())['results'], args.png)}")
+        return
     if args.quick:
         args.epochs, args.seeds, args.steps, args.rounds = 3, 1, 4, 1
 
@@ -223,7 +256,7 @@ def main() -> None:
                     slow_link={"alpha_s": ALPHA, "bandwidth_B_per_s": BANDWIDTH})  # fmt: skip
     path = write_json(args.json, {"meta": meta, "results": results, "checks": checks, "targets": targets(results),
                                   "runs": raw})  # fmt: skip
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path}, {plot(results, args.png)}")
     exit_if_failed(checks)
 
 
