@@ -289,6 +289,7 @@ def measure_compute(shapes=SHAPES, device: str = "cpu") -> dict:
         small = products < HOST_BOUND_FLOP
         host = np.stack([layers * m, np.ones_like(t)], axis=1)[small]
         (layer_s, step_s), *_ = np.linalg.lstsq(host / t[small, None], np.ones(small.sum()), rcond=None)
+        layer_s, step_s = max(float(layer_s), 0.0), max(float(step_s), 0.0)  # (a cost the data cannot see is none)
         bandwidth = device_memory_bandwidth()  # (measured apart: the fit would lend it costs the model leaves out)
         grid = np.logspace(11, 16, 401)[:, None]  # FLOP/s, 80 points a decade
         whole = m == 1  # (a micro-batch's own fixed costs, its loss's, are not in the model either)

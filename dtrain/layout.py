@@ -24,6 +24,11 @@ def spans(counts) -> list[tuple[int, int]]:
     return list(zip(itertools.accumulate(counts, initial=0), counts))
 
 
+def parameter_shapes(sizes) -> list[tuple[int, ...]]:
+    """The shape of every parameter of an MLP of widths ``sizes``, in flat-buffer order: (a, b) weights, (b,) biases."""
+    return [shape for a, b in itertools.pairwise(sizes) for shape in ((a, b), (b,))]
+
+
 def parameter_spans(sizes) -> list[tuple[int, int]]:
     """``(offset, count)`` of every parameter of an MLP of widths ``sizes``, in flat-buffer order (W0, b0, W1, ...)."""
     return spans(count for a, b in itertools.pairwise(sizes) for count in (a * b, b))

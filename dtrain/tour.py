@@ -200,8 +200,9 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     ``device="gpu"``: every run's arrays on the GPU (its ranks sharing the node's GPUs, ``rank % GPUs``)."""
     if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
         raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
-    if device == "gpu" and backend.gpu_missing():
-        raise UserError(backend.gpu_missing())
+    missing = backend.gpu_missing() if device == "gpu" else None
+    if missing:
+        raise UserError(missing)
     started, batch = time.monotonic(), global_batch(ranks)
     chosen = choose(names, ranks, batch, epochs)
     if device != "cpu":

@@ -195,7 +195,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             )
     kind.check(config, world)  # the paradigm's own flags, before any rank talks to another
     check_same_config(comm, config)
-    gpu = select_gpu(comm) if config.device == "gpu" else None  # (before the first array is made on it)
+    gpu = select_rank_gpu(comm) if config.device == "gpu" else None  # (before the first array is made on it)
     dtype = backend.resolve_dtype(config.dtype)
 
     data = load_dataset(
@@ -263,7 +263,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     return metrics
 
 
-def select_gpu(comm) -> dict:
+def select_rank_gpu(comm) -> dict:
     """Give this rank GPU ``local rank % GPUs`` (:func:`dtrain.backend.select_gpu`); the local rank is its place
     among the ranks that share its machine's memory (MPI's ``COMM_TYPE_SHARED``), whatever launched them."""
     node = comm.Split_type(COMM_TYPE_SHARED, key=comm.Get_rank())

@@ -64,11 +64,9 @@ def lesson_xp(args: argparse.Namespace, world):
     missing = backend.gpu_missing()
     if missing:
         mpi.refuse_arguments(missing)
-    from mpi4py import MPI
+    from dtrain.train import select_rank_gpu
 
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    backend.select_gpu(node.Get_rank())
-    node.Free()
+    select_rank_gpu(world)  # (GPU local rank % GPUs, as dtrain train)
     return backend.get_xp("gpu")
 
 

@@ -175,6 +175,7 @@ def test_real_ranks_train_as_the_simulator(tmp_path, p):
      (["--compress", "topk", "--compress-ratio", "1.5"], "--compress-ratio must be in (0, 1]"),
      (["--compress", "powersgd", "--powersgd-rank", "11", "--hidden", "32,32"], "--powersgd-rank 11 is larger than"),
      (["--compress", "fp16", "--overlap"], "drop --overlap"),
+     (["--compress", "fp16", "--allreduce", "mpi"], "drop --allreduce mpi"),
      (["--paradigm", "zero", "--compress", "fp16"], "--compress")],
 )  # fmt: skip
 def test_bad_input_is_one_line(tmp_path, flags, says):

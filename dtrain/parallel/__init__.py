@@ -209,7 +209,8 @@ class Paradigm:
             # each micro-batch's mean loss counts 1/k, so the gradient is that of the whole slice's mean loss
             loss.backward(np.full_like(loss.data, 1.0 / k) if k > 1 else None)
             total = total + host_or_device_loss(loss.data)
-        # a straggler: F times this step's forward and backward (tensor parallelism's all-reduces inside them too)
+        # a straggler: F times this step's forward and backward (tensor parallelism's all-reduces inside them too; on a
+        # GPU, the host's time to queue them, which the GPU may not have finished)
         if self.rank == self.config.slow_rank:
             time.sleep((self.config.slow_factor - 1.0) * (time.perf_counter() - started))
         return total / k

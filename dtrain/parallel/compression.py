@@ -11,7 +11,9 @@ the ranks exchange the compressed forms, and every rank ends with the same appro
 **Half precision** (``fp16``, ``bf16``): each element travels in 2 bytes instead of 4, so the ring all-reduce sends
 half the bytes; the sums are made in float32 (each rank decodes what it receives, adds, and encodes what it passes
 on). fp16 keeps 10 bits of mantissa but only 5 of exponent: magnitudes under 6e-8 flush to zero (a small gradient
-*underflows*, which is why fp16 training scales the loss up first). bf16 keeps float32's 8 exponent bits and 7 of
+*underflows*, which is why fp16 training scales the loss up first), and the largest is 65504: the partial sums travel
+unscaled here, so a sum over p ranks overflows at 65504, where PyTorch's hook, which divides by p before it casts,
+would overflow only at p x 65504 (and underflow p times sooner). bf16 keeps float32's 8 exponent bits and 7 of
 mantissa: coarser (3 significant digits), but nothing a float32 can hold underflows, so it needs no loss scaling.
 NumPy has no bfloat16: here a bf16 number is the upper 16 bits of a float32, rounded to nearest even (what hardware
 does); it travels as 2 bytes, exactly as a real bf16 would.
@@ -37,7 +39,7 @@ the previous step's Q, and error feedback as top-k's::
     Q = M^T P        (b x r)     all-reduce Q (average)
     G~ = P Q^T;  E = M - G~      (every rank the same G~)
 
-Two all-reduces of (a + b) r numbers instead of one of a b; the biases, vectors, are all-reduced uncompressed. At
+Two all-reduces, of a r and of b r numbers, instead of one of a b; the biases, vectors, are all-reduced uncompressed. At
 full rank (r = min(a, b)) P Q^T is the averaged M itself, to rounding: PowerSGD is then plain ddp. That step, over
 all the weight matrices at once, is :func:`powersgd_step` (exercise 13.2); the class :class:`PowerSGD` keeps E and Q,
 calls it, and all-reduces the vectors.
@@ -57,7 +59,7 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.backend import array_module
-from dtrain.collectives import costmodel
+from dtrain.collectives import costmodel, ring
 from dtrain.collectives._chunks import bounds_for
 from dtrain.comm import sendrecv
 from dtrain.errors import ConfigError
@@ -89,6 +91,11 @@ def check(config, shapes=None) -> None:
         if sides and config.powersgd_rank > min(sides):
             raise ConfigError(f"--powersgd-rank {config.powersgd_rank} is larger than the smaller side of a weight "
                               f"matrix ({min(sides)}): use --powersgd-rank {min(sides)} or less")  # fmt: skip
+    if shapes is None and config.allreduce not in ("auto", "ring"):
+        raise ConfigError(f"--compress {config.compress} exchanges through dtrain's ring (its own messages): drop "
+                          f"--allreduce {config.allreduce}")  # fmt: skip
+    if shapes is None and config.ranks_per_node is not None:
+        raise ConfigError(f"--compress {config.compress} uses no nodes (the ring): drop --ranks-per-node")
     if shapes is None and config.overlap:
         raise ConfigError(f"--compress {config.compress} exchanges the whole gradient after backward: drop --overlap")
     if shapes is None and config.bucket_mb:
@@ -102,17 +109,25 @@ def make(config, comm, grads):
     return kinds[config.compress](config, comm, grads) if config.compress != "none" else None
 
 
-def bytes_sent(config, shapes, world: int, rank: int) -> int:
-    """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
+def exchanges(config, shapes) -> list[tuple[str, int, int]]:
+    """The collectives a step of ``config.compress`` makes, each as (collective, elements, bytes an element), all on
+    dtrain's ring: what :func:`bytes_sent` counts and the planner prices."""
     itemsize = np.dtype(config.dtype).itemsize
     n = sum(math.prod(s) for s in shapes)
     if config.compress in ("fp16", "bf16"):
-        return costmodel.bytes_sent("ring", n, 2, world, rank)
+        return [("allreduce", n, 2)]
     if config.compress == "topk":
-        k = TopK.k_of(n, config.compress_ratio)
-        return costmodel.bytes_sent("ring", world * 2 * k, itemsize, world, rank, collective="allgather")
-    p_count, q_count, vectors = PowerSGD.counts(shapes, config.powersgd_rank)
-    return sum(costmodel.bytes_sent("ring", c, itemsize, world, rank) for c in (p_count, q_count, vectors) if c)
+        return [("allgather", 2 * TopK.k_of(n, config.compress_ratio), itemsize)]  # per rank; p x that in all
+    return [("allreduce", count, itemsize) for count in PowerSGD.counts(shapes, config.powersgd_rank) if count]
+
+
+def bytes_sent(config, shapes, world: int, rank: int) -> int:
+    """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
+    total = 0
+    for collective, count, itemsize in exchanges(config, shapes):
+        whole = world * count if collective == "allgather" else count  # (an all-gather's buffer: every rank's part)
+        total += costmodel.bytes_sent("ring", whole, itemsize, world, rank, collective=collective)
+    return total
 
 
 def state_bytes(config, shapes) -> int:
@@ -172,9 +187,7 @@ class HalfPrecision:
             codes = xp.empty(work.size, dtype=np.uint16)  # every chunk as it travels: the same bits on every rank
             a, b = cut[r]
             codes[a:b] = self.encode(work[a:b], xp)
-            for s in range(p - 1):  # all-gather of the encoded chunks
-                (a, b), (c, d) = cut[(r - s) % p], cut[(r - s - 1) % p]
-                sendrecv(comm, codes[a:b], right, codes[c:d], left)
+            ring.allgather(comm, codes)  # (the ring's own all-gather: it only moves bytes, whatever their type)
             work = self.decode(codes, xp)
         else:
             work = self.decode(self.encode(work, xp), xp)
@@ -302,10 +315,6 @@ class PowerSGD:
         if not self.feedback:  # (what was not sent is lost)
             for e in self.errors:
                 e[...] = 0
-        if self.vectors and comm.Get_size() > 1:
-            joined = xp.concatenate([v.ravel() for v in self.vectors])
-            collectives.allreduce(comm, joined, op="avg", algorithm="ring")
-            offset = 0
-            for v in self.vectors:
-                v[...] = joined[offset : offset + v.size].reshape(v.shape)
-                offset += v.size
+        if self.vectors:  # the biases, uncompressed
+            for v, average in zip(self.vectors, allreduced(comm, self.vectors, xp)):
+                v[...] = average

@@ -65,15 +65,13 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from dtrain import collectives, kernels
 from dtrain.backend import is_device_array
 from dtrain.collectives import costmodel, hierarchical, yours
 from dtrain.errors import ConfigError
-from dtrain.layout import parameter_spans, spans
+from dtrain.layout import parameter_shapes, parameter_spans, spans
 from dtrain.parallel import Paradigm, check_replicas, compression, register
 from dtrain.parallel.buckets import Buckets, plan_buckets
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
@@ -223,7 +221,7 @@ class DataParallel(Paradigm):
         --compress, the compressor's exchange (:mod:`dtrain.parallel.compression`) and its state."""
         base = super().costs(sizes, world, config)
         if config.compress != "none":
-            shapes = [shape for a, b in itertools.pairwise(sizes) for shape in ((a, b), (b,))]
+            shapes = parameter_shapes(sizes)
             return {**base, "sent_per_step": [compression.bytes_sent(config, shapes, world, r) for r in range(world)],
                     "compression": compression.state_bytes(config, shapes)}  # fmt: skip
         itemsize = np.dtype(config.dtype).itemsize
@@ -283,17 +281,9 @@ class DataParallel(Paradigm):
 
 
 def compressed_exchange_time(config, sizes, world: int, hardware) -> float:
-    """Seconds of a compressor's exchanges on ``hardware`` (the ring's formulas, at the compressed sizes): half
-    precision, a ring all-reduce of 2-byte elements; top-k, a ring all-gather of p x 2k elements; PowerSGD, ring
-    all-reduces of the P's, the Q's and the vectors."""
-    b = np.dtype(config.dtype).itemsize
-    ranks = range(world)
-    shapes = [shape for x, y in itertools.pairwise(sizes) for shape in ((x, y), (y,))]
-    n = sum(int(np.prod(s)) for s in shapes)
-    if config.compress in ("fp16", "bf16"):
-        return hardware.allreduce("ring", n * 2, ranks, world)
-    if config.compress == "topk":
-        k = compression.TopK.k_of(n, config.compress_ratio)
-        return hardware.collective("allgather", "ring", world * 2 * k * b, ranks, world)
-    counts = compression.PowerSGD.counts(shapes, config.powersgd_rank)
-    return sum(hardware.allreduce("ring", c * b, ranks, world) for c in counts if c)
+    """Seconds of a compressor's exchanges on ``hardware``: the ring's formulas at the compressed sizes
+    (:func:`dtrain.parallel.compression.exchanges`)."""
+    ranks, shapes = range(world), parameter_shapes(sizes)
+    return sum(hardware.allreduce("ring", count * itemsize, ranks, world) if collective == "allreduce" else
+               hardware.collective(collective, "ring", world * count * itemsize, ranks, world)
+               for collective, count, itemsize in compression.exchanges(config, shapes))  # fmt: skip
