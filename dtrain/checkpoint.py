@@ -5,9 +5,9 @@ gathers it first), the optimizer's state (its flat buffers: momentum, Adam's m a
 training stood (epoch, steps done in it, global step) and how the data were being drawn (the seed: each epoch's
 shuffle is drawn from ``(seed, epoch)``, so the position is the whole data-order state), plus the metrics of the
 epochs already done. The optimizer's learning rate is stored but not restored: the resumed run's ``--lr`` applies.
-A small JSON header says which model, dtype, optimizer and paradigm wrote it; a model, dtype or optimizer that differ
-are refused with a clear message instead of loading nonsense, and another paradigm's checkpoint is resumed (a ZeRO
-run's by ddp, a ddp run's by single).
+A small JSON header says which model, dataset, dtype, optimizer and paradigm wrote it; a model, dataset, dtype or
+optimizer that differ are refused with a clear message instead of loading nonsense, and another paradigm's checkpoint
+is resumed (a ZeRO run's by ddp, a ddp run's by single).
 
 **Written atomically.** Rank 0 writes ``checkpoint.npz.tmp``, flushes it to the disk (``fsync``), renames it over
 ``checkpoint.npz`` (a rename within a folder is atomic on POSIX) and fsyncs the folder: a crash at any moment leaves
@@ -48,8 +48,11 @@ def path_in(folder) -> Path:
     return Path(folder) / FILENAME
 
 
-def save(folder, params, optimizer_state: dict, meta: dict) -> Path:
-    """Write the checkpoint atomically (see the module docstring); return its path."""
+def save(folder, params, optimizer_state: dict, meta: dict, during_write=None) -> Path:
+    """Write the checkpoint atomically (see the module docstring); return its path.
+
+    ``during_write``: called with half of the temporary file on the disk (the fault injector's ``checkpoint``
+    fault, :mod:`dtrain.faults`, kills the rank there, to show that the previous checkpoint survives)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {"params": to_host(params)}
@@ -64,8 +67,14 @@ def save(folder, params, optimizer_state: dict, meta: dict) -> Path:
     np.savez(buffer, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
     final = path_in(folder)
     tmp = final.with_name(FILENAME + ".tmp")
+    data = buffer.getbuffer()
     with open(tmp, "wb") as f:
-        f.write(buffer.getvalue())
+        if during_write is not None:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            during_write()
+        f.write(data[f.tell() :])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -102,10 +111,13 @@ def load(folder) -> dict:
 
 
 def check_compatible(meta: dict, expected: dict, path) -> None:
-    """Refuse a checkpoint whose model, dtype or optimizer differ from this run's, naming the difference. (Another
-    paradigm's is welcome: every paradigm writes the same full flat buffers.)"""
-    for key, flag in (("sizes", "model sizes"), ("dtype", "--dtype"), ("optimizer", "--optimizer"),
+    """Refuse a checkpoint whose model, dataset, dtype or optimizer differ from this run's, naming the difference.
+    (Another paradigm's is welcome: every paradigm writes the same full flat buffers.)"""
+    for key, flag in (("sizes", "model sizes"), ("dataset", "--dataset"), ("dtype", "--dtype"),
+                      ("optimizer", "--optimizer"),
                       ("optimizer_buffers", "optimizer state (--momentum 0 keeps none)")):  # fmt: skip
+        if key == "dataset" and key not in meta:  # (written before checkpoints named their data)
+            continue
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"--resume: {path} was written with {flag} {meta.get(key)}, this run has {expected[key]}; "

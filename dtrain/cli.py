@@ -170,6 +170,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the mpiexec command and the environment it adds; start nothing"
     )
     launch.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT")
+    restarts = launch.add_argument_group("restarts after a dead rank (dtrain.supervise)")
+    restarts.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        help="when the job fails (a rank killed, an exception, the watchdog; not exit 2, not Ctrl-C), start it again "
+        "from the last checkpoint, up to K times; a `-m dtrain train` target goes on from it with --resume",
+    )
+    restarts.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where the job's checkpoints are (given to dtrain train; needed by --max-restarts)",
+    )
+    restarts.add_argument(
+        "--min-ranks",
+        type=int,
+        metavar="M",
+        help="elastic: a restart reads the hostfile again and goes on with fewer ranks, at least M, if it lists fewer "
+        "slots (default: -n)",
+    )
+    restarts.add_argument(
+        "--restart-delay",
+        type=float,
+        metavar="S",
+        help="seconds to wait before a restart (default 2)",
+    )
     # argparse's REMAINDER cannot begin with an option, so "-m MODULE" is an option of its own.
     launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments (or the module's)")
@@ -378,7 +404,8 @@ def _train(args) -> int:
     return 0
 
 
-LAUNCH_VALUED = ("-n", "--ranks", "--timeout", "--hostfile", "--hosts")  # launch's options that take a value
+LAUNCH_VALUED = ("-n", "--ranks", "--timeout", "--hostfile", "--hosts", "--max-restarts", "--checkpoint-dir",
+                 "--min-ranks", "--restart-delay")  # fmt: skip  # launch's options that take a value
 
 
 def _module_args_are_the_targets(argv: list[str]) -> list[str]:
@@ -428,6 +455,19 @@ def _launch(args) -> int:
         env[watchdog.ENV_VAR] = f"{args.timeout:g}"
     elif not env.get(watchdog.ENV_VAR, "").strip():
         env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
+    restarting = [name for name in ("checkpoint_dir", "min_ranks", "restart_delay") if getattr(args, name) is not None]
+    if args.max_restarts is None and restarting:
+        flags = ", ".join("--" + name.replace("_", "-") for name in restarting)
+        raise UserError(f"{flags}: only with --max-restarts K (the launcher's restarts after a dead rank)")
+    if args.max_restarts is not None:
+        from dtrain import supervise
+
+        job = supervise.prepare(args.ranks, target, args.checkpoint_dir, args.max_restarts, args.min_ranks,
+                                supervise.DEFAULT_RESTART_DELAY_S if args.restart_delay is None else args.restart_delay,
+                                args.hostfile, args.hosts, args.oversubscribe, env)  # fmt: skip
+        if not args.dry_run:
+            return supervise.run(job)
+        target = job.target
     if args.dry_run:
         added = launcher.launch_env(launcher.ranks_per_host(args.ranks, hosts), env)
         cmd = launcher.mpiexec_command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=added)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain import backend, checkpoint, kernels, parallel, report
+from dtrain import backend, checkpoint, faults, kernels, parallel, report
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
 from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.prepare import layers, prepare
@@ -185,6 +185,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
     comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
     world, rank = comm.Get_size(), comm.Get_rank()
+    fault = faults.from_env(world)  # DTRAIN_FAULT: a malformed one is refused before any rank talks to another
     if config.batch_size is None:
         config = replace(config, batch_size=default_batch(kind, config, world))
         if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:
@@ -198,31 +199,30 @@ def train(config: TrainConfig, comm=None) -> dict:
     gpu = select_rank_gpu(comm) if config.device == "gpu" else None  # (before the first array is made on it)
     dtype = backend.resolve_dtype(config.dtype)
 
-    data = load_dataset(
-        config.dataset,
-        config.data_dir,
-        samples=config.samples,
-        features=config.features,
-        classes=config.classes,
-        seed=config.seed,
-        dtype=dtype,
-    )
+    data = dataset_of(config)
     # The loader checks the batch size against the training set and the world before anything else is built.
     index, count = kind.shard_of(rank, world, config)
     loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
     sizes = [data.n_features, *config.hidden, data.n_classes]
+    identity = checkpoint_identity(config, sizes, data)
     paradigm = kind(comm, config)
     paradigm.build(
         lambda: MLP(sizes, seed=config.seed, xp=xp, dtype=dtype),
         lambda model: make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay),
     )
     setup = comm.tracer.summary()["totals"]  # what building sent (ddp's broadcast of rank 0's weights): not a step's
-    position = resume(paradigm, comm, config, sizes) if config.resume else Position()
-    paradigm.run(Epochs(paradigm, loader, data, config, sizes, position, xp))  # (a server: a loop of its own)
+    position = resume(paradigm, comm, config, identity) if config.resume else Position()
+    injector = faults.Injector(fault, rank, config.checkpoint_dir)
+    epochs_run = Epochs(paradigm, loader, data, config, identity, position, xp, injector)
+    try:
+        paradigm.run(epochs_run)  # (a server: a loop of its own)
+    finally:
+        epochs_run.progress.close()
+    injector.check_fired()
     epochs = position.epochs
     own_figures = paradigm.finish()
     if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
-        save_checkpoint(paradigm, config, sizes, position)
+        save_checkpoint(paradigm, config, identity, position)
 
     wall = time.perf_counter() - started
     train_time = sum(e["train_time_s"] for e in epochs)
@@ -239,6 +239,8 @@ def train(config: TrainConfig, comm=None) -> dict:
         "environment": report.environment(),
         "costs": kind.costs(sizes, world, config),
     }
+    if (attempts := faults.attempts()) is not None:  # started by dtrain launch --max-restarts: the failures before
+        metrics["restarts"] = attempts
     mine = {**comm.tracer.summary(), "paradigm": own_figures, "train_time_s": train_time,
             "setup": {k: setup[k] for k in ("bytes_sent", "messages_sent", "time_s")}}  # fmt: skip
     totals = mine["totals"]
@@ -261,6 +263,13 @@ def train(config: TrainConfig, comm=None) -> dict:
         report.write_metrics(config.out, metrics)
     comm.free_made()  # the paradigm's sub-communicators (after the final checkpoint, which may gather over them)
     return metrics
+
+
+def dataset_of(config: TrainConfig) -> Dataset:
+    """The dataset ``config`` names, as this run reads it."""
+    dtype = backend.resolve_dtype(config.dtype)
+    return load_dataset(config.dataset, config.data_dir, samples=config.samples, features=config.features,
+                        classes=config.classes, seed=config.seed, dtype=dtype)  # fmt: skip
 
 
 def select_rank_gpu(comm) -> dict:
@@ -303,10 +312,13 @@ class Epochs:
     checkpoints, with ``position`` kept current. A paradigm's :meth:`~dtrain.parallel.Paradigm.run` calls
     :meth:`run`; a rank with a loop of its own reads :attr:`steps_per_epoch` instead."""
 
-    def __init__(self, paradigm, loader, data, config, sizes, position, xp):
+    def __init__(self, paradigm, loader, data, config, identity, position, xp, injector=None):
         self.paradigm, self.loader, self.data, self.config = paradigm, loader, data, config
-        self.sizes, self.position, self.xp = sizes, position, xp
+        self.identity, self.position, self.xp = identity, position, xp
         self.steps_per_epoch = len(loader)
+        self.resumed_steps = position.done  # the first epoch's steps done before a resume (for a loop of its own)
+        self.injector = injector or faults.Injector(None, paradigm.rank)
+        self.progress = faults.ProgressMark(paradigm.rank)  # (for a launcher that restarts the job: steps lost)
 
     def run(self) -> None:
         paradigm, loader, config, position = self.paradigm, self.loader, self.config, self.position
@@ -322,12 +334,15 @@ class Epochs:
             for loss in _progress(steps, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
                 unread.append(loss)
                 position.step += 1
+                self.progress.at_step(position.step)
+                self.injector.at_step(position.step)  # DTRAIN_FAULT: this rank may die here, on purpose
                 checkpoint_now = config.checkpoint_every and position.step % config.checkpoint_every == 0
                 if len(unread) >= read_every or checkpoint_now:
                     self.read(unread, losses, epoch)
                 if checkpoint_now:
                     position.train_time_s = time.perf_counter() - epoch_start
-                    save_checkpoint(paradigm, config, self.sizes, position, losses)
+                    save_checkpoint(paradigm, config, self.identity, position, losses,
+                                    during_write=self.injector.during_write(position.step))  # fmt: skip
             self.read(unread, losses, epoch)
             train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
             train_time = time.perf_counter() - epoch_start
@@ -416,19 +431,23 @@ def check_same_config(comm, config: TrainConfig) -> None:
         )
 
 
-def save_checkpoint(paradigm, config, sizes, position: Position, losses=()) -> None:
+def checkpoint_identity(config, sizes, data: Dataset) -> dict:
+    """What a checkpoint records of the run that wrote it, and what a run that resumes it must share: the model's
+    sizes, the dataset (its name, splits and shape), dtype, optimizer and the optimizer's buffers."""
+    return {"sizes": list(sizes), "dataset": data.describe(), "dtype": config.dtype, "optimizer": config.optimizer,
+            "optimizer_buffers": buffer_names(config.optimizer, config.momentum)}  # fmt: skip
+
+
+def save_checkpoint(paradigm, config, identity: dict, position: Position, losses=(), during_write=None) -> None:
     """Rank 0 writes where training stands (a collective: the loss so far is made global, and a sharded paradigm
-    gathers its parameters first)."""
+    gathers its parameters first). ``during_write``: see :func:`dtrain.checkpoint.save`."""
     done_loss = epoch_loss(paradigm, position, list(losses))
     params, optimizer_state = paradigm.full_parameters(), paradigm.optimizer_state()
     if paradigm.rank != 0:
         return
     meta = {
         "paradigm": config.paradigm,
-        "sizes": list(sizes),
-        "dtype": config.dtype,
-        "optimizer": config.optimizer,
-        "optimizer_buffers": sorted(k for k, v in optimizer_state.items() if isinstance(v, np.ndarray)),
+        **identity,
         "world_size": paradigm.world,
         "seed": config.seed,
         "batch_size": config.batch_size,
@@ -439,10 +458,10 @@ def save_checkpoint(paradigm, config, sizes, position: Position, losses=()) -> N
         "train_time_s": position.train_time_s,
         "epochs": position.epochs,
     }
-    checkpoint.save(config.checkpoint_dir, params, optimizer_state, meta)
+    checkpoint.save(config.checkpoint_dir, params, optimizer_state, meta, during_write)
 
 
-def resume(paradigm, comm, config, sizes) -> Position:
+def resume(paradigm, comm, config, identity: dict) -> Position:
     """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it.
 
     The optimizer's state comes back, but not its learning rate: ``--lr`` of this run applies from here on (so a run
@@ -452,10 +471,8 @@ def resume(paradigm, comm, config, sizes) -> Position:
     if comm.Get_rank() == 0:
         try:
             state = checkpoint.load(config.checkpoint_dir)
-            expected = {"sizes": list(sizes), "dtype": config.dtype, "optimizer": config.optimizer,
-                        "optimizer_buffers": buffer_names(config.optimizer, config.momentum)}  # fmt: skip
             path = checkpoint.path_in(config.checkpoint_dir)
-            checkpoint.check_compatible(state["meta"], expected, path)
+            checkpoint.check_compatible(state["meta"], identity, path)
             checkpoint.check_position(state["meta"], config, path)
         except checkpoint.CheckpointError as exc:
             state, error = None, str(exc)

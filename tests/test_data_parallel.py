@@ -77,6 +77,7 @@ class OneEpoch:
 
     def __init__(self, paradigm, batches):
         self.paradigm, self.batches, self.steps_per_epoch = paradigm, batches, len(batches)
+        self.resumed_steps = 0
 
     def run(self) -> None:
         for _loss in self.paradigm.epoch(iter(self.batches)):

@@ -26,12 +26,14 @@ Three things a learner meets here, handled once:
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain.comm import flavours, usable_cores
@@ -203,6 +205,149 @@ def launch(
     return subprocess.CompletedProcess(cmd, job.process.returncode, out, err)
 
 
+@dataclass
+class Watched:
+    """How a job watched by :func:`launch_watched` ended: its exit status, the end of what it wrote (stdout and stderr
+    together, as they came), and which process was which rank (pid -> rank, for the ranks seen on this machine)."""
+
+    returncode: int
+    tail: str
+    ranks: dict[int, int]
+    seconds: float
+    ended: list[int]  # the ranks in the order their processes ended (the first: the one that died, if one did)
+    first_to_end: int | None  # the rank that ended first, if that is known for sure (see Endings)
+
+
+TAIL_BYTES = 64 * 1024  # enough for MPI's report of a dead rank and the tracebacks before it
+
+
+def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bool = False, env=None) -> Watched:
+    """:func:`launch`, for a launcher that must say afterwards how the job ended (``dtrain launch --max-restarts``):
+    what the job writes goes on to this process's stdout and stderr as it comes, and its end is kept; every moment
+    the job runs, its processes are looked at for the rank MPI gave them (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK`` in
+    their environment), since a dead rank can no longer say who it was, and MPICH's report names only its PID.
+
+    SIGINT, SIGTERM and SIGHUP stop the whole job and raise :class:`JobInterrupted`, as with :func:`launch`."""
+    env = launch_env(ranks_per_host(nranks, hosts), env)
+    cmd = mpiexec_command(nranks, target, None, hosts, oversubscribe, env)
+    tail = bytearray()
+    lock = threading.Lock()
+
+    def echo(source, sink):
+        while chunk := os.read(source.fileno(), 65536):
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except (OSError, ValueError):  # a closed terminal must not stop the reading (the job would block)
+                pass
+            with lock:
+                tail.extend(chunk)
+                del tail[:-TAIL_BYTES]
+
+    started = time.monotonic()
+    endings = Endings()
+    with Job(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job, endings:
+        streams = ((job.process.stdout, sys.stdout), (job.process.stderr, sys.stderr))
+        readers = [threading.Thread(target=echo, args=(pipe, _binary(sink)), daemon=True) for pipe, sink in streams]
+        for reader in readers:
+            reader.start()
+        try:
+            while job.process.poll() is None:
+                for pid in job.note_ranks():
+                    endings.watch(pid, job.ranks[pid])
+                time.sleep(0.1)
+        except JobInterrupted as interrupted:
+            job.stop(interrupted.signum)
+            raise
+        for reader in readers:
+            reader.join(timeout=5)  # (what the ranks wrote last is still in the pipes)
+    with lock:
+        text = tail.decode(errors="replace")
+    seconds = time.monotonic() - started
+    return Watched(job.process.returncode, text, dict(job.ranks), seconds, list(endings.order), endings.first(nranks))
+
+
+class Endings:
+    """The order in which the ranks' processes end, seen from outside the job.
+
+    When one rank dies, MPI's process manager kills the others, and its report names one of the processes it
+    reaped, often not the one that died first. A thread here sleeps in ``poll`` on a Linux ``pidfd`` of each rank's
+    process (readable when that process ends, whoever its parent is), so it wakes the moment the first one ends,
+    before the process manager has even begun to kill the rest. The first is known for sure only if every rank was
+    watched, alive, before it ended (a rank that dies in its first tenth of a second, or one on another machine,
+    leaves it unknown; so do systems without pidfds)."""
+
+    def __init__(self):
+        self.order: list[int] = []
+        self._fds: dict[int, int] = {}  # pidfd -> rank
+        self.watched = 0  # ranks watched while alive
+        self.watched_at_first_end: int | None = None
+        self.late = False  # a rank was seen only once it had ended
+        self.first_together: list[int] = []  # the ranks seen ending first, all at once
+        self._poll = select.poll() if hasattr(os, "pidfd_open") else None
+        self._wake_read, self._wake_write = os.pipe()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if self._poll is not None:
+            self._poll.register(self._wake_read, select.POLLIN)
+            self._thread.start()
+        return self
+
+    def watch(self, pid: int, rank: int) -> None:
+        if self._poll is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # it has ended already (or pidfds are not allowed here)
+            return
+        stat = _stat(pid)
+        if stat is None or stat[0] == "Z":
+            self.late = True
+        else:
+            self.watched += 1
+        self._fds[fd] = rank
+        self._poll.register(fd, select.POLLIN)
+        os.write(self._wake_write, b"x")  # (poll's set changed: look again)
+
+    def first(self, nranks: int) -> int | None:
+        """The rank that ended first, if every one of the ``nranks`` was watched alive before it did."""
+        if len(self.first_together) == 1 and not self.late and self.watched_at_first_end == nranks:
+            return self.first_together[0]
+        return None
+
+    def _run(self) -> None:
+        while not self._closed:
+            together = []  # ranks that ended between two looks: their order is not known
+            for fd, _ in self._poll.poll():
+                if fd == self._wake_read:
+                    os.read(fd, 4096)
+                    continue
+                together.append(self._fds.pop(fd))
+                self._poll.unregister(fd)
+                os.close(fd)
+            if together and not self.order:
+                self.watched_at_first_end, self.first_together = self.watched, sorted(together)
+            self.order += together
+
+    def __exit__(self, *exc_info):
+        self._closed = True
+        os.write(self._wake_write, b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout=1)
+        time.sleep(0)  # (a last ending the thread saw is in order now)
+        for fd in [*self._fds, self._wake_read, self._wake_write]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", stream)
+
+
 class Job:
     """``mpiexec`` started as a job that always ends whole: a context manager around ``subprocess.Popen``.
 
@@ -219,6 +364,8 @@ class Job:
         self._previous = {}
         self.received: int | None = None  # the signal that interrupted the job, if one did
         self._started = time.time()
+        self.ranks: dict[int, int] = {}  # pid -> rank, for the processes note_ranks has seen
+        self._not_ranks: set[int] = set()  # (mpiexec, its proxies: looked at once)
 
     def __enter__(self):
         self._started = time.time()
@@ -271,6 +418,20 @@ class Job:
         for pid, started in self._known.items():
             _signal(pid, started, signal.SIGKILL)
         self.process.wait()
+
+    def note_ranks(self) -> list[int]:
+        """Look at the job's processes now, note the rank of each new one MPI started as a rank; return those pids."""
+        if self.process.poll() is None:
+            self._known.update(_tree(self.process.pid))
+        new = []
+        for pid in self._known.keys() - self.ranks.keys() - self._not_ranks:
+            rank = _rank_of(pid)
+            if rank is None:
+                self._not_ranks.add(pid)
+            else:
+                self.ranks[pid] = rank
+                new.append(pid)
+        return new
 
     def _hurry_on_next_signal(self) -> None:
         for signum in self._previous:
@@ -347,6 +508,22 @@ def _tree(root: int) -> dict[int, int]:
         tree[pid] = started.get(pid, 0)
         todo.extend(children.get(pid, ()))
     return tree
+
+
+RANK_VARIABLES = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")  # MPICH's hydra, Open MPI
+
+
+def _rank_of(pid: int) -> int | None:
+    """The rank MPI gave process ``pid`` (from its environment, in /proc), or None if it is not a rank."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            variables = f.read().split(b"\0")
+    except OSError:
+        return None
+    for variable in variables:
+        if variable.startswith(RANK_VARIABLES) and variable.split(b"=", 1)[1].isdigit():
+            return int(variable.split(b"=", 1)[1])
+    return None
 
 
 def _running(pid: int, started: int) -> bool:

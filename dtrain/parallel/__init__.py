@@ -15,7 +15,8 @@ alone (no ``if paradigm == ...`` anywhere else)::
                                      made from it are freed by the driver at the end of the run
     p.build(make_model, make_opt)    a full replica, sharded layers, this rank's pipeline stage, a server's shard
     p.run(epochs)                    the whole run on this rank: the driver's epoch loop (epochs.run()), or a loop of
-                                     its own for a rank with no batches (a parameter server: epochs.steps_per_epoch)
+                                     its own for a rank with no batches (a parameter server: epochs.steps_per_epoch,
+                                     and epochs.resumed_steps, the first epoch's steps done before a resume)
     p.epoch(batches)                 one epoch on this rank's slices: the loss of each step it takes (step(x, y) for
                                      each batch, unless the paradigm says when an epoch is over: ps-async)
     p.global_loss(local_mean)        the *global batch's* loss from every rank's mean (train_loss in metrics.json)

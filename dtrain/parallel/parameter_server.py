@@ -28,6 +28,9 @@ The messages (tags on a communicator of their own), for one worker and one serve
          |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
          |------------------------------------------->|
 
+A checkpoint in the middle of ps-sync training: rank 0, between its reply for step s and its push for s + 1, sends
+every server STATE (0 bytes) and receives its shard's optimizer state (counted under "checkpoint", not a step's).
+
 The two sides are two classes, a file each: :class:`~dtrain.parallel.ps_worker.Worker` (ps_worker.py) and
 :class:`~dtrain.parallel.ps_server.Server` (ps_server.py, with its loop); the paradigm gives each rank the side its
 rank calls for, and gathers the servers' state at the end. A worker pushes to and pulls from all S servers at once
@@ -83,7 +86,7 @@ from dtrain.collectives import chunk_bounds
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.optim import buffers_per_parameter
+from dtrain.optim import buffer_names, buffers_per_parameter
 from dtrain.parallel import Paradigm, ps_server, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
@@ -136,10 +139,11 @@ class ParameterServer(Paradigm):
                 raise ConfigError(
                     f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is synchronous"
                 )
-        if config.checkpoint_every:
+        if config.checkpoint_every and not cls.synchronous:
             raise ConfigError(
-                f"--paradigm {cls.name} writes its checkpoint at the end of training only (the state lives on "
-                "the servers while they serve); drop --checkpoint-every"
+                f"--paradigm {cls.name} writes its checkpoint at the end of training only (while the servers serve, "
+                "their shards are at different points of the workers' steps: there is no one step to save); drop "
+                "--checkpoint-every, or use ps-sync"
             )
         super().check(config, world)
 
@@ -182,7 +186,7 @@ class ParameterServer(Paradigm):
         """A server: answer the workers until every one has said DONE (an epoch is ``epochs.steps_per_epoch``
         global steps). A worker: the driver's epochs."""
         if isinstance(self.side, Server):
-            self.side.serve(epochs.steps_per_epoch, self.config.lr)
+            self.side.serve(epochs.steps_per_epoch, self.config.lr, done=epochs.resumed_steps)
         else:
             epochs.run()
 
@@ -260,10 +264,15 @@ class ParameterServer(Paradigm):
         return self.side.parameters()
 
     def optimizer_state(self) -> dict:
-        """The servers' state, gathered once training is over (a checkpoint is written then); before, a server's own
-        shard's."""
+        """The servers' state: gathered once training is over; in the middle of ps-sync training (a checkpoint),
+        rank 0 asks every server for its shard's (STATE, after its reply for the step and before its next push), and
+        the other workers, which write nothing, give none; a server gives its own shard's."""
         if self.gathered_optimizer is not None:
             return self.gathered_optimizer
+        if isinstance(self.side, Worker):
+            if self.rank != 0:
+                return {}
+            return self.side.servers_state(buffer_names(self.config.optimizer, self.config.momentum))
         return self.side.optimizer_state()
 
     def load(self, flat, optimizer_state: dict) -> None:

@@ -23,10 +23,11 @@ import numpy as np
 from dtrain.backend import array_module, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
-from dtrain.comm.trace import EVALUATION, labelled
+from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.optim import FlatBuffers, state_bytes
 
-PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # tags of the protocol (END: the weights, and the epoch is over)
+PUSH, PULL, DONE, WEIGHTS, END, STATE = 1, 2, 3, 4, 5, 6  # the protocol's tags (END: the weights, and the epoch is
+# over; STATE: ps-sync's optimizer state for a checkpoint in the middle of training)
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
 
 
@@ -60,13 +61,14 @@ class Server:
         self.slots = xp.empty((workers, self.stop - self.start), dtype=whole.dtype) if synchronous else None
         self.loop, self.serve_s = None, 0.0
 
-    def serve(self, steps_per_epoch: int, lr: float) -> None:
-        """Answer the workers until every one has said DONE; ``lr``: the run's learning rate."""
+    def serve(self, steps_per_epoch: int, lr: float, done: int = 0) -> None:
+        """Answer the workers until every one has said DONE; ``lr``: the run's learning rate; ``done``: the steps of
+        the first epoch already taken (a resume from a checkpoint in the middle of an epoch)."""
         if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
             self.optimizer.lr = lr / self.workers
         self.loop = ServerLoop(self.comm, self.shard, self.optimizer, workers=self.workers, server=self.index,
                                steps_per_epoch=steps_per_epoch, synchronous=self.synchronous, bound=self.bound,
-                               slots=self.slots)  # fmt: skip
+                               slots=self.slots, done=done)  # fmt: skip
         started = time.perf_counter()
         self.loop.run()
         self.serve_s = time.perf_counter() - started
@@ -115,17 +117,18 @@ class ServerLoop:
     """
 
     def __init__(self, comm, shard, optimizer, *, workers: int, server: int, steps_per_epoch: int, synchronous: bool,
-                 bound: int | None = None, slots=None):  # fmt: skip
+                 bound: int | None = None, slots=None, done: int = 0):  # fmt: skip
         """``comm``: the protocol's communicator (workers are its ranks 0 to ``workers`` - 1); ``shard``: this
         server's slice (``flat_params``, ``flat_grads``), which ``optimizer`` updates; ``server``: this server's index
         (0 is the coordinator); ``synchronous``: ps-sync's policy, else ps-async's, with the staleness ``bound``;
-        ``slots``: ps-sync's (workers x shard) array, a row for each worker's push."""
+        ``slots``: ps-sync's (workers x shard) array, a row for each worker's push; ``done``: the first epoch's
+        steps already taken before a resume."""
         self.comm, self.status = comm, new_status(comm)
         self.params, self.grads, self.optimizer, self.slots = shard.flat_params, shard.flat_grads, optimizer, slots
         self.workers, self.bound = workers, bound
         self.coordinator = server == COORDINATOR
         self.budget = workers * steps_per_epoch  # pushes in an epoch (the coordinator counts them)
-        self.pushes = 0  # this epoch's so far
+        self.pushes = workers * done  # this epoch's so far
         self.version = 0  # updates applied to this shard
         self.sent_version = [0] * self.workers  # the version each worker's weights are at
         self.clock = [0] * self.workers  # pushes received from each worker
@@ -136,7 +139,7 @@ class ServerLoop:
         self.staleness = collections.Counter()
         self.idle_s = 0.0  # time spent waiting for a message
         self.handlers = {PUSH: self.on_sync_push if synchronous else self.on_async_push, PULL: self.on_pull,
-                         END: self.on_end, DONE: self.on_done}  # fmt: skip
+                         END: self.on_end, DONE: self.on_done, STATE: self.on_state}  # fmt: skip
 
     def run(self) -> None:
         while len(self.done) < self.workers:
@@ -188,6 +191,17 @@ class ServerLoop:
         self.comm.Recv(self.params[:0], w, END)
         self.end_epoch([w])
         self.release()
+
+    def on_state(self, w: int) -> None:
+        """ps-sync, for a checkpoint: the shard's optimizer state, its step count and rate first, then its buffers by
+        name. Rank 0 asks after its reply for step s and before its push for s + 1, so the state is exactly step s's
+        (the other workers' pushes for s + 1 wait in their slots until rank 0's is in)."""
+        self.comm.Recv(self.params[:0], w, STATE)
+        state = self.optimizer.state_dict()
+        with labelled(self.comm, CHECKPOINT, 0):
+            self.comm.Send(np.array([state["steps"], state["lr"]], dtype=np.float64), w, STATE)
+            for name in sorted(k for k, v in state.items() if isinstance(v, np.ndarray)):
+                self.comm.Send(state[name], w, STATE)
 
     def on_done(self, w: int) -> None:
         self.comm.Recv(self.params[:0], w, DONE)

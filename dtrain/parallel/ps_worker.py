@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_TAG
-from dtrain.comm.trace import labelled
-from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS
+from dtrain.comm.trace import CHECKPOINT, labelled
+from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, STATE, WEIGHTS
 
 
 def push_and_pull(comm, params, grads, servers) -> None:
@@ -72,6 +74,20 @@ class Worker:
             requests += [comm.Isend(params[:0], server, PULL) for server, _ in self.served]
             waitall(requests)
         self.pulled = True
+
+    def servers_state(self, buffer_names: list[str]) -> dict:
+        """ps-sync, for a checkpoint in the middle of training: every server's optimizer state, whole (on the host):
+        its step count and rate, and each of ``buffer_names`` put together from the servers' shards."""
+        n = self.model.flat_params.size
+        whole = {name: np.empty(n, dtype=self.model.flat_params.dtype) for name in buffer_names}
+        scalars = np.empty(2, dtype=np.float64)
+        with labelled(self.comm, CHECKPOINT, 0), watchdog.watching(self.comm, "ps: the servers' optimizer state"):
+            for server, (a, b) in self.served:
+                self.comm.Send(self.model.flat_params[:0], server, STATE)
+                self.comm.Recv(scalars, server, STATE)
+                for name in buffer_names:
+                    self.comm.Recv(whole[name][a:b], server, STATE)
+        return {"steps": int(scalars[0]), "lr": float(scalars[1]), **whole}
 
     def done(self) -> dict:
         """Tell every server this worker is done; what it reports for metrics.json."""

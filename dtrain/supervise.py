@@ -1,0 +1,370 @@
+"""Surviving a dead rank: ``dtrain launch --max-restarts K --checkpoint-dir DIR`` starts the job again from its last
+checkpoint, and the run ends with the very weights of a run that never failed.
+
+In a real cluster a rank dies: the out-of-memory killer picks it, its node reboots, a link drops. MPI cannot go on
+without it (every collective needs every rank), so the whole job ends. The launcher then does what a person would::
+
+    attempt 1   ranks 0-3 train, checkpoint at steps 10, 20, 30 ...   rank 2 killed after step 37: MPI ends the job
+                launcher: "rank 2 was killed by SIGKILL; the last checkpoint is step 30: 7 steps lost"
+                (waits --restart-delay seconds: whatever killed it may need a moment, a node to come back)
+    attempt 2   ranks 0-3 start again with --resume: step 31 ... the end      metrics.json: "restarts": 1 (7 lost)
+
+Why the bits are the same: a checkpoint holds the full flat buffer, the optimizer's state and where training stood
+(the epoch, the steps done in it, the data order's seed), so ``--resume`` continues exactly the computation the dead
+run was doing; the steps since the checkpoint are done again, the same way. (torchrun's ``--max-restarts`` restarts
+the job, and leaves the checkpoint to the script; here the checkpoint is dtrain's, so the promise can be kept.)
+
+What is, and is not, restarted:
+
+* a rank killed by a signal, a rank's uncaught exception, the watchdog's report of a stalled wait, any other
+  non-zero exit: restarted, up to K times, each time from the last complete checkpoint (none yet: from the start);
+* a mistake in what was asked (exit 2: a bad flag, a diverging loss): never; it would fail again the same way;
+* Ctrl-C (or SIGTERM, SIGHUP) sent to the launcher: the person stopping it; everything stops, nothing restarts.
+
+**The folder is the job's.** A launch whose ``--checkpoint-dir`` already holds a checkpoint of the same model and
+data goes on from it (so launching the same command again after the launcher itself died continues the run); one of
+another model or dataset is refused before anything starts. **Elastic** (``--min-ranks M``): before a restart, the
+hostfile is read again; if it now lists fewer slots (a node was taken out), the job goes on with as many ranks as
+fit, at least M, and as the paradigm accepts. The global batch stays the same, so the curve still compares with
+single's (the bits do not: the batch is summed over other slices).
+
+**What a checkpoint interval costs.** Checkpointing every T seconds costs C/T of the time (C: one checkpoint's
+write); a failure costs on average T/2 of redone work, plus the restart R. With failures every M seconds on average,
+the waste C/T + (T/2 + R)/M is smallest at T = sqrt(2 C M) (Young, 1974; Daly, 2006, adds terms for T near M).
+
+The ranks' side (the fault injector, the progress mark, the attempts record) is :mod:`dtrain.faults`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dtrain import checkpoint, faults
+from dtrain.comm import hosts as hostlists
+from dtrain.comm import launcher
+from dtrain.errors import EXIT_USER_ERROR, ConfigError, UserError
+
+DEFAULT_RESTART_DELAY_S = 2.0
+ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attempts so far (metrics.json "restarts")
+PROGRESS_FILE = "progress"  # in the checkpoint folder: the last global step rank 0 finished (8 bytes)
+TRAIN_MODULES = ("dtrain", "dtrain.cli")
+
+
+@dataclass
+class Attempt:
+    """One start of the job and how it ended."""
+
+    number: int  # 1 for the first start
+    ranks: int
+    resumed_from_step: int | None  # the checkpoint's global step it started from (None: from the beginning)
+    started: float = field(default_factory=time.time)
+    seconds: float = 0.0
+    exit_status: int | None = None
+    ended: str = "running"  # what happened, in words
+    rank: int | None = None  # the rank that failed, where known
+    signal: str | None = None
+    reached_step: int | None = None  # the last global step rank 0 finished
+    steps_lost: int | None = None  # reached - the step the next attempt resumes from
+
+
+@dataclass
+class Job:
+    """What to run, how often to try, and on what."""
+
+    ranks: int
+    target: list[str]
+    folder: Path
+    max_restarts: int
+    min_ranks: int
+    delay_s: float = DEFAULT_RESTART_DELAY_S
+    hostfile: str | None = None
+    hosts_text: str | None = None
+    oversubscribe: bool = False
+    env: dict = field(default_factory=dict)
+    train_config: object = None  # the TrainConfig when the target is `-m dtrain train` (else None)
+
+
+def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks: int | None, delay_s: float,
+            hostfile=None, hosts_text=None, oversubscribe=False, env=None) -> Job:  # fmt: skip
+    """Check everything before anything starts (one line each: :class:`UserError`), and return the job.
+
+    For a ``-m dtrain train`` target: its flags are read as the ranks will read them, the checkpoint folder is given
+    to it (``--checkpoint-dir``, which it must not name otherwise), and a checkpoint already in the folder must be of
+    this model and dataset. Any other target is restarted as it is, and finds DTRAIN_RESTART (0, 1, ...) and
+    DTRAIN_CHECKPOINT_DIR in its environment: going on from a checkpoint is then up to it.
+    """
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if folder is None:
+        raise UserError(
+            "--max-restarts needs --checkpoint-dir DIR: a restart goes on from the last checkpoint there (the "
+            "launcher gives DIR to dtrain train)"
+        )
+    min_ranks = ranks if min_ranks is None else min_ranks
+    if not 1 <= min_ranks <= ranks:
+        raise UserError(f"--min-ranks {min_ranks} must be between 1 and the ranks asked for (-n {ranks})")
+    if not 0 <= delay_s < math.inf:
+        raise UserError(f"--restart-delay must be a number of seconds >= 0, got {delay_s}")
+    if min_ranks < ranks and not (hostfile or hosts_text):
+        raise UserError(
+            "--min-ranks below -n needs --hostfile FILE: before a restart the launcher reads the hostfile again, and "
+            "goes on with fewer ranks if it lists fewer slots (on this machine alone every slot is always there)"
+        )
+    folder = Path(folder)
+    if folder.is_file():
+        raise UserError(f"--checkpoint-dir {folder} is a file; give a folder")
+    job = Job(ranks, list(target), folder, max_restarts, min_ranks, delay_s, hostfile, hosts_text, oversubscribe,
+              dict(env or {}))  # fmt: skip
+    if is_train(target):
+        job.target, job.train_config = _train_target(target, folder, ranks)
+        _check_folder(job.train_config, folder)
+        for size in (ranks, min_ranks):
+            _check_paradigm(job.train_config, size)
+    return job
+
+
+def is_train(target: list[str]) -> bool:
+    return len(target) >= 3 and target[0] == "-m" and target[1] in TRAIN_MODULES and target[2] == "train"
+
+
+def _train_target(target: list[str], folder: Path, ranks: int):
+    """The target's train flags, read as its ranks will read them; it gets ``--checkpoint-dir``, never ``--resume``
+    (the launcher adds that to the attempts that go on from a checkpoint), and ``--batch-size`` if it has none: the
+    default batch depends on the number of ranks, and a restart on fewer must keep the global batch."""
+    from dtrain import parallel
+    from dtrain.cli import UsageError, build_parser
+    from dtrain.train import TrainConfig, default_batch
+
+    words = [w for w in target[2:] if w != "--resume"]
+    try:
+        args = build_parser().parse_args(words)
+    except UsageError as exc:
+        raise UserError(f"the target's flags: {exc}") from None
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    if given.get("checkpoint_dir") is not None:
+        if Path(given["checkpoint_dir"]).resolve() != folder.resolve():
+            raise UserError(
+                f"dtrain train --checkpoint-dir {given['checkpoint_dir']} differs from the launcher's --checkpoint-dir "
+                f"{folder}: give it once, to dtrain launch"
+            )
+    else:
+        words += ["--checkpoint-dir", str(folder)]
+    given["checkpoint_dir"], given["resume"] = str(folder), False
+    config = TrainConfig(**given)
+    config.validate()
+    if config.batch_size is None:
+        config.batch_size = default_batch(parallel.get(config.paradigm), config, ranks)
+        words += ["--batch-size", str(config.batch_size)]
+    if not config.checkpoint_every:
+        _say(
+            "dtrain launch: the target writes no checkpoint before the end (no --checkpoint-every), so a restart "
+            "starts from the beginning; --checkpoint-every N keeps the work a failure costs to N steps"
+        )
+    return [*target[:2], *words], config
+
+
+def _check_folder(config, folder: Path) -> None:
+    """A checkpoint already in the folder must be one this run can go on from: the same model and data."""
+    if not checkpoint.path_in(folder).exists():
+        return
+    from dtrain.train import checkpoint_identity, dataset_of
+
+    data = dataset_of(config)
+    sizes = [data.n_features, *config.hidden, data.n_classes]
+    try:
+        state = checkpoint.load(folder)
+        checkpoint.check_compatible(state["meta"], checkpoint_identity(config, sizes, data), checkpoint.path_in(folder))
+        checkpoint.check_position(state["meta"], config, checkpoint.path_in(folder))
+    except checkpoint.CheckpointError as exc:
+        why = str(exc).removeprefix("--resume: ")
+        raise UserError(
+            f"--checkpoint-dir {folder} holds a checkpoint this job cannot go on from ({why}); give another folder, or "
+            "remove that one"
+        ) from None
+
+
+def _check_paradigm(config, world: int) -> None:
+    from dtrain import parallel
+
+    try:
+        parallel.get(config.paradigm).check(config, world)
+    except ConfigError as exc:
+        raise UserError(f"on {world} ranks: {exc}") from None
+
+
+# --- running it --------------------------------------------------------------------------------------------------
+def run(job: Job) -> int:
+    """Start the job, and again after each failure, up to ``job.max_restarts`` times; the exit status of the last try
+    (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.comm.launcher.JobInterrupted`: no restart."""
+    job.folder.mkdir(parents=True, exist_ok=True)
+    record = job.folder / ATTEMPTS_FILE
+    progress = job.folder / PROGRESS_FILE
+    attempts: list[Attempt] = []
+    ranks = job.ranks
+    while True:
+        resumed_from = _last_step(job.folder)
+        attempt = Attempt(len(attempts) + 1, ranks, resumed_from)
+        attempts.append(attempt)
+        _write_record(record, attempts[:-1])
+        if len(attempts) > 1 or resumed_from is not None:
+            where = "the beginning" if resumed_from is None else f"the checkpoint at global step {resumed_from}"
+            _say(f"dtrain launch: attempt {attempt.number} of {job.max_restarts + 1}, on {ranks} ranks, from {where}")
+        env = {**job.env, "DTRAIN_RESTART": str(attempt.number - 1), "DTRAIN_CHECKPOINT_DIR": str(job.folder),
+               faults.PROGRESS_ENV: str(progress), faults.ATTEMPTS_ENV: str(record)}  # fmt: skip
+        target = job.target + (["--resume"] if job.train_config is not None and resumed_from is not None else [])
+        before = len(faults.fired(job.folder))
+        progress.unlink(missing_ok=True)
+        watched = launcher.launch_watched(ranks, target, _hosts(job), job.oversubscribe, env)
+        attempt.seconds, attempt.exit_status = watched.seconds, watched.returncode
+        if watched.returncode == 0:
+            attempt.ended = "finished"
+            if len(attempts) > 1:
+                _say(report(attempts))
+            return 0
+        _explain(attempt, watched, faults.fired(job.folder)[before:])
+        attempt.reached_step = faults.read_progress(progress)
+        if watched.returncode == EXIT_USER_ERROR:
+            attempt.ended += " (exit 2: a mistake in what was asked, which a restart would repeat: not restarted)"
+            _say(report(attempts))
+            return EXIT_USER_ERROR
+        restart_from = _last_step(job.folder)
+        if attempt.reached_step is not None:
+            attempt.steps_lost = attempt.reached_step - (restart_from or 0)
+        if len(attempts) > job.max_restarts:
+            _write_record(record, attempts)
+            _say(report(attempts) + f"\ndtrain launch: {len(attempts)} attempts failed (--max-restarts "
+                 f"{job.max_restarts}); giving up")  # fmt: skip
+            return watched.returncode
+        lost = "" if attempt.steps_lost is None else f"; {attempt.steps_lost} step(s) lost"
+        where = f"the checkpoint at global step {restart_from}" if restart_from is not None else "the beginning"
+        _say(f"dtrain launch: {attempt.ended}{lost}. Restarting in {job.delay_s:g} s from {where} "
+             f"(restart {len(attempts)} of {job.max_restarts})")  # fmt: skip
+        time.sleep(job.delay_s)
+        ranks = _ranks_now(job, ranks)
+
+
+def _hosts(job: Job):
+    """The hosts, read again before every attempt: a hostfile may have changed since the last (elastic)."""
+    if job.hostfile:
+        return hostlists.parse_hostfile(job.hostfile)
+    if job.hosts_text:
+        return hostlists.parse_hosts(job.hosts_text)
+    return None
+
+
+def _ranks_now(job: Job, ranks: int) -> int:
+    """As many ranks as the hosts' slots hold now, at most -n and at least --min-ranks, that the paradigm accepts."""
+    hosts = _hosts(job)
+    if hosts is None or job.oversubscribe or job.min_ranks == job.ranks:
+        return job.ranks
+    slots = hostlists.total_slots(hosts)
+    for size in range(min(job.ranks, slots), job.min_ranks - 1, -1):
+        if job.train_config is None or _accepts(job.train_config, size):
+            if size != ranks:
+                _say(f"dtrain launch: the hosts list {slots} slot(s) now: going on with {size} ranks (--min-ranks "
+                     f"{job.min_ranks}); the global batch stays {_batch(job)}")  # fmt: skip
+            return size
+    raise UserError(
+        f"the hosts list {slots} slot(s) now, fewer than --min-ranks {job.min_ranks} (or no size from there up that "
+        f"the paradigm accepts): not restarting"
+    )
+
+
+def _accepts(config, world: int) -> bool:
+    from dtrain import parallel
+
+    try:
+        parallel.get(config.paradigm).check(config, world)
+    except ConfigError:
+        return False
+    return True
+
+
+def _batch(job: Job):
+    return job.train_config.batch_size if job.train_config is not None else "the same"
+
+
+def _last_step(folder: Path) -> int | None:
+    """The global step of the checkpoint in ``folder`` (None: there is none, or it cannot be read)."""
+    try:
+        return int(checkpoint.load(folder)["meta"]["global_step"])
+    except checkpoint.CheckpointError:
+        return None
+
+
+# --- saying what happened ----------------------------------------------------------------------------------------
+_EXIT_STRING = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")  # MPICH's hydra: the signal that ended the first rank
+_OPEN_MPI = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_WATCHDOG = re.compile(r"dtrain watchdog: rank (\d+) has waited")
+_EXCEPTION = re.compile(r"uncaught exception \(rank (\d+)\)")
+_ABORT = re.compile(r"MPI_Abort\(MPI_COMM_WORLD, \d+\) - process (\d+)|MPI_ABORT was invoked on rank (\d+)")
+
+
+def _explain(attempt: Attempt, watched, fired: list[dict]) -> None:
+    """Fill in which rank failed and how, from what is known for sure: the fault injector's record, the order the
+    processes ended in (:class:`~dtrain.comm.launcher.Endings`), and MPI's and dtrain's own reports."""
+    tail, status = watched.tail, watched.returncode
+    signum = None
+    if found := _OPEN_MPI.search(tail):
+        attempt.rank, signum = int(found.group(1)), int(found.group(2))
+    elif found := _EXIT_STRING.search(tail):
+        signum = int(found.group(1))
+    elif status > 128 and status - 128 in signal.valid_signals():
+        signum = status - 128
+    if signum is not None:
+        attempt.signal = signal.Signals(signum).name
+    for pattern, how in ((_WATCHDOG, "the watchdog found rank {} stalled"),
+                         (_EXCEPTION, "rank {} raised an exception"), (_ABORT, "rank {} aborted the job")):  # fmt: skip
+        if signum is None and (found := pattern.search(tail)):
+            attempt.rank = int(next(g for g in found.groups() if g is not None))
+            attempt.ended = how.format(attempt.rank)
+            return
+    if attempt.rank is None:
+        attempt.rank = watched.first_to_end
+    if fired:
+        attempt.rank, attempt.signal = fired[-1]["rank"], fired[-1]["signal"]
+    who = f"rank {attempt.rank}" if attempt.rank is not None else "a rank (MPI's report does not say which)"
+    if attempt.signal is not None:
+        attempt.ended = f"{who} was killed by {attempt.signal}"
+    else:
+        attempt.ended = f"{who} failed (the job's exit status {status})"
+    if fired:
+        fault = fired[-1]
+        attempt.ended += f" (the fault injector, {faults.ENV_VAR}={fault['spec']}, at global step {fault['step']})"
+
+
+def report(attempts: list[Attempt]) -> str:
+    """Every attempt, a line each."""
+    lines = ["dtrain launch: the attempts"]
+    for a in attempts:
+        start = "the beginning" if a.resumed_from_step is None else f"step {a.resumed_from_step}"
+        reached = "" if a.reached_step is None else f", reached step {a.reached_step}"
+        lost = "" if a.steps_lost is None else f", {a.steps_lost} step(s) lost"
+        lines.append(f"  {a.number}. {a.ranks} ranks from {start}, {a.seconds:.1f} s{reached}: {a.ended}{lost}")
+    return "\n".join(lines)
+
+
+def summary(attempts: list[Attempt]) -> dict:
+    """metrics.json's ``restarts``: how many, the steps lost, and every failed attempt."""
+    return {
+        "count": len(attempts),
+        "steps_lost": sum(a.steps_lost or 0 for a in attempts),
+        "seconds_lost": sum(a.seconds for a in attempts),
+        "attempts": [asdict(a) for a in attempts],
+    }
+
+
+def _write_record(path: Path, failed: list[Attempt]) -> None:
+    faults.write_synced(path, json.dumps(summary(failed), indent=1))
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
