@@ -86,12 +86,15 @@ def _signal_number(word: str, text: str) -> int:
         ) from None
 
 
-def from_env(world: int, environ=None) -> Fault | None:
-    """The fault ``DTRAIN_FAULT`` asks for, checked against a job of ``world`` ranks; None if it asks for none."""
+def from_env(world: int, folder=None, environ=None) -> Fault | None:
+    """The fault ``DTRAIN_FAULT`` asks for, checked against a job of ``world`` ranks; None if it asks for none, or if
+    it has fired already (recorded in ``folder``: a restart, which may have fewer ranks)."""
     text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
     if not text:
         return None
     fault = parse(text)
+    if folder is not None and any(f.get("spec") == fault.spec for f in fired(folder)):
+        return None
     if fault.rank >= world:
         raise ConfigError(f"{ENV_VAR}={text!r}: rank {fault.rank} does not exist in a job of {world} rank(s)")
     return fault

@@ -162,11 +162,6 @@ def _train_target(target: list[str], folder: Path, ranks: int):
     if config.batch_size is None:
         config.batch_size = default_batch(parallel.get(config.paradigm), config, ranks)
         words += ["--batch-size", str(config.batch_size)]
-    if not config.checkpoint_every:
-        _say(
-            "dtrain launch: the target writes no checkpoint before the end (no --checkpoint-every), so a restart "
-            "starts from the beginning; --checkpoint-every N keeps the work a failure costs to N steps"
-        )
     return [*target[:2], *words], config
 
 
@@ -203,6 +198,11 @@ def _check_paradigm(config, world: int) -> None:
 def run(job: Job) -> int:
     """Start the job, and again after each failure, up to ``job.max_restarts`` times; the exit status of the last try
     (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.comm.launcher.JobInterrupted`: no restart."""
+    if job.train_config is not None and not job.train_config.checkpoint_every:
+        _say(
+            "dtrain launch: the target writes no checkpoint before the end (no --checkpoint-every), so a restart "
+            "starts from the beginning; --checkpoint-every N keeps the work a failure costs to N steps"
+        )
     job.folder.mkdir(parents=True, exist_ok=True)
     record = job.folder / ATTEMPTS_FILE
     progress = job.folder / PROGRESS_FILE

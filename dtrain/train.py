@@ -185,7 +185,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
     comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
     world, rank = comm.Get_size(), comm.Get_rank()
-    fault = faults.from_env(world)  # DTRAIN_FAULT: a malformed one is refused before any rank talks to another
+    fault = faults.from_env(world, config.checkpoint_dir)  # DTRAIN_FAULT: refused here if malformed
     if config.batch_size is None:
         config = replace(config, batch_size=default_batch(kind, config, world))
         if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:

@@ -1,0 +1,322 @@
+"""Surviving a dead rank: ``dtrain launch --max-restarts`` restarts a failed job from its last checkpoint, and the
+run ends with the weights of a run that never failed (the oracle: the same command, uninterrupted, its SHA-256).
+
+The ranks are killed for real (the fault injector, DTRAIN_FAULT, sends SIGKILL), MPI ends the job, the launcher reads
+what happened and starts it again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_launcher import Started, kill_all, left_of
+
+from dtrain import checkpoint, faults, supervise
+from dtrain.errors import ConfigError
+
+COMMON = ["--epochs", "2", "--batch-size", "48", "--checkpoint-every", "10", "--quiet", "--no-progress"]
+PARADIGMS = {
+    "ddp": ["--paradigm", "ddp", "--hidden", "32"],
+    "zero-3": ["--paradigm", "zero", "--zero-stage", "3", "--hidden", "32"],
+    "ps-sync": ["--paradigm", "ps-sync", "--servers", "1", "--hidden", "32"],
+    "pp": ["--paradigm", "pp", "--pp", "4", "--hidden", "32,32,32"],
+}
+
+
+def dtrain_launch(tmp_path, name: str, launch_flags, train_flags, fault: str | None = None, timeout: float = 240):
+    """``dtrain launch -n 4 LAUNCH_FLAGS -m dtrain train TRAIN_FLAGS --out tmp/NAME``: (result, metrics or None)."""
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV_VAR}
+    if fault is not None:
+        env[faults.ENV_VAR] = fault
+    out = tmp_path / name
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "4", *launch_flags, "-m", "dtrain", "train",
+               *train_flags, "--out", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+    metrics = out / "metrics.json"
+    return result, (json.loads(metrics.read_text()) if metrics.exists() else None)
+
+
+def uninterrupted(tmp_path, flags) -> dict:
+    """The oracle: the same flags, never stopped."""
+    result, metrics = dtrain_launch(tmp_path, "whole", [], [*flags, "--checkpoint-dir", str(tmp_path / "whole-ck")])
+    assert result.returncode == 0, result.stderr
+    return metrics
+
+
+# --- the targets: a rank killed, the run restarted, the same bits ---------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("paradigm", PARADIGMS)
+def test_a_rank_killed_mid_run_is_restarted_and_the_weights_are_those_of_a_run_never_stopped(tmp_path, paradigm):
+    flags = [*PARADIGMS[paradigm], *COMMON]
+    whole = uninterrupted(tmp_path, flags)
+    restart = ["--max-restarts", "1", "--restart-delay", "0.2", "--checkpoint-dir", str(tmp_path / "ck")]
+    result, metrics = dtrain_launch(tmp_path, "restarted", restart, flags, fault="1:23")
+    assert result.returncode == 0, result.stderr
+    assert metrics["weights_sha256"] == whole["weights_sha256"]
+    assert [e["test_loss"] for e in metrics["epochs"]] == [e["test_loss"] for e in whole["epochs"]]
+    restarts = metrics["restarts"]
+    assert restarts["count"] == 1 and restarts["steps_lost"] == 3  # killed after step 23; checkpoint at step 20
+    first = restarts["attempts"][0]
+    assert (first["rank"], first["signal"], first["reached_step"]) == (1, "SIGKILL", 23) and first["exit_status"]
+    assert "rank 1 was killed by SIGKILL" in result.stderr
+    assert "from the checkpoint at global step 20" in result.stderr
+    assert faults.fired(tmp_path / "ck")[0]["step"] == 23  # recorded: the restart went past step 23 alive
+
+
+@pytest.mark.mpi
+def test_a_kill_while_the_checkpoint_is_written_leaves_the_previous_one_and_the_restart_uses_it(tmp_path):
+    flags = [*PARADIGMS["ddp"], *COMMON]
+    whole = uninterrupted(tmp_path, flags)
+    restart = ["--max-restarts", "1", "--restart-delay", "0.2", "--checkpoint-dir", str(tmp_path / "ck")]
+    result, metrics = dtrain_launch(tmp_path, "restarted", restart, flags, fault="0:20:KILL:checkpoint")
+    assert result.returncode == 0, result.stderr
+    assert "Restarting in 0.2 s from the checkpoint at global step 10" in result.stderr  # not 20's half
+    assert metrics["restarts"]["steps_lost"] == 10
+    assert metrics["weights_sha256"] == whole["weights_sha256"]
+
+
+def test_a_checkpoint_write_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """The rank really dies (SIGKILL, in a process of its own) with half the new file on the disk."""
+    params = np.arange(1000, dtype=np.float32)
+    checkpoint.save(tmp_path, params, {"steps": 10, "lr": 0.1}, {"global_step": 10})
+    code = (
+        "import os, signal, numpy as np; from dtrain import checkpoint\n"
+        f"checkpoint.save({str(tmp_path)!r}, np.zeros(1000, np.float32), {{'steps': 20, 'lr': 0.1}}, "
+        "{'global_step': 20}, during_write=lambda: os.kill(os.getpid(), signal.SIGKILL))\n"
+    )
+    died = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert died.returncode == -signal.SIGKILL
+    half = (tmp_path / (checkpoint.FILENAME + ".tmp")).stat().st_size
+    assert 0 < half < checkpoint.path_in(tmp_path).stat().st_size
+    state = checkpoint.load(tmp_path)
+    assert state["meta"]["global_step"] == 10 and np.array_equal(state["params"], params)
+
+
+# --- what is not restarted ------------------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_ctrl_c_on_the_launcher_stops_everything_and_restarts_nothing(tmp_path):
+    ck = tmp_path / "ck"
+    args = ["--max-restarts", "3", "--checkpoint-dir", ck, "-m", "dtrain", "train", "--paradigm", "ddp",
+            "--epochs", "1000", "--no-progress", "--checkpoint-every", "5"]  # fmt: skip
+    started = Started(args, tmp_path)
+    tree = started.wait_until(lambda out: "epoch   1/1000" in out)
+    try:
+        started.process.send_signal(signal.SIGINT)
+        status = started.finish(30)
+        assert status == -signal.SIGINT, "".join(started.stderr)
+        assert not left_of(tree, 10)
+        assert "Restarting" not in "".join(started.stderr) and "attempt 2" not in "".join(started.stderr)
+    finally:
+        kill_all(tree)
+
+
+ALWAYS_DIES = """
+import os, signal, time
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+print("attempt", os.environ["DTRAIN_RESTART"], "rank", comm.Get_rank(), flush=True)
+comm.Barrier()
+if comm.Get_rank() == 2:
+    time.sleep(1.5)  # (the launcher has seen every rank alive by then: it can tell which one ended first)
+    os.kill(os.getpid(), signal.SIGTERM)
+comm.Barrier()
+"""
+
+
+@pytest.mark.mpi
+def test_a_failure_that_repeats_past_max_restarts_ends_with_every_attempt_reported(tmp_path):
+    (tmp_path / "dies.py").write_text(ALWAYS_DIES)
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "3", "--max-restarts", "2", "--restart-delay", "0.1",
+               "--checkpoint-dir", str(tmp_path / "ck"), "dies.py"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert result.returncode != 0
+    for n in (1, 2, 3):
+        assert f"  {n}. 3 ranks from the beginning" in result.stderr and f"attempt {n - 1} rank 0" in result.stdout
+    # two restarts said, three attempts listed (which rank: where the launcher saw it end first; on a busy machine
+    # the ranks' ends may come too close together to tell, and then it says it does not know)
+    assert result.stderr.count("was killed by SIGTERM") == 2 + 3
+    assert "3 attempts failed (--max-restarts 2); giving up" in result.stderr
+
+
+@pytest.mark.mpi
+def test_a_mistake_in_what_was_asked_is_never_restarted(tmp_path):
+    (tmp_path / "mistake.py").write_text("import sys\nsys.exit(2)\n")
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "2", "--max-restarts", "3", "--checkpoint-dir",
+               str(tmp_path / "ck"), "mistake.py"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "not restarted" in result.stderr and "Restarting" not in result.stderr
+
+
+# --- elastic: fewer slots after the failure, fewer ranks, the same global batch --------------------------------------
+@pytest.mark.mpi
+def test_with_min_ranks_a_restart_goes_on_with_the_slots_the_hostfile_lists_now(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:4\n")
+    ck = tmp_path / "ck"
+
+    def take_a_slot_away_once_the_rank_has_died():  # as a cluster's scheduler would take out a failed node
+        deadline = time.monotonic() + 120
+        while not (ck / faults.RECORD).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        hostfile.write_text("localhost:3\n")
+
+    threading.Thread(target=take_a_slot_away_once_the_rank_has_died, daemon=True).start()
+    flags = [*PARADIGMS["ddp"], *COMMON]
+    restart = ["--hostfile", str(hostfile), "--min-ranks", "2", "--max-restarts", "1", "--restart-delay", "1.5",
+               "--checkpoint-dir", str(ck)]  # fmt: skip
+    result, metrics = dtrain_launch(tmp_path, "elastic", restart, flags, fault="3:23")
+    assert result.returncode == 0, result.stderr
+    assert metrics["world_size"] == 3 and metrics["config"]["batch_size"] == 48
+    assert "going on with 3 ranks" in result.stderr
+    single = subprocess.run([sys.executable, "-m", "dtrain", "train", "--paradigm", "single", "--hidden", "32",
+                             *COMMON[:4], "--quiet", "--no-progress", "--out", str(tmp_path / "single")],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert single.returncode == 0, single.stderr
+    reference = json.loads((tmp_path / "single" / "metrics.json").read_text())
+    for ours, theirs in zip(metrics["epochs"], reference["epochs"], strict=True):  # the same global batches
+        assert ours["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-4)
+
+
+# --- bad input: one line, before anything starts --------------------------------------------------------------------
+def launch_line(tmp_path, *args):
+    result = subprocess.run([sys.executable, "-m", "dtrain", "launch", *map(str, args)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    return result.returncode, result.stderr.strip()
+
+
+def write_checkpoint(tmp_path, *flags) -> Path:
+    folder = tmp_path / "old"
+    result = subprocess.run([sys.executable, "-m", "dtrain", "train", "--epochs", "1", "--quiet", "--no-progress",
+                             "--checkpoint-dir", str(folder), *flags], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", 2, "--max-restarts", 1, "-m", "dtrain", "train"], "--max-restarts needs --checkpoint-dir DIR"),
+        (["-n", 2, "--checkpoint-dir", "ck", "-m", "dtrain", "train"], "--checkpoint-dir: only with --max-restarts"),
+        (["-n", 2, "--max-restarts", -1, "--checkpoint-dir", "ck", "x.py"], "--max-restarts must be >= 0"),
+        (["-n", 2, "--max-restarts", 1, "--checkpoint-dir", "ck", "--min-ranks", 3, "x.py"],
+         "--min-ranks 3 must be between 1 and the ranks asked for (-n 2)"),
+        (["-n", 4, "--max-restarts", 1, "--checkpoint-dir", "ck", "--min-ranks", 2, "x.py"],
+         "--min-ranks below -n needs --hostfile"),
+        (["-n", 2, "--max-restarts", 1, "--checkpoint-dir", "ck", "-m", "dtrain", "train", "--checkpoint-dir", "b"],
+         "differs from the launcher's --checkpoint-dir"),
+        (["-n", 3, "--max-restarts", 1, "--checkpoint-dir", "ck", "-m", "dtrain", "train", "--paradigm", "ddp",
+          "--batch-size", 64], "on 3 ranks"),
+    ],
+)  # fmt: skip
+def test_bad_restart_flags_are_one_line_before_anything_starts(tmp_path, args, message):
+    status, said = launch_line(tmp_path, *args)
+    assert status == 2 and message in said, said
+    assert len(said.splitlines()) == 1 and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    ("written_with", "launched_with", "message"),
+    [
+        (["--hidden", "16"], ["--hidden", "32"], "model sizes"),
+        (["--dataset", "synthetic", "--samples", "2000"], ["--dataset", "synthetic", "--samples", "3000"], "--dataset"),
+        (["--optimizer", "adam"], [], "--optimizer"),
+    ],
+)
+def test_a_checkpoint_folder_of_another_model_or_dataset_is_refused_before_anything_starts(
+    tmp_path, written_with, launched_with, message
+):
+    folder = write_checkpoint(tmp_path, *written_with)
+    before = checkpoint.path_in(folder).read_bytes()
+    status, said = launch_line(tmp_path, "-n", 2, "--max-restarts", 1, "--checkpoint-dir", folder, "-m", "dtrain",
+                               "train", *launched_with)  # fmt: skip
+    assert status == 2 and message in said and "holds a checkpoint this job cannot go on from" in said, said
+    assert len(said.splitlines()) == 1
+    assert checkpoint.path_in(folder).read_bytes() == before
+
+
+def test_a_folder_with_this_jobs_checkpoint_is_gone_on_from(tmp_path):
+    """Launching the same command again (the launcher itself died) continues the run: the first attempt resumes."""
+    folder = write_checkpoint(tmp_path, "--hidden", "16")
+    target = ["-m", "dtrain", "train", "--paradigm", "ddp", "--hidden", "16", "--epochs", "2"]
+    job = supervise.prepare(2, target, folder, 1, None, 0.0)
+    assert supervise._last_step(folder) is not None and "--checkpoint-dir" in job.target
+    assert job.train_config.batch_size == 64  # pinned: a restart on fewer ranks keeps the global batch
+
+
+# --- the fault injector -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ("2:7", faults.Fault(2, 7, signal.SIGKILL, "step")),
+        ("1:12:TERM", faults.Fault(1, 12, signal.SIGTERM, "step")),
+        ("1:12:sigint", faults.Fault(1, 12, signal.SIGINT, "step")),
+        ("0:3:9:checkpoint", faults.Fault(0, 3, signal.SIGKILL, "checkpoint")),
+    ],
+)
+def test_a_fault_is_read_from_its_spec(text, fault):
+    assert faults.parse(text) == fault
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2", "expected RANK:STEP"),
+        ("a:b", "expected RANK:STEP"),
+        ("1:0", "STEP >= 1"),
+        ("1:3:NOPE", "'NOPE' is not a signal"),
+        ("1:3:KILL:later", "WHERE must be one of step, checkpoint"),
+        ("1:3:KILL:checkpoint", "only rank 0 writes checkpoints"),
+    ],
+)
+def test_a_malformed_fault_is_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        faults.parse(text)
+
+
+def test_a_fault_on_a_rank_the_job_does_not_have_is_refused():
+    with pytest.raises(ConfigError, match="rank 4 does not exist in a job of 4"):
+        faults.from_env(4, environ={faults.ENV_VAR: "4:1"})
+
+
+def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, signum: killed.append(signum))
+    fault = faults.parse("1:5")
+    injector = faults.Injector(fault, rank=1, folder=tmp_path)
+    for step in range(1, 8):
+        injector.at_step(step)
+    assert killed == [signal.SIGKILL]
+    assert not faults.Injector(fault, rank=1, folder=tmp_path).armed  # the restart goes past step 5
+    assert not faults.Injector(fault, rank=0, folder=tmp_path / "other").armed  # another rank's
+    assert faults.Injector(fault, rank=1, folder=None).armed  # nowhere to remember: every run
+
+
+# --- saying what happened ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tail", "status", "first", "said"),
+    [
+        ("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)", 9, 2, "rank 2 was killed by SIGKILL"),
+        ("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)", 9, None,
+         "a rank (MPI's report does not say which) was killed by SIGKILL"),
+        ("mpiexec noticed that process rank 3 with PID 0 on node n1 exited on signal 15 (Terminated).", 15, None,
+         "rank 3 was killed by SIGTERM"),
+        ("dtrain watchdog: rank 1 has waited 5.0 s in allreduce/ring", 14, None, "the watchdog found rank 1 stalled"),
+        ("uncaught exception (rank 0), ending the job:\nTraceback", 1, None, "rank 0 raised an exception"),
+    ],
+)  # fmt: skip
+def test_how_a_job_ended_is_said_from_what_is_known_for_sure(tail, status, first, said):
+    attempt = supervise.Attempt(1, 4, None)
+    watched = SimpleNamespace(tail=tail, returncode=status, first_to_end=first)
+    supervise._explain(attempt, watched, [])
+    assert attempt.ended == said
