@@ -33,7 +33,13 @@ What you will see:
      rank, and the whole job ends at once. An error every rank meets alike (a bad checkpoint) is said once;
   5. reading a run: training with a straggler (--slow-rank 2), its Chrome trace (--trace), and code that reads the
      trace and names the slow rank from the time each rank spent inside the all-reduces (communicating, and waiting
-     for the others) and outside them (computing); then how to see the same at https://ui.perfetto.dev.
+     for the others) and outside them (computing); then how to see the same at https://ui.perfetto.dev;
+  6. a dead rank, and a restart. ddp training in which rank 1 is killed with SIGKILL after step 23 (the fault
+     injector, DTRAIN_FAULT=1:23), under `dtrain launch --max-restarts 1 --checkpoint-dir DIR`: MPI ends the job, the
+     launcher says which rank died and how, and starts the job again from the checkpoint at step 20 with --resume;
+     the run ends with the SHA-256 of the weights of a run that never failed. Then what checkpointing costs: one
+     checkpoint's write measured, and the interval that wastes least (Young/Daly: sqrt(2 x checkpoint cost x mean
+     time between failures)) against the waste counted step by step.
 
 Every part checks that the message it tells you to look for really appeared, and prints an OK line; the last line
 says whether all passed (the exit status is non-zero if not). Timings are printed, never checked.
@@ -45,7 +51,12 @@ Things to try:
     before the job ends) and follow the chain yourself;
   * --slow-factor 1.5: how small a straggler does the trace still find? And `dtrain train --paradigm ps-async
     --slow-rank 1 --trace t.json` on 4 ranks: an asynchronous server waits for no one; whose bars are long now?
-  * notebooks/10_debugging.ipynb does parts 1 to 5 on simulated ranks, where every wait can be seen.
+  * DTRAIN_FAULT=2:30:TERM dtrain launch -n 4 --max-restarts 1 --checkpoint-dir ck -m dtrain train --paradigm
+    zero --zero-stage 3 --checkpoint-every 25: what does the launcher say, and how many steps are lost? Without
+    --checkpoint-every, where does the restart start? Kill it twice with --max-restarts 1 (a script of your own
+    that always dies): read the report of every attempt;
+  * notebooks/10_debugging.ipynb does parts 1 to 5 on simulated ranks, where every wait can be seen, and part 6 on
+    real ranks.
 
 Exercises (find the bug in a given program; `dtrain exercises init ex` once copies them into ex/):
   10.1  ex/allgather.py: a ring all-gather that passes small tests and hangs on large buffers. Delete the raise
@@ -58,8 +69,10 @@ the watchdog's), against dtrain's own collectives.
 
 import argparse
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -69,7 +82,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain import collectives
+from dtrain import checkpoint, collectives
 from dtrain.comm import launcher, mpi, sim
 
 HERE = Path(__file__).resolve()
@@ -468,10 +481,126 @@ say(f"In a synchronous step nobody finishes before the slowest rank: the others 
     f"bars are long, rank {SLOW}'s short; select a stretch of a row (drag across it) and the table below sums the "
     "time per name on that rank.")  # fmt: skip
 
+# ------------------------------------------------------------------------------------ 6. a dead rank, and a restart
+print(f"\n6. A dead rank, and a restart: ddp on {P} ranks, rank 1 killed with SIGKILL after global step 23")
+say(
+    "A rank that dies (the out-of-memory killer, a node that reboots) takes the job with it: MPI cannot go on without "
+    "it. Every 10 steps rank 0 writes a checkpoint (the full flat buffer, the optimizer's state, the position in the "
+    "data); `dtrain launch --max-restarts 1` starts the job again from the last one with --resume. The fault is "
+    "injected: DTRAIN_FAULT=1:23 makes rank 1 send itself SIGKILL once step 23 is done, and records that it did, so "
+    "the restart goes past step 23 alive."
+)
+restart_dir = out_dir / "restart"
+train_flags = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "2", "--hidden", "32", "--batch-size", "48",
+               "--checkpoint-every", "10", "--quiet", "--no-progress"]  # fmt: skip
+
+
+def dtrain_launch(words, fault=None):
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_FAULT"} | ({"DTRAIN_FAULT": fault} if fault else {})
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", str(P), *words]
+    print(f"\n   $ {'DTRAIN_FAULT=' + fault + ' ' if fault else ''}dtrain launch -n {P} {' '.join(words)}")
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_LIMIT_S, env=env)
+    print(f"   (exit status {done.returncode}, {time.perf_counter() - started:.1f} s)")
+    return done
+
+
+shutil.rmtree(restart_dir, ignore_errors=True)
+whole_run = dtrain_launch([*train_flags, "--checkpoint-dir", str(restart_dir / "whole-ck"),
+                           "--out", str(restart_dir / "whole")])  # fmt: skip
+restarted_run = dtrain_launch(["--max-restarts", "1", "--restart-delay", "0.5", "--checkpoint-dir",
+                               str(restart_dir / "ck"), *train_flags, "--out", str(restart_dir / "restarted")],
+                              fault="1:23")  # fmt: skip
+show(restarted_run.stderr, keep=("dtrain launch", "  1. ", "  2. ", "EXIT STRING"), head=8, tail=0)
+if whole_run.returncode or restarted_run.returncode:
+    show(whole_run.stderr + restarted_run.stderr)
+    raise SystemExit("part 6's training runs failed")
+whole_metrics = json.loads((restart_dir / "whole" / "metrics.json").read_text())
+restarted_metrics = json.loads((restart_dir / "restarted" / "metrics.json").read_text())
+restarts = restarted_metrics["restarts"]
+print(f"   uninterrupted: weights SHA-256 {whole_metrics['weights_sha256'][:16]}...")
+print(f"   restarted:     weights SHA-256 {restarted_metrics['weights_sha256'][:16]}...   (metrics.json: restarts "
+      f"{restarts['count']}, steps lost {restarts['steps_lost']})")  # fmt: skip
+ok("the launcher names the dead rank and its signal, and restarts from the checkpoint at step 20",
+   "rank 1 was killed by SIGKILL" in restarted_run.stderr
+   and "from the checkpoint at global step 20" in restarted_run.stderr)  # fmt: skip
+ok("the restarted run ends with the very weights of the uninterrupted one (SHA-256), 3 steps done twice",
+   restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"] and restarts["count"] == 1
+   and restarts["steps_lost"] == 3)  # fmt: skip
+say(
+    "Bit for bit, because resuming repeats exactly the computation the dead run was doing: the same weights and "
+    "optimizer state, the same global batches in the same order (each epoch's shuffle is drawn from the seed and the "
+    "epoch), summed over the same ranks in the same order. On fewer ranks (--min-ranks) the global batch is the same "
+    "but summed in other slices: the same curve, not the same bits."
+)
+
+# What checkpointing costs, and how often to do it: one checkpoint of a model of 1M parameters (SGD with momentum:
+# 2 buffers of 4 bytes each), written here as the driver writes it.
+print("\n   How often to checkpoint (Young/Daly):")
+parameters = 1_000_000
+state = np.random.default_rng(0).standard_normal(parameters).astype(np.float32)
+writes = []
+for _ in range(5):
+    started = time.perf_counter()
+    checkpoint.save(restart_dir / "cost", state, {"steps": 1, "lr": 0.1, "velocity": state}, {"global_step": 1})
+    writes.append(time.perf_counter() - started)
+C = float(np.median(writes))
+step_s = whole_metrics["epochs"][0]["train_time_s"] / (1438 // 48)  # this run's step (digits: 1,438 samples)
+M = 3600.0  # a failure every hour, on average
+young = math.sqrt(2 * C * M)
+
+
+def waste(T):
+    """The model: the fraction of time lost at interval T, writing checkpoints (C every T) and, after each failure
+    (one every M on average), redoing the work since the last checkpoint (T/2 on average)."""
+    return C / T + T / (2 * M)
+
+
+# The oracle: a run simulated failure by failure (times between failures drawn from an exponential law of mean M, the
+# same draws for every T). Between two failures the run keeps the work of each complete stretch of T seconds and
+# its checkpoint; a failure loses the stretch it falls in; the run is over when the work kept reaches W.
+gaps = np.random.default_rng(1).exponential(M, 40_000)
+W = 0.95 * gaps.sum()  # (enough failures on the way: the waste is a few percent at most)
+
+
+def simulated_waste(T):
+    kept = np.cumsum(np.floor(gaps / (T + C)) * T)  # work kept by the end of each gap
+    k = int(np.searchsorted(kept, W))  # the gap in which the work is done
+    before = kept[k - 1] if k else 0.0
+    elapsed = gaps[:k].sum() + (W - before) / T * (T + C)
+    return elapsed / W - 1
+
+
+intervals = young * np.geomspace(1 / 8, 8, 97)
+simulated = np.array([simulated_waste(T) for T in intervals])
+best = float(intervals[np.argmin(simulated)])
+print(f"   one checkpoint of {parameters:,} float32 parameters and their momentum: C = {C * 1e3:.1f} ms (median of 5)")
+print(f"   a failure every M = {M:g} s: T = sqrt(2 C M) = {young:.1f} s, about {young / step_s:,.0f} steps of "
+      f"{step_s * 1e3:.1f} ms; waste there {100 * waste(young):.2f}% of the time")  # fmt: skip
+for T in (young / 10, young, young * 10):
+    print(f"      checkpoint every {T:8.1f} s: {100 * C / T:6.3f}% writing + {100 * T / (2 * M):6.3f}% redone "
+          f"= {100 * waste(T):6.3f}%")  # fmt: skip
+print(f"   simulated over {len(gaps):,} failures: the least waste {100 * simulated.min():.3f}% at T = {best:.1f} s; at "
+      f"T = sqrt(2 C M): {100 * simulated_waste(young):.3f}% (the model says {100 * waste(young):.3f}%)")  # fmt: skip
+ok(
+    "in a run simulated failure by failure, checkpointing every sqrt(2 C M) wastes within 2% of the least waste of "
+    "97 intervals from T/8 to 8T, and the model's waste there is the simulated one within 10%",
+    simulated_waste(young) <= 1.02 * simulated.min() and abs(waste(young) / simulated_waste(young) - 1) < 0.1,
+)
+say(
+    "Too often, and the writes cost more than the failures; too rarely, and each failure costs hours of redone "
+    "steps. Between them the waste C/T + T/(2M) is least at T = sqrt(2 C M) (Young, 1974; Daly, 2006, adds the "
+    "restart's own time and terms for T near M). A job of n nodes fails n times as often as one node: the interval "
+    "shrinks as 1/sqrt(n)."
+)
+
 # ------------------------------------------------------------------------------------------------------- the end
 print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 if args.json:
-    Path(args.json).write_text(json.dumps({"parts": outcomes, "straggler": ranks, "checks": verdicts}, indent=1))
+    restart_figures = {"restarts": restarts, "checkpoint_s": C, "young_s": young, "best_s": best, "step_s": step_s,
+                       "sha_equal": restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"]}  # fmt: skip
+    Path(args.json).write_text(json.dumps({"parts": outcomes, "straggler": ranks, "checks": verdicts,
+                                           "restart": restart_figures}, indent=1))  # fmt: skip
     print(f"\nmeasurements written to {args.json}")
 passed = all(verdicts.values())
 print(f"\nall checks passed: {'yes' if passed else 'NO'}", flush=True)

@@ -179,3 +179,15 @@ def test_on_the_simulator_the_watchdog_names_whom_a_rank_waits_for():
     (reporter, waits_for), = re.findall(r"rank (\d+) waits for rank (\d+)", report.getvalue())  # fmt: skip
     assert reporter != "2" and int(waits_for) == (int(reporter) - 1) % 4, report.getvalue()
     assert re.search(r"has waited [\d.]+ s in allreduce/ring \(call #1\)", report.getvalue())
+
+
+@pytest.mark.mpi
+def test_part_6_a_killed_rank_restarted_ends_with_the_uninterrupted_weights(lesson):
+    restart = lesson[1]["restart"]
+    assert restart["sha_equal"] and restart["restarts"]["count"] == 1 and restart["restarts"]["steps_lost"] == 3
+    first = restart["restarts"]["attempts"][0]
+    assert (first["rank"], first["signal"], first["reached_step"]) == (1, "SIGKILL", 23)
+    assert restart["checkpoint_s"] > 0 and restart["young_s"] == pytest.approx(
+        (2 * restart["checkpoint_s"] * 3600) ** 0.5
+    )
+    assert 0.5 < restart["best_s"] / restart["young_s"] < 2  # the simulated best: near Young's, never far
