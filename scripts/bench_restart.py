@@ -1,6 +1,6 @@
 """What a dead rank costs: ``dtrain launch --max-restarts 1`` against the same run never stopped, on 4 real ranks.
 
-For each paradigm (ddp, zero 3, ps-sync, pp) on the 784-512-512-10 MLP (synthetic data, global batch 256, one epoch
+For each paradigm (ddp, zero 3, ps-sync, pp) on the 784-512-512-10 MLP (synthetic data, global batch 240, one epoch
 of ``--steps`` steps, a checkpoint every ``--every`` steps), three runs through the CLI, each timed whole (the wall
 time of ``dtrain launch``: starting the ranks, training, writing, ending), ``--rounds`` times in a rotated order,
 medians reported:
@@ -39,7 +39,7 @@ from bench_util import exit_if_failed, rotated, run_meta, samples_for, write_jso
 
 from dtrain import checkpoint
 
-RANKS, BATCH = 4, 256
+RANKS, BATCH = 4, 240  # (240: split evenly by 4 ranks, ps-sync's 3 workers, pp's 2 replicas x 4 micro-batches)
 PARADIGMS = {
     "ddp": ["--paradigm", "ddp"],
     "zero-3": ["--paradigm", "zero", "--zero-stage", "3"],
