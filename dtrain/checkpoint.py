@@ -118,9 +118,14 @@ def check_compatible(meta: dict, expected: dict, path) -> None:
                       ("optimizer_buffers", "optimizer state (--momentum 0 keeps none)")):  # fmt: skip
         if key == "dataset" and key not in meta:  # (written before checkpoints named their data)
             continue
-        if meta.get(key) != expected[key]:
+        theirs, ours = meta.get(key), expected[key]
+        if theirs != ours:
+            if isinstance(theirs, dict) and isinstance(ours, dict):  # the dataset: name only what differs
+                differ = [k for k in ours if theirs.get(k) != ours[k]]
+                theirs = ", ".join(f"{k} {theirs.get(k)}" for k in differ)
+                ours = ", ".join(f"{k} {ours[k]}" for k in differ)
             raise CheckpointError(
-                f"--resume: {path} was written with {flag} {meta.get(key)}, this run has {expected[key]}; "
+                f"--resume: {path} was written with {flag} {theirs}, this run has {ours}; "
                 f"resume with the same settings, or start afresh without --resume"
             )
 

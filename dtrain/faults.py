@@ -86,9 +86,10 @@ def _signal_number(word: str, text: str) -> int:
         ) from None
 
 
-def from_env(world: int, folder=None, environ=None) -> Fault | None:
-    """The fault ``DTRAIN_FAULT`` asks for, checked against a job of ``world`` ranks; None if it asks for none, or if
-    it has fired already (recorded in ``folder``: a restart, which may have fewer ranks)."""
+def from_env(world: int, folder=None, environ=None, checkpoint_every: int = 0) -> Fault | None:
+    """The fault ``DTRAIN_FAULT`` asks for, checked against a job of ``world`` ranks (and, for a fault in a checkpoint's
+    write, against the run's checkpoints: ``folder``, every ``checkpoint_every`` steps); None if it asks for none, or
+    if it has fired already (recorded in ``folder``: a restart, which may have fewer ranks)."""
     text = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
     if not text:
         return None
@@ -97,7 +98,19 @@ def from_env(world: int, folder=None, environ=None) -> Fault | None:
         return None
     if fault.rank >= world:
         raise ConfigError(f"{ENV_VAR}={text!r}: rank {fault.rank} does not exist in a job of {world} rank(s)")
+    written = folder is not None and checkpoint_every and fault.step % checkpoint_every == 0
+    if fault.where == "checkpoint" and not written:
+        raise ConfigError(
+            f"{ENV_VAR}={text!r}: no checkpoint is written after step {fault.step} (--checkpoint-dir DIR "
+            f"--checkpoint-every N writes one every N steps): name a step where one is"
+        )
     return fault
+
+
+def check_reachable(fault: Fault | None, steps: int) -> None:
+    """A fault after the run's last global step would never fire: refused, with the run's number of steps."""
+    if fault is not None and fault.step > steps:
+        raise ConfigError(f"{ENV_VAR}: step {fault.step} is past the run's last global step ({steps}); name one before")
 
 
 def fired(folder) -> list[dict]:
@@ -176,7 +189,12 @@ class ProgressMark:
 
     def __init__(self, rank: int, environ=None):
         path = (os.environ if environ is None else environ).get(PROGRESS_ENV, "")
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path and rank == 0 else None
+        self.fd = None
+        if path and rank == 0:
+            try:  # bookkeeping, never a reason to fail (rank 0 on a machine without the launcher's folder)
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            except OSError:
+                pass
 
     def at_step(self, step: int) -> None:
         if self.fd is not None:

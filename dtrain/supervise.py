@@ -21,12 +21,19 @@ What is, and is not, restarted:
 * a mistake in what was asked (exit 2: a bad flag, a diverging loss): never; it would fail again the same way;
 * Ctrl-C (or SIGTERM, SIGHUP) sent to the launcher: the person stopping it; everything stops, nothing restarts.
 
-**The folder is the job's.** A launch whose ``--checkpoint-dir`` already holds a checkpoint of the same model and
-data goes on from it (so launching the same command again after the launcher itself died continues the run); one of
-another model or dataset is refused before anything starts. **Elastic** (``--min-ranks M``): before a restart, the
-hostfile is read again; if it now lists fewer slots (a node was taken out), the job goes on with as many ranks as
-fit, at least M, and as the paradigm accepts. The global batch stays the same, so the curve still compares with
-single's (the bits do not: the batch is summed over other slices).
+**The folder is the job's.** The launcher writes the target's flags into it (``job.json``). A launch whose
+``--checkpoint-dir`` already holds a checkpoint of this same job goes on from it (so launching the same command
+again after the launcher itself died, or gave up, continues the run; ``--epochs`` may grow); a checkpoint of another
+model or dataset is refused before anything starts, and one of another run (other flags, or written without the
+launcher) too, unless the target says ``--resume`` (go on from it anyway: a new ``--lr``, say).
+
+**Elastic** (``--min-ranks M``, with ``--hostfile``): before a restart, the hostfile is read again; if it now lists
+fewer slots (a scheduler took a failed node out), the job goes on with as many ranks as fit, at least M, and as the
+paradigm accepts. The global batch stays the same, so the curve still compares with single's (the bits do not: the
+batch is summed over other slices).
+
+The checkpoint folder must be one the launcher and rank 0 both see (one machine, or a shared file system): the
+launcher reads the checkpoint's step, and rank 0's progress mark, from it.
 
 **What a checkpoint interval costs.** Checkpointing every T seconds costs C/T of the time (C: one checkpoint's
 write); a failure costs on average T/2 of redone work, plus the restart R. With failures every M seconds on average,
@@ -54,6 +61,9 @@ from dtrain.errors import EXIT_USER_ERROR, ConfigError, UserError
 DEFAULT_RESTART_DELAY_S = 2.0
 ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attempts so far (metrics.json "restarts")
 PROGRESS_FILE = "progress"  # in the checkpoint folder: the last global step rank 0 finished (8 bytes)
+JOB_FILE = "job.json"  # in the checkpoint folder: the flags of the job whose checkpoints these are
+# flags a job may change and still be the same job (how long, where its outputs go, how it is watched)
+NOT_THE_JOB = ("epochs", "resume", "checkpoint_dir", "out", "trace", "progress", "quiet", "timeout")
 TRAIN_MODULES = ("dtrain", "dtrain.cli")
 
 
@@ -89,6 +99,7 @@ class Job:
     oversubscribe: bool = False
     env: dict = field(default_factory=dict)
     train_config: object = None  # the TrainConfig when the target is `-m dtrain train` (else None)
+    fresh: bool = True  # no checkpoint of this job in the folder yet: the folder's leftovers are cleared
 
 
 def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks: int | None, delay_s: float,
@@ -112,10 +123,11 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
         raise UserError(f"--min-ranks {min_ranks} must be between 1 and the ranks asked for (-n {ranks})")
     if not 0 <= delay_s < math.inf:
         raise UserError(f"--restart-delay must be a number of seconds >= 0, got {delay_s}")
-    if min_ranks < ranks and not (hostfile or hosts_text):
+    if min_ranks < ranks and not hostfile:
         raise UserError(
             "--min-ranks below -n needs --hostfile FILE: before a restart the launcher reads the hostfile again, and "
-            "goes on with fewer ranks if it lists fewer slots (on this machine alone every slot is always there)"
+            "goes on with fewer ranks if it lists fewer slots (on this machine alone, or with --hosts, every slot is "
+            "always there)"
         )
     folder = Path(folder)
     if folder.is_file():
@@ -124,9 +136,11 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
               dict(env or {}))  # fmt: skip
     if is_train(target):
         job.target, job.train_config = _train_target(target, folder, ranks)
-        _check_folder(job.train_config, folder)
         for size in (ranks, min_ranks):
             _check_paradigm(job.train_config, size)
+        job.fresh = not _check_folder(job.train_config, folder, explicit_resume="--resume" in target[3:])
+    elif checkpoint.path_in(folder).exists() or (folder / JOB_FILE).exists():
+        job.fresh = False  # (another program's folder: what is in it is its business)
     return job
 
 
@@ -165,10 +179,16 @@ def _train_target(target: list[str], folder: Path, ranks: int):
     return [*target[:2], *words], config
 
 
-def _check_folder(config, folder: Path) -> None:
-    """A checkpoint already in the folder must be one this run can go on from: the same model and data."""
+def job_flags(config) -> dict:
+    """What makes a run the same job: every flag but :data:`NOT_THE_JOB`, as JSON has them."""
+    return json.loads(json.dumps({k: v for k, v in config.as_dict().items() if k not in NOT_THE_JOB}, default=str))
+
+
+def _check_folder(config, folder: Path, explicit_resume: bool) -> bool:
+    """Whether the folder holds a checkpoint to go on from: none (False), or one of this job, or one the target asks
+    to go on from with ``--resume`` (True). Another model's or dataset's, or another run's, is refused."""
     if not checkpoint.path_in(folder).exists():
-        return
+        return False
     from dtrain.train import checkpoint_identity, dataset_of
 
     data = dataset_of(config)
@@ -183,6 +203,25 @@ def _check_folder(config, folder: Path) -> None:
             f"--checkpoint-dir {folder} holds a checkpoint this job cannot go on from ({why}); give another folder, or "
             "remove that one"
         ) from None
+    if explicit_resume:
+        return True
+    try:
+        recorded = json.loads((folder / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if recorded == job_flags(config):
+        return True
+    if recorded is None:
+        whose = "a run not started by dtrain launch --max-restarts"
+    else:
+        ours = job_flags(config)
+        differ = sorted(k for k in ours.keys() | recorded.keys() if ours.get(k) != recorded.get(k))
+        whose = "another run (" + ", ".join(f"--{k.replace('_', '-')} {recorded.get(k)} there, {ours.get(k)} here"
+                                            for k in differ[:3]) + ")"  # fmt: skip
+    raise UserError(
+        f"--checkpoint-dir {folder} holds a checkpoint of {whose}: give the target --resume to go on from it anyway, "
+        "or another folder"
+    )
 
 
 def _check_paradigm(config, world: int) -> None:
@@ -206,7 +245,22 @@ def run(job: Job) -> int:
     job.folder.mkdir(parents=True, exist_ok=True)
     record = job.folder / ATTEMPTS_FILE
     progress = job.folder / PROGRESS_FILE
+    if job.fresh:  # an earlier job's leftovers would disarm a fault or count its attempts as this job's
+        for leftover in (faults.RECORD, ATTEMPTS_FILE, PROGRESS_FILE):
+            (job.folder / leftover).unlink(missing_ok=True)
+    if job.train_config is not None:
+        faults.write_synced(job.folder / JOB_FILE, json.dumps(job_flags(job.train_config), indent=1))
     attempts: list[Attempt] = []
+    try:
+        return _attempts(job, attempts, record, progress)
+    except UserError:  # between two attempts (the hostfile gone, too few slots): the attempts so far, then the why
+        _write_record(record, [a for a in attempts if a.ended != "running"])
+        if any(a.ended != "running" for a in attempts):
+            _say(report([a for a in attempts if a.ended != "running"]))
+        raise
+
+
+def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
     ranks = job.ranks
     while True:
         resumed_from = _last_step(job.folder)
@@ -232,6 +286,7 @@ def run(job: Job) -> int:
         attempt.reached_step = faults.read_progress(progress)
         if watched.returncode == EXIT_USER_ERROR:
             attempt.ended += " (exit 2: a mistake in what was asked, which a restart would repeat: not restarted)"
+            _write_record(record, attempts)
             _say(report(attempts))
             return EXIT_USER_ERROR
         restart_from = _last_step(job.folder)
@@ -239,8 +294,8 @@ def run(job: Job) -> int:
             attempt.steps_lost = attempt.reached_step - (restart_from or 0)
         if len(attempts) > job.max_restarts:
             _write_record(record, attempts)
-            _say(report(attempts) + f"\ndtrain launch: {len(attempts)} attempts failed (--max-restarts "
-                 f"{job.max_restarts}); giving up")  # fmt: skip
+            failed = f"{len(attempts)} attempt{'s' if len(attempts) > 1 else ''} failed"
+            _say(report(attempts) + f"\ndtrain launch: {failed} (--max-restarts {job.max_restarts}); giving up")
             return watched.returncode
         lost = "" if attempt.steps_lost is None else f"; {attempt.steps_lost} step(s) lost"
         where = f"the checkpoint at global step {restart_from}" if restart_from is not None else "the beginning"
@@ -302,15 +357,24 @@ def _last_step(folder: Path) -> int | None:
 # --- saying what happened ----------------------------------------------------------------------------------------
 _EXIT_STRING = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")  # MPICH's hydra: the signal that ended the first rank
 _OPEN_MPI = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
-_WATCHDOG = re.compile(r"dtrain watchdog: rank (\d+) has waited")
+_WATCHDOG = re.compile(r"dtrain watchdog: rank (\d+) of \d+[^\n]*? has waited")
 _EXCEPTION = re.compile(r"uncaught exception \(rank (\d+)\)")
 _ABORT = re.compile(r"MPI_Abort\(MPI_COMM_WORLD, \d+\) - process (\d+)|MPI_ABORT was invoked on rank (\d+)")
 
 
 def _explain(attempt: Attempt, watched, fired: list[dict]) -> None:
-    """Fill in which rank failed and how, from what is known for sure: the fault injector's record, the order the
-    processes ended in (:class:`~dtrain.comm.launcher.Endings`), and MPI's and dtrain's own reports."""
+    """Fill in which rank failed and how, from what is known for sure: the fault injector's record, dtrain's own
+    report (an exception, the watchdog), MPI's report of a signal, and the order the ranks' processes ended in
+    (:class:`~dtrain.comm.launcher.Endings`); the first of these that speaks is believed."""
     tail, status = watched.tail, watched.returncode
+    reports = ((_WATCHDOG, "the watchdog found rank {} stalled"), (_EXCEPTION, "rank {} raised an exception"),
+               (_ABORT, "rank {} aborted the job"))  # fmt: skip
+    if not fired:
+        for pattern, how in reports:
+            if found := pattern.search(tail):
+                attempt.rank = int(next(g for g in found.groups() if g is not None))
+                attempt.ended = how.format(attempt.rank)
+                return
     signum = None
     if found := _OPEN_MPI.search(tail):
         attempt.rank, signum = int(found.group(1)), int(found.group(2))
@@ -320,12 +384,6 @@ def _explain(attempt: Attempt, watched, fired: list[dict]) -> None:
         signum = status - 128
     if signum is not None:
         attempt.signal = signal.Signals(signum).name
-    for pattern, how in ((_WATCHDOG, "the watchdog found rank {} stalled"),
-                         (_EXCEPTION, "rank {} raised an exception"), (_ABORT, "rank {} aborted the job")):  # fmt: skip
-        if signum is None and (found := pattern.search(tail)):
-            attempt.rank = int(next(g for g in found.groups() if g is not None))
-            attempt.ended = how.format(attempt.rank)
-            return
     if attempt.rank is None:
         attempt.rank = watched.first_to_end
     if fired:

@@ -185,7 +185,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
     comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
     world, rank = comm.Get_size(), comm.Get_rank()
-    fault = faults.from_env(world, config.checkpoint_dir)  # DTRAIN_FAULT: refused here if malformed
+    fault = faults.from_env(world, config.checkpoint_dir, checkpoint_every=config.checkpoint_every)  # DTRAIN_FAULT
     if config.batch_size is None:
         config = replace(config, batch_size=default_batch(kind, config, world))
         if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:
@@ -203,6 +203,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # The loader checks the batch size against the training set and the world before anything else is built.
     index, count = kind.shard_of(rank, world, config)
     loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
+    faults.check_reachable(fault, config.epochs * len(loader))
     sizes = [data.n_features, *config.hidden, data.n_classes]
     identity = checkpoint_identity(config, sizes, data)
     paradigm = kind(comm, config)
@@ -316,7 +317,9 @@ class Epochs:
         self.paradigm, self.loader, self.data, self.config = paradigm, loader, data, config
         self.identity, self.position, self.xp = identity, position, xp
         self.steps_per_epoch = len(loader)
-        self.resumed_steps = position.done  # the first epoch's steps done before a resume (for a loop of its own)
+        # the first epoch's steps done before a resume (for a loop of its own); a checkpoint written at an epoch's last
+        # step leaves that epoch with nothing to run, and the next starts from 0
+        self.resumed_steps = position.done if position.done < len(loader) else 0
         self.injector = injector or faults.Injector(None, paradigm.rank)
         self.progress = faults.ProgressMark(paradigm.rank)  # (for a launcher that restarts the job: steps lost)
 
@@ -448,6 +451,7 @@ def save_checkpoint(paradigm, config, identity: dict, position: Position, losses
     meta = {
         "paradigm": config.paradigm,
         **identity,
+        "optimizer_buffers": sorted(k for k, v in optimizer_state.items() if isinstance(v, np.ndarray)),  # (held)
         "world_size": paradigm.world,
         "seed": config.seed,
         "batch_size": config.batch_size,

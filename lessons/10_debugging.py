@@ -511,7 +511,9 @@ whole_run = dtrain_launch([*train_flags, "--checkpoint-dir", str(restart_dir / "
 restarted_run = dtrain_launch(["--max-restarts", "1", "--restart-delay", "0.5", "--checkpoint-dir",
                                str(restart_dir / "ck"), *train_flags, "--out", str(restart_dir / "restarted")],
                               fault="1:23")  # fmt: skip
-show(restarted_run.stderr, keep=("dtrain launch", "  1. ", "  2. ", "EXIT STRING"), head=8, tail=0)
+show(
+    restarted_run.stdout + restarted_run.stderr, keep=("dtrain launch", "  1. ", "  2. ", "EXIT STRING"), head=8, tail=0
+)  # (MPICH's report goes to stdout, the launcher's to stderr)
 if whole_run.returncode or restarted_run.returncode:
     show(whole_run.stderr + restarted_run.stderr)
     raise SystemExit("part 6's training runs failed")

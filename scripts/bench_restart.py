@@ -123,10 +123,10 @@ def main() -> None:
     print(f"{RANKS} ranks, 784-512-512-10, batch {BATCH}, {args.steps} steps, a checkpoint every {args.every}; "
           f"medians of {args.rounds} round(s)")  # fmt: skip
     print(f"{'paradigm':9s} {'plain s':>8s} {'ckpt s':>7s} {'per ckpt':>9s} {'killed s':>9s} {'x plain':>8s} "
-          f"{'lost':>5s} {'redone s':>9s} {'restart s':>10s}  same weights")  # fmt: skip
+          f"{'lost':>5s} {'redone s':>9s} {'restart s':>10s}  same weights   plain / killed min..max")  # fmt: skip
     for paradigm in paradigms:
         plain, ckpt, killed = (statistics.median(x["wall_s"] for x in runs[(paradigm, k)]) for k in KINDS)
-        checkpoints = args.steps // args.every - (args.steps % args.every == 0)  # (the end's is written by all three)
+        checkpoints = args.steps // args.every + 1  # every N steps, and the end's (the plain run writes none)
         lost = runs[(paradigm, "killed")][0]["restarts"]["steps_lost"]
         step_s = statistics.median(x["train_s"] for x in runs[(paradigm, "checkpointed")]) / args.steps
         redone = lost * step_s
@@ -136,11 +136,14 @@ def main() -> None:
         row = {"paradigm": paradigm, "plain_s": plain, "checkpointed_s": ckpt, "killed_s": killed,
                "per_checkpoint_s": (ckpt - plain) / checkpoints, "killed_vs_plain": killed / plain,
                "steps_lost": lost, "step_s": step_s, "redone_s": redone, "restart_s": killed - ckpt - redone,
-               "same_weights": same}  # fmt: skip
+               "same_weights": same,
+               "range_s": {k: [min(x["wall_s"] for x in runs[(paradigm, k)]),
+                               max(x["wall_s"] for x in runs[(paradigm, k)])] for k in KINDS}}  # fmt: skip
         rows.append(row)
         print(f"{paradigm:9s} {plain:8.2f} {ckpt:7.2f} {row['per_checkpoint_s']:9.3f} {killed:9.2f} "
               f"{row['killed_vs_plain']:8.2f} {lost:5d} {redone:9.2f} {row['restart_s']:10.2f}  "
-              f"{'PASS' if same else 'FAIL'}")  # fmt: skip
+              f"{'PASS' if same else 'FAIL'}           {'..'.join(f'{v:.2f}' for v in row['range_s']['plain'])} / "
+              f"{'..'.join(f'{v:.2f}' for v in row['range_s']['killed'])}")  # fmt: skip
     writes = write_costs([100_000, 1_000_000, 10_000_000])
     print("\none checkpoint's write (params + momentum, float32) against the same bytes written raw (tofile + fsync):")
     print(f"{'parameters':>11s} {'MB':>6s} {'save ms':>8s} {'raw ms':>7s} {'x raw':>6s}  Young's interval at M = 1 h")

@@ -138,6 +138,36 @@ def test_resuming_ps_sync_equals_an_uninterrupted_run(tmp_path):
     assert resumed["weights_sha256"] == whole["weights_sha256"]
 
 
+@pytest.mark.parametrize("paradigm", ["ps-sync", "ps-async"])
+def test_a_checkpoint_written_on_an_epochs_last_step_is_resumed_with_whole_epochs_after_it(tmp_path, paradigm):
+    """29 steps an epoch, a checkpoint at step 29 (ps-sync's own, or ddp's for ps-async): the servers start the next
+    epoch's count from 0, so it has its 29 steps (not 1, as when the servers counted the finished epoch's pushes)."""
+    fast = dict(servers=1, hidden=(16,), batch_size=48, progress=False, quiet=True, timeout=0)
+    writer = dict(paradigm="ps-sync", checkpoint_every=29) if paradigm == "ps-sync" else dict(paradigm="ddp")
+    save = checkpoint.save
+
+    def keep_step_29(folder, params, state, meta, during_write=None):
+        path = save(folder, params, state, meta, during_write)
+        if meta["global_step"] == 29 and not (tmp_path / "at29").exists():
+            shutil.copytree(folder, tmp_path / "at29")
+        return path
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "save", keep_step_29)
+        sim.run(3, lambda comm: train(TrainConfig(**{**fast, **writer}, epochs=1, checkpoint_dir=str(tmp_path / "w")),
+                                      comm))  # fmt: skip
+    resumed = sim.run(3, lambda comm: train(TrainConfig(**fast, paradigm=paradigm, epochs=3, resume=True,
+                                                        checkpoint_dir=str(tmp_path / "at29")), comm))[0]  # fmt: skip
+    updates = resumed["communication"]["per_rank"][0]["paradigm"]["server_updates"]
+    if paradigm == "ps-sync":
+        assert updates == [2 * 29]  # epochs 2 and 3, whole
+    else:  # a push per worker step, and up to W - 1 = 1 push an epoch already on its way when the budget is spent
+        assert 2 * 29 * 2 <= updates[0] <= 2 * 29 * 2 + 2
+    if paradigm == "ps-sync":
+        whole = sim.run(3, lambda comm: train(TrainConfig(**fast, paradigm="ps-sync", epochs=3), comm))[0]
+        assert resumed["weights_sha256"] == whole["weights_sha256"]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_ps_sync_resumes_a_checkpoint_from_the_middle_of_an_epoch_to_the_bit(tmp_path, monkeypatch, optimizer):
     """--checkpoint-every: rank 0 asks the servers for their optimizer state between two steps (STATE); a resume from

@@ -213,6 +213,8 @@ def write_checkpoint(tmp_path, *flags) -> Path:
          "--min-ranks 3 must be between 1 and the ranks asked for (-n 2)"),
         (["-n", 4, "--max-restarts", 1, "--checkpoint-dir", "ck", "--min-ranks", 2, "x.py"],
          "--min-ranks below -n needs --hostfile"),
+        (["-n", 4, "--hosts", "localhost:4", "--max-restarts", 1, "--checkpoint-dir", "ck", "--min-ranks", 2, "x.py"],
+         "--min-ranks below -n needs --hostfile"),
         (["-n", 2, "--max-restarts", 1, "--checkpoint-dir", "ck", "-m", "dtrain", "train", "--checkpoint-dir", "b"],
          "differs from the launcher's --checkpoint-dir"),
         (["-n", 3, "--max-restarts", 1, "--checkpoint-dir", "ck", "-m", "dtrain", "train", "--paradigm", "ddp",
@@ -239,18 +241,39 @@ def test_a_checkpoint_folder_of_another_model_or_dataset_is_refused_before_anyth
     folder = write_checkpoint(tmp_path, *written_with)
     before = checkpoint.path_in(folder).read_bytes()
     status, said = launch_line(tmp_path, "-n", 2, "--max-restarts", 1, "--checkpoint-dir", folder, "-m", "dtrain",
-                               "train", *launched_with)  # fmt: skip
+                               "train", "--paradigm", "ddp", *launched_with)  # fmt: skip
     assert status == 2 and message in said and "holds a checkpoint this job cannot go on from" in said, said
     assert len(said.splitlines()) == 1
     assert checkpoint.path_in(folder).read_bytes() == before
 
 
-def test_a_folder_with_this_jobs_checkpoint_is_gone_on_from(tmp_path):
-    """Launching the same command again (the launcher itself died) continues the run: the first attempt resumes."""
+@pytest.mark.mpi
+def test_launching_the_same_job_again_goes_on_from_its_checkpoint_and_another_run_is_refused(tmp_path):
+    """The launcher gives up (--max-restarts 0); the same command again goes on from the checkpoint (the launcher
+    that died, or a person deciding to go on): the weights of a run never stopped. The same folder with another
+    --lr is another run: refused in one line, unless the target says --resume."""
+    flags = [*PARADIGMS["ddp"], *COMMON]
+    whole = uninterrupted(tmp_path, flags)
+    launch = ["--max-restarts", "0", "--checkpoint-dir", str(tmp_path / "ck")]
+    gave_up, _ = dtrain_launch(tmp_path, "first", launch, flags, fault="2:33")
+    assert gave_up.returncode != 0 and "1 attempt failed (--max-restarts 0); giving up" in gave_up.stderr
+    again, metrics = dtrain_launch(tmp_path, "again", launch, flags, fault="2:33")
+    assert again.returncode == 0, again.stderr
+    assert "attempt 1 of 1, on 4 ranks, from the checkpoint at global step 30" in again.stderr
+    assert metrics["weights_sha256"] == whole["weights_sha256"] and "restarts" in metrics
+    other, _ = dtrain_launch(tmp_path, "other", launch, [*flags, "--lr", "0.1"])
+    assert other.returncode == 2 and "holds a checkpoint of another run (--lr 0.05 there, 0.1 here)" in other.stderr
+    forced, metrics = dtrain_launch(tmp_path, "forced", launch, [*flags, "--lr", "0.1", "--epochs", "3", "--resume"])
+    assert forced.returncode == 0 and len(metrics["epochs"]) == 3, forced.stderr
+
+
+def test_a_checkpoint_written_without_the_launcher_is_gone_on_from_only_with_resume(tmp_path):
     folder = write_checkpoint(tmp_path, "--hidden", "16")
     target = ["-m", "dtrain", "train", "--paradigm", "ddp", "--hidden", "16", "--epochs", "2"]
-    job = supervise.prepare(2, target, folder, 1, None, 0.0)
-    assert supervise._last_step(folder) is not None and "--checkpoint-dir" in job.target
+    with pytest.raises(supervise.UserError, match="a run not started by dtrain launch --max-restarts"):
+        supervise.prepare(2, target, folder, 1, None, 0.0)
+    job = supervise.prepare(2, [*target, "--resume"], folder, 1, None, 0.0)
+    assert not job.fresh and "--checkpoint-dir" in job.target and "--resume" not in job.target
     assert job.train_config.batch_size == 64  # pinned: a restart on fewer ranks keeps the global batch
 
 
@@ -284,9 +307,16 @@ def test_a_malformed_fault_is_one_clear_error(text, message):
         faults.parse(text)
 
 
-def test_a_fault_on_a_rank_the_job_does_not_have_is_refused():
+def test_a_fault_that_could_never_fire_is_refused_before_the_run():
     with pytest.raises(ConfigError, match="rank 4 does not exist in a job of 4"):
         faults.from_env(4, environ={faults.ENV_VAR: "4:1"})
+    with pytest.raises(ConfigError, match="no checkpoint is written after step 15"):
+        faults.from_env(4, "ck", environ={faults.ENV_VAR: "0:15:KILL:checkpoint"}, checkpoint_every=10)
+    with pytest.raises(ConfigError, match="no checkpoint is written after step 20"):
+        faults.from_env(4, None, environ={faults.ENV_VAR: "0:20:KILL:checkpoint"}, checkpoint_every=10)
+    assert faults.from_env(4, "ck", environ={faults.ENV_VAR: "0:20:KILL:checkpoint"}, checkpoint_every=10).step == 20
+    with pytest.raises(ConfigError, match=r"step 60 is past the run's last global step \(58\)"):
+        faults.check_reachable(faults.parse("1:60"), 58)
 
 
 def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch):
@@ -311,8 +341,11 @@ def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch
          "a rank (MPI's report does not say which) was killed by SIGKILL"),
         ("mpiexec noticed that process rank 3 with PID 0 on node n1 exited on signal 15 (Terminated).", 15, None,
          "rank 3 was killed by SIGTERM"),
-        ("dtrain watchdog: rank 1 has waited 5.0 s in allreduce/ring", 14, None, "the watchdog found rank 1 stalled"),
-        ("uncaught exception (rank 0), ending the job:\nTraceback", 1, None, "rank 0 raised an exception"),
+        ("dtrain watchdog: rank 1 of 4 (host vm, pid 13825) has waited 2.0 s in allreduce/ring (call #3) > Sendrecv "
+         "from rank 0, to rank 2; one wait may last at most DTRAIN_TIMEOUT=2 s: aborting the job (exit status 14)\n"
+         "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)", 14, 3,
+         "the watchdog found rank 1 stalled"),
+        ("uncaught exception (rank 0), ending the job:\nTraceback", 1, 2, "rank 0 raised an exception"),
     ],
 )  # fmt: skip
 def test_how_a_job_ended_is_said_from_what_is_known_for_sure(tail, status, first, said):

@@ -211,7 +211,7 @@ class Watched:
     together, as they came), and which process was which rank (pid -> rank, for the ranks seen on this machine)."""
 
     returncode: int
-    tail: str
+    tail: str  # the end of its stdout, then the end of its stderr
     ranks: dict[int, int]
     seconds: float
     ended: list[int]  # the ranks in the order their processes ended (the first: the one that died, if one did)
@@ -230,39 +230,46 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
     SIGINT, SIGTERM and SIGHUP stop the whole job and raise :class:`JobInterrupted`, as with :func:`launch`."""
     env = launch_env(ranks_per_host(nranks, hosts), env)
     cmd = mpiexec_command(nranks, target, None, hosts, oversubscribe, env)
-    tail = bytearray()
-    lock = threading.Lock()
+    tails = (bytearray(), bytearray())
 
-    def echo(source, sink):
-        while chunk := os.read(source.fileno(), 65536):
-            try:
-                sink.write(chunk)
-                sink.flush()
-            except (OSError, ValueError):  # a closed terminal must not stop the reading (the job would block)
-                pass
-            with lock:
+    def echo(fd, sink, tail):
+        """Copy what comes on ``fd`` to ``sink`` as it comes, keeping its end; until the job closes the pipe."""
+        try:
+            while chunk := os.read(fd, 65536):
+                try:  # a closed terminal, or a stream without bytes, must not stop the reading (the job would block)
+                    if hasattr(sink, "buffer"):
+                        sink.buffer.write(chunk)
+                    else:
+                        sink.write(chunk.decode(errors="replace"))
+                    sink.flush()
+                except Exception:
+                    pass
                 tail.extend(chunk)
                 del tail[:-TAIL_BYTES]
+        finally:
+            os.close(fd)
 
     started = time.monotonic()
-    endings = Endings()
-    with Job(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job, endings:
-        streams = ((job.process.stdout, sys.stdout), (job.process.stderr, sys.stderr))
-        readers = [threading.Thread(target=echo, args=(pipe, _binary(sink)), daemon=True) for pipe, sink in streams]
+    with Job(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job, Endings() as endings:
+        # The readers own copies of the pipes' descriptors: however the job ends, Popen closing its own never pulls
+        # a descriptor from under a reader.
+        streams = ((job.process.stdout, sys.stdout, tails[0]), (job.process.stderr, sys.stderr, tails[1]))
+        readers = [threading.Thread(target=echo, args=(os.dup(pipe.fileno()), sink, tail), daemon=True)
+                   for pipe, sink, tail in streams]  # fmt: skip
         for reader in readers:
             reader.start()
         try:
             while job.process.poll() is None:
-                for pid in job.note_ranks():
-                    endings.watch(pid, job.ranks[pid])
+                if len(job.ranks) < nranks:  # (until every rank has been seen: then nothing is left to look for)
+                    for pid in job.note_ranks():
+                        endings.watch(pid, job.ranks[pid])
                 time.sleep(0.1)
         except JobInterrupted as interrupted:
             job.stop(interrupted.signum)
             raise
         for reader in readers:
             reader.join(timeout=5)  # (what the ranks wrote last is still in the pipes)
-    with lock:
-        text = tail.decode(errors="replace")
+    text = "\n".join(bytes(tail).decode(errors="replace") for tail in tails)
     seconds = time.monotonic() - started
     return Watched(job.process.returncode, text, dict(job.ranks), seconds, list(endings.order), endings.first(nranks))
 
@@ -280,17 +287,18 @@ class Endings:
     def __init__(self):
         self.order: list[int] = []
         self._fds: dict[int, int] = {}  # pidfd -> rank
+        self._wake_read = self._wake_write = None
         self.watched = 0  # ranks watched while alive
         self.watched_at_first_end: int | None = None
         self.late = False  # a rank was seen only once it had ended
         self.first_together: list[int] = []  # the ranks seen ending first, all at once
         self._poll = select.poll() if hasattr(os, "pidfd_open") else None
-        self._wake_read, self._wake_write = os.pipe()
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
         if self._poll is not None:
+            self._wake_read, self._wake_write = os.pipe()
             self._poll.register(self._wake_read, select.POLLIN)
             self._thread.start()
         return self
@@ -332,20 +340,15 @@ class Endings:
             self.order += together
 
     def __exit__(self, *exc_info):
+        if self._poll is None:
+            return
         self._closed = True
         os.write(self._wake_write, b"x")
-        if self._thread.is_alive():
-            self._thread.join(timeout=1)
-        time.sleep(0)  # (a last ending the thread saw is in order now)
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # (never seen): its descriptors stay open rather than be closed under it
+            return
         for fd in [*self._fds, self._wake_read, self._wake_write]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _binary(stream):
-    return getattr(stream, "buffer", stream)
+            os.close(fd)
 
 
 class Job:
@@ -365,7 +368,6 @@ class Job:
         self.received: int | None = None  # the signal that interrupted the job, if one did
         self._started = time.time()
         self.ranks: dict[int, int] = {}  # pid -> rank, for the processes note_ranks has seen
-        self._not_ranks: set[int] = set()  # (mpiexec, its proxies: looked at once)
 
     def __enter__(self):
         self._started = time.time()
@@ -420,15 +422,17 @@ class Job:
         self.process.wait()
 
     def note_ranks(self) -> list[int]:
-        """Look at the job's processes now, note the rank of each new one MPI started as a rank; return those pids."""
+        """Look at the job's processes now, note the rank of each new one MPI started as a rank; return those pids.
+
+        A process that is not a rank yet may still become one (forked by MPI's proxy, its program not started), so
+        it is looked at again next time; a rank's own children inherit its environment and are not ranks."""
         if self.process.poll() is None:
             self._known.update(_tree(self.process.pid))
         new = []
-        for pid in self._known.keys() - self.ranks.keys() - self._not_ranks:
-            rank = _rank_of(pid)
-            if rank is None:
-                self._not_ranks.add(pid)
-            else:
+        for pid in self._known.keys() - self.ranks.keys():
+            stat = _stat(pid)
+            rank = _rank_of(pid) if stat is not None and stat[1] not in self.ranks else None
+            if rank is not None:
                 self.ranks[pid] = rank
                 new.append(pid)
         return new
