@@ -333,11 +333,9 @@ def _ranks_now(job: Job, ranks: int) -> int:
 
 
 def _accepts(config, world: int) -> bool:
-    from dtrain import parallel
-
     try:
-        parallel.get(config.paradigm).check(config, world)
-    except ConfigError:
+        _check_paradigm(config, world)
+    except UserError:
         return False
     return True
 

@@ -120,10 +120,12 @@ def test_ctrl_c_on_the_launcher_stops_everything_and_restarts_nothing(tmp_path):
 
 
 ALWAYS_DIES = """
-import os, signal, time
+import os, signal, sys, time
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
-print("attempt", os.environ["DTRAIN_RESTART"], "rank", comm.Get_rank(), flush=True)
+# one write per line: mpiexec merges the ranks' output, and print's pieces could interleave with another rank's
+sys.stdout.write(f"attempt {os.environ['DTRAIN_RESTART']} rank {comm.Get_rank()}\\n")
+sys.stdout.flush()
 comm.Barrier()
 if comm.Get_rank() == 2:
     time.sleep(1.5)  # (the launcher has seen every rank alive by then: it can tell which one ended first)
