@@ -98,6 +98,7 @@ import sys
 import threading
 import time
 
+from dtrain.comm.mpi import FORWARD_S
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG, PROC_NULL
 from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, forward, innermost
 from dtrain.errors import ConfigError
@@ -311,6 +312,7 @@ def _end_job(MPI) -> None:
     threading.Thread(target=_exit_later, name="dtrain-watchdog-exit", daemon=True).start()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
+    time.sleep(FORWARD_S)  # mpiexec forwards the report before the Abort ends the job (as mpi.end_job waits)
     with contextlib.suppress(Exception):
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             MPI.COMM_WORLD.Abort(EXIT_CODE)
