@@ -285,16 +285,17 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
     world.add_argument("--ranks", type=int, default=4, help="ranks (default %(default)s)")
     world.add_argument(
         "--machine",
+        "--preset",
         metavar="NAME",
-        help=f"the hardware: {', '.join(hardware.presets())} (dtrain/hardware.json, with sources; this: "
-        f"calibration.json's links and compute rates) (default: this, or {hardware.GPU_MEASURED} with --device gpu)",
+        help=f"the hardware, one of the presets: {', '.join(hardware.presets())} (dtrain/hardware.json, with "
+        "sources; this: this machine's CPUs, calibration.json's links and compute rates) (default: this, or "
+        f"{hardware.GPU_MEASURED} with --device gpu)",
     )
     world.add_argument(
         "--device",
         choices=("cpu", "gpu"),
-        default="cpu",
-        help="where each rank computes: gpu, one "
-        "GPU per rank (the commands and --check's runs say --device gpu) (default %(default)s)",
+        help="where each rank computes: gpu, one GPU per rank (the commands and --check's runs say --device gpu) "
+        "(default: the machine's: gpu for a GPU preset, else cpu)",
     )
     world.add_argument("--ranks-per-node", type=int, metavar="K", help="ranks per node (default: the preset's)")
     world.add_argument("--flops", type=float, help="sustained FLOP/s of a rank (overrides the preset)")

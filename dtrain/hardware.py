@@ -77,6 +77,11 @@ class Hardware:
     slowdowns: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> measured slowdown
     about: str = ""
 
+    @property
+    def device(self) -> str:
+        """What its ranks compute on: "gpu" (an :attr:`asynchronous` device) or "cpu"."""
+        return "gpu" if self.asynchronous else "cpu"
+
     # --- where ranks are -------------------------------------------------------------------------------------------
     def node_of(self, rank: int) -> int:
         return 0 if self.ranks_per_node is None else rank // self.ranks_per_node

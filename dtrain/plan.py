@@ -21,7 +21,9 @@ the measurement: the planner is held to its own runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 from pathlib import Path
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from dtrain import hardware as hw
-from dtrain import parallel
+from dtrain import parallel, terminal
 from dtrain.errors import ConfigError, UserError
 from dtrain.train import TrainConfig
 
@@ -88,8 +90,13 @@ class Row:
         return self.time.get("total", math.inf)
 
     def command(self, model: Model) -> str:
-        """The ``dtrain train`` command that runs it: on the digits when the model takes 8x8 images to 10 classes,
-        else on synthetic data of its shape (``--dataset mnist --data-dir DIR`` for 784 -> 10 on real images)."""
+        """The ``dtrain launch ... train`` command that runs it, as one line (:meth:`command_words`)."""
+        return " ".join(self.command_words(model))
+
+    def command_words(self, model: Model) -> list[str]:
+        """The command's words: ``dtrain train`` on the digits when the model takes 8x8 images to 10 classes, else
+        on synthetic data of its shape (``--dataset mnist --data-dir DIR`` for 784 -> 10 on real images); on the
+        GPU (``--device gpu``) when the plan is for one."""
         data = {} if (model.sizes[0], model.sizes[-1]) == (64, 10) else {
             "dataset": "synthetic", "features": model.sizes[0], "classes": model.sizes[-1]}  # fmt: skip
         hidden = ",".join(map(str, model.sizes[1:-1])) or "none"
@@ -97,7 +104,7 @@ class Row:
         if model.device != "cpu":
             shared["device"] = model.device
         words = flag_words({"paradigm": self.paradigm, **self.flags, **data, **shared})
-        return f"dtrain launch -n {self.ranks} -m dtrain train {' '.join(words)}"
+        return ["dtrain", "launch", "-n", str(self.ranks), "-m", "dtrain", "train", *words]
 
 
 def flag_words(flags: dict) -> list[str]:
@@ -179,6 +186,14 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
+def _figure(value: float) -> str:
+    """Three significant digits, without an exponent: 0.602, 6.49, 10.1, 336, 4,096."""
+    if value == 0:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{digits}f}"
+
+
 # --- what the planner says -------------------------------------------------------------------------------------------
 def why(rows: list[Row]) -> str:
     """Why the best is the best, in a sentence or two."""
@@ -187,19 +202,20 @@ def why(rows: list[Row]) -> str:
         return "nothing that makes single's updates fits"
     single = next((r for r in rows if r.paradigm == "single" and r.time), None)
     t = best.time
+    bubble = f", {100 * t['bubble'] / t['total']:.0f}% bubble" if t["bubble"] >= t["total"] / 200 else ""
     parts = [f"{best.label} is the fastest configuration that fits and makes single's updates: {_seconds(t['total'])}"
-             f" a step, {100 * t['communication'] / t['total']:.0f}% of it communication"
-             + (f", {100 * t['bubble'] / t['total']:.0f}% bubble" if t["bubble"] else "")]  # fmt: skip
+             f" a step, {100 * t['communication'] / t['total']:.0f}% of it communication{bubble}"]  # fmt: skip
     if single and best is not single:
         if single.fits:
-            parts.append(f"{single.total / best.total:.2f}x single's predicted step")
+            parts.append(f"{terminal.speed(best.total, single.total, 'single')} (predicted)")
         else:
             parts.append(f"single does not fit ({single.ruled_out})")
     elif single is best:
         others = [r for r in rows if r.fits and r.same_updates and r is not best]
         if others:
-            parts.append(f"distributing does not pay here: the fastest on {others[0].ranks} ranks, {others[0].label}, "
-                         f"would take {others[0].total / best.total:.2f}x as long (its communication costs more than "
+            other = others[0]
+            parts.append(f"distributing does not pay here: the fastest on {other.ranks} ranks, {other.label}, would "
+                         f"be {terminal.speed(other.total, best.total, 'single')} (its communication costs more than "
                          "the compute it saves)")  # fmt: skip
     quicker = [r for r in rows if r.fits and not r.same_updates and r.total < best.total]
     if quicker:
@@ -208,42 +224,48 @@ def why(rows: list[Row]) -> str:
     return "; ".join(parts) + "."
 
 
-def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_all: bool = False) -> str:
-    """The plan as text: the configurations that fit, fastest first, then those that do not, then those ruled out."""
-    from dtrain.report import text_table
-
+def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_all: bool = False,
+          width: int | str | None = "auto") -> str:  # fmt: skip
+    """The plan as text that fits ``width`` (:mod:`dtrain.terminal`): the configurations that fit, fastest first,
+    then those that do not, then those ruled out."""
     where = machine.about if machine.name == hw.THIS else f"{machine.name}: {machine.about}"
-    lines = [f"plan: {model.describe()}", f"  on {world} rank(s) of {where}",
+    lines = [terminal.paragraph(f"plan: {model.describe()}", hanging="  ", width=width),
+             terminal.paragraph(f"on {world} rank(s) of {where}", "  ", "    ", width),
              f"  memory per rank: {_bytes(machine.per_rank_memory(world))}", ""]  # fmt: skip
-    header = ["", "configuration", "step", "compute", "comm", "bubble", "samples/s", "sent/step", "params", "grads",
-              "optim", "activ", "memory", "fits"]  # fmt: skip
     priced = [r for r in rows if r.time]
     shown = priced if show_all else priced[:20]
+    unit, scale = ("ms", 1e3) if max((r.total for r in shown), default=0) < 10 else ("s", 1)
+    header = ["", "configuration", f"step {unit}", f"compute {unit}", f"comm {unit}", f"bubble {unit}", "sent/step",
+              "params", "grads", "optim", "activ", "memory", "fits"]  # fmt: skip
     cells = []
     for r in shown:
         t, m = r.time, r.memory
         mark = "*" if r.best else "" if r.same_updates else "~"
-        cells.append([mark, r.label, _seconds(t["total"]), _seconds(t["compute"]), _seconds(t["communication"]),
-                      _seconds(t["bubble"]) if t["bubble"] > 1e-9 else "-", f"{model.batch_size / t['total']:,.0f}",
+        times = [_figure(t[k] * scale) for k in ("total", "compute", "communication")]
+        cells.append([mark, r.label, *times, _figure(t["bubble"] * scale) if t["bubble"] > 1e-9 else "-",
                       _bytes(r.sent_per_step), *(_bytes(m[k]) for k in ("parameters", "gradients", "optimizer",
                                                                           "activations")),
                       _bytes(m["total"]), "yes" if r.fits else "NO"])  # fmt: skip
-    lines.append(text_table(header, cells, left=(0, 1)))
+    lines.append(terminal.table(header, cells, left=(0, 1), keys=2, groups=(2, 7), width=width))
     if len(priced) > len(shown):
         lines.append(f"  ... and {len(priced) - len(shown)} more (--all shows every one)")
-    lines += ["", "* the best: the fastest that fits and makes single's updates; ~ sends less, but its steps are not "
-              "single's", "step = compute + comm (what compute does not hide) + bubble (a pipeline filling and "
-              "draining); sent/step: the busiest rank's bytes; memory: the fullest rank's", "",
-              "best: " + why(rows)]  # fmt: skip
+    legend = ["* the best: the fastest that fits and makes single's updates; ~ sends less, but its steps are not "
+              "single's.", "step = compute + comm (what compute does not hide) + bubble (a pipeline filling and "
+              "draining); sent/step: the busiest rank's bytes; params, grads, optim (the optimizer's state), activ "
+              "(activations kept for backward), memory (all of them, and a neighbour's weights for gossip): the "
+              "fullest rank's."]  # fmt: skip
+    lines += ["", *(terminal.paragraph(text, hanging="  ", width=width) for text in legend), "",
+              terminal.paragraph("best: " + why(rows), hanging="  ", width=width)]  # fmt: skip
     best = next((r for r in rows if r.best), None)
     if best is not None:
-        lines.append(f"  run it: {best.command(model)}")
+        lines += ["  run it:", terminal.command(best.command_words(model), "    ", width)]
     reasons = {}  # the same constraint rules out several configurations: said once
     for r in rows:
         if r.ruled_out and not r.time:
             reasons.setdefault(r.ruled_out, []).append(r.label)
     if reasons:
-        lines += ["", "cannot run:"] + [f"  {', '.join(labels)}: {reason}" for reason, labels in reasons.items()]
+        lines += ["", "cannot run:"] + [terminal.paragraph(f"{', '.join(labels)}: {reason}", "  ", "      ", width)
+                                        for reason, labels in reasons.items()]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -280,10 +302,11 @@ def figure(rows: list[Row], path, title: str) -> Path:
     memory.legend(loc="best")
     fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    terminal.write_output(path, png.getvalue())  # (a file, or "-": standard output)
+    return Path(path)
 
 
 # --- the command -----------------------------------------------------------------------------------------------------
@@ -300,12 +323,26 @@ def model_of(args) -> Model:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return Model([args.features, *hidden, args.classes], args.batch_size, args.dtype, args.optimizer, args.momentum,
-                 args.device)  # fmt: skip
+                 device_of(args))  # fmt: skip
+
+
+def device_of(args) -> str:
+    """What the ranks compute on: ``--device``, else the machine's (a GPU preset's ranks are GPUs), else the CPU. A
+    ``--device`` the machine does not have is refused: its rates would price another device."""
+    if not args.machine:
+        return args.device or "cpu"
+    machine = hw.load(args.machine)
+    if args.device is not None and args.device != machine.device:
+        instead = f"--machine {hw.GPU_MEASURED} (a GPU measured by dtrain) or a GPU preset" if args.device == "gpu" \
+            else f"--machine {hw.THIS} (this machine's CPUs)"  # fmt: skip
+        raise ConfigError(f"--device {args.device} with --machine {args.machine}, whose ranks compute on "
+                          f"{machine.device.upper()}s: leave --device out, or give {instead}")  # fmt: skip
+    return machine.device
 
 
 def machine_of(args, world: int) -> hw.Hardware:
     """The preset, with what the command line overrides (rates must be positive and finite)."""
-    machine = hw.load(args.machine, args.dtype) if args.machine else hw.for_device(args.device, args.dtype)
+    machine = hw.load(args.machine, args.dtype) if args.machine else hw.for_device(device_of(args), args.dtype)
     changes = {}
     for option, value in (("flops", args.flops), ("memory", args.memory), ("ranks_per_node", args.ranks_per_node)):
         if value is None:
@@ -350,15 +387,20 @@ def command(args) -> int:
             f"{_bytes(machine.per_rank_memory(args.ranks))}; give more ranks, a smaller batch, --memory "
             f"{math.ceil(smallest.memory['total'] / GIB)} (GiB) or more, or a smaller model"
         )
-    text = table(rows, model, args.ranks, machine, args.all)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(as_json(rows, model, args.ranks, machine), indent=1) + "\n")
-        print(f"wrote {args.json}")
-    if args.png:
-        print(f"wrote {figure(rows, args.png, model.describe())}")
-    if args.check:
-        from dtrain import plan_check
+    if terminal.to_stdout(args.json) and terminal.to_stdout(args.png):
+        raise UserError("--json - and --png -: only one of them can be standard output; give the other a file")
+    with contextlib.redirect_stdout(terminal.human(args.json, args.png)):  # (stdout is the data's, if "-")
+        print(table(rows, model, args.ranks, machine, args.all))
+        if args.json:
+            terminal.write_output(args.json, json.dumps(as_json(rows, model, args.ranks, machine), indent=1) + "\n")
+            if not terminal.to_stdout(args.json):
+                print(f"wrote {args.json}")
+        if args.png:
+            figure(rows, args.png, model.describe())
+            if not terminal.to_stdout(args.png):
+                print(f"wrote {args.png}")
+        if args.check:
+            from dtrain import plan_check
 
-        return plan_check.check(rows, model, args.check, machine)
+            return plan_check.check(rows, model, args.check, machine)
     return 0

@@ -19,7 +19,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dtrain import kernels, report
+from dtrain import kernels, report, terminal
 from dtrain.comm import launcher
 from dtrain.errors import UserError
 from dtrain.plan import flag_words
@@ -71,7 +71,6 @@ def check(rows, model, count: int, machine) -> int:
     """Run the ``count`` best configurations that fit here (``dtrain plan --check K``); print predicted beside
     measured, and whether the planner's first choice was the measured fastest. 1 if a count differed."""
     from dtrain.hardware import GPU_MEASURED, THIS
-    from dtrain.report import text_table
 
     here = GPU_MEASURED if model.device == "gpu" else THIS  # (the machine the runs happen on, as measured)
     if machine.name != here:
@@ -87,12 +86,13 @@ def check(rows, model, count: int, machine) -> int:
             same = got.sent_per_step == row.sent_per_step and got.state_bytes == max(row.state)
             wrong += not same
             cells.append([row.label, f"{row.total * 1e3:.2f}", f"{got.step_s * 1e3:.2f}",
-                          f"{row.total / got.step_s:.2f}x", f"{row.sent_per_step:,.0f}", f"{got.sent_per_step:,.0f}",
-                          f"{max(row.state):,.0f}", f"{got.state_bytes:,.0f}", "yes" if same else "NO"])  # fmt: skip
+                          f"{abs(row.total / got.step_s - 1):.0%} " + ("high" if row.total > got.step_s else "low"),
+                          f"{row.sent_per_step:,.0f}", f"{got.sent_per_step:,.0f}", f"{max(row.state):,.0f}",
+                          f"{got.state_bytes:,.0f}", "yes" if same else "NO"])  # fmt: skip
             print(f"  {row.label}: predicted {row.total * 1e3:.2f} ms, measured {got.step_s * 1e3:.2f} ms", flush=True)
-    header = ["configuration", "pred ms", "meas ms", "pred/meas", "pred B/step", "meas B/step", "pred state B",
-              "meas state B", "counts equal"]  # fmt: skip
-    print("\n" + text_table(header, cells))
+    header = ["configuration", "predicted ms", "measured ms", "prediction", "predicted B/step", "measured B/step",
+              "predicted state B", "measured state B", "counts equal"]  # fmt: skip
+    print("\n" + terminal.table(header, cells, groups=(1, 4)))
     print("\n" + verdict(results))
     return 1 if wrong else 0
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain import backend, kernels, parallel, report, tour_notes
+from dtrain import backend, kernels, parallel, report, terminal, tour_notes
 from dtrain.comm import flavours, launcher
 from dtrain.errors import ConfigError, MissingPackage, UserError
 from dtrain.train import TrainConfig
@@ -214,28 +214,31 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     folder, env = Path(out), {**os.environ}
     env.setdefault(KERNELS, "numpy")
     mpi_name = flavours.detect(launcher.mpiexec_path())
-    print(f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
-          f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
-          f"{device.upper()}; every "
-          f"run's metrics in {folder}/", flush=True)  # fmt: skip
+    print(terminal.paragraph(
+        f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
+        f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
+        f"{device.upper()}; every run's metrics in {folder}/", hanging="  "), flush=True)  # fmt: skip
     launcher.mpiexec_flags()  # what this MPI needs said (run as root) is said now, not in a progress line
     runs = []
     for i, entry in enumerate(chosen, 1):
         head = f"[{i}/{len(chosen)}] {entry.label}"
         if entry.skip:
-            print(f"{head} ... skipped: {entry.skip}", flush=True)
+            print(terminal.paragraph(f"{head} ... skipped: {entry.skip}", hanging="    "), flush=True)
             runs.append(Run(entry, error=entry.skip))
             continue
-        with Bar(head, epochs) as bar:  # (a terminal: a bar of the run's epochs; else the line's start, now)
+        bar = terminal.Bar(epochs, head, unit="epoch")  # (a terminal: a bar of the run's epochs while it runs)
+        if bar.bar is None:
+            print(head, end="", flush=True)  # (no bar: the line's start now, its end once the run is done)
+        with bar:
             run = run_entry(entry, folder / entry.name, batch, epochs, timeout, env, bar.update)
         runs.append(run)
         done = f"{100 * run.metrics['final']['test_accuracy']:.2f}%" if run.metrics else f"FAILED: {run.error}"
-        print(f"{head if bar.bar else ''} ... {done} ({run.job_s:.1f} s)", flush=True)
+        line = f"{head if bar.bar else ''} ... {done} ({run.job_s:.1f} s)"
+        print(terminal.paragraph(line, hanging="    ") if bar.bar else line, flush=True)
     summary, footnotes = rows(runs)
-    text = table(summary, footnotes)
-    print(f"\n{text}\n\n(the tour took {time.monotonic() - started:.0f} s)")
+    print(f"\n{table(summary, footnotes)}\n\n(the tour took {time.monotonic() - started:.0f} s)")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tour.txt").write_text(text + "\n")
+    (folder / "tour.txt").write_text(table(summary, footnotes, width=None) + "\n")  # (a file: full width)
     meta = {"ranks": ranks, "epochs": epochs, "batch_size": batch, "hidden": list(HIDDEN), "dataset": "digits",
             "device": device,
             "tour_s": time.monotonic() - started}  # fmt: skip
@@ -244,7 +247,8 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     if plt is not None and any(r.metrics for r in runs):
         done = {r["label"]: r for r in summary if "error" not in r}
         written.append(report.plot_paradigms(plt, done, folder / "tour.png", reference=chosen[0].label))
-    print(f"wrote {', '.join(map(str, written))}" + ("" if plt else f" (no figure: {no_figure})"))
+    print(terminal.paragraph(f"wrote {', '.join(map(str, written))}" + ("" if plt else f" (no figure: {no_figure})"),
+                             hanging="  "))  # fmt: skip
     failed = [r.entry.name for r in runs if r.error and not r.entry.skip]
     if failed:
         print(f"dtrain tour: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -309,58 +313,39 @@ def verdict(summary: list[dict]) -> str:
             f"({fastest['step_s'] * 1e3:.2f} ms a step).")  # fmt: skip
 
 
-def table(summary: list[dict], footnotes: list[str]) -> str:
-    """The tour's table: a row per run (a failed or skipped one says why), what its columns are, the footnotes."""
-    header = ["paradigm", "test acc", "wall s", "step ms", "plan ms", "sent B/step", "costs()", "msgs/step",
-              "state B", "costs()", "what to notice"]  # fmt: skip
+LEGEND = (
+    "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what dtrain "
+    "plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with --device "
+    "gpu, the lent-h100 preset of dtrain/hardware.json, or '-' where the device has none).",
+    "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's, a "
+    "checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer state "
+    "the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same. The run's wall "
+    "time and samples/s are in tour.json.",
+)
+
+
+def table(summary: list[dict], footnotes: list[str], width: int | str | None = "auto") -> str:
+    """The tour's table, fitted to ``width`` (:func:`dtrain.terminal.table`): a row per run (a failed or skipped
+    one says why), what its columns are, the footnotes, the planner's verdict."""
+    header = ["paradigm", "test acc", "step ms", "plan ms", "sent B/step", "costs()", "msgs per step", "state B",
+              "costs()", "what to notice"]  # fmt: skip
     lines = []
     for r in summary:
         if "error" in r:
-            lines.append([r["label"], *["-"] * 9, f"{r['status']}: {r['error']}"])
+            lines.append([r["label"], *["-"] * 8, f"{r['status']}: {r['error']}"])
             continue
         held = f"{max(r['state_bytes']):,}" if r["state_bytes"] else "?"
         predicted = r["predicted_sent_per_step"]  # (None where costs() cannot say: a learner's all-reduce)
         predicted = "?" if None in predicted else f"{max(predicted):,.0f}"
-        lines.append([r["label"], f"{100 * r['test_accuracy']:.2f}%", f"{r['wall_time_s']:.2f}",
-                      f"{r['step_s'] * 1e3:.2f}",
+        lines.append([r["label"], f"{100 * r['test_accuracy']:.2f}%", f"{r['step_s'] * 1e3:.2f}",
                       "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s'] * 1e3:.2f}",
                       f"{max(r['sent_per_step']):,.0f}",
                       predicted, f"{max(r['messages_per_step']):.1f}", held,
                       f"{max(r['predicted_state_bytes']):,}", r["note"]])  # fmt: skip
-    legend = [
-        "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what",
-        "  dtrain plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with",
-        "  --device gpu, the lent-h100 preset of dtrain/hardware.json, or '-' where the device has none).",
-        "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's,",
-        "  a checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer",
-        "  state the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same.",
-    ]
+    notes = [terminal.paragraph(text, hanging="  ", width=width) for text in LEGEND]
     if footnotes:
-        footnotes = ["", "Where the measured bytes differ from costs():", *footnotes]
+        notes += ["", "Where the measured bytes differ from costs():",
+                  *(terminal.paragraph(f, "  ", "      ", width) for f in footnotes)]  # fmt: skip
     closing = verdict(summary)
-    return "\n".join([report.text_table(header, lines, left=(0, 10)), "", *legend, *footnotes,
-                      *(["", closing] if closing else [])])  # fmt: skip
-
-
-class Bar:
-    """A progress bar of a run's epochs, on stderr when it is a terminal (else the run's title, on stdout)."""
-
-    def __init__(self, title: str, epochs: int):
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=epochs, desc=title, leave=False, dynamic_ncols=True, unit="epoch")
-        else:
-            print(title, end="", flush=True)
-
-    def update(self, done: int) -> None:
-        if self.bar is not None and done > self.bar.n:
-            self.bar.update(done - self.bar.n)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        if self.bar is not None:
-            self.bar.close()
+    return "\n".join([terminal.table(header, lines, left=(0, 9), notes=9, width=width), "", *notes,
+                      *(["", terminal.paragraph(closing, width=width)] if closing else [])])  # fmt: skip

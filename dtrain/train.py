@@ -18,14 +18,13 @@ import hashlib
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from dtrain import backend, checkpoint, faults, kernels, parallel, report
+from dtrain import backend, checkpoint, faults, kernels, parallel, report, terminal
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
 from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.prepare import layers, prepare
@@ -334,7 +333,7 @@ class Epochs:
             read_every = 1 if self.xp is np else LOSSES_READ_TOGETHER
             # resuming: the steps already done are skipped
             steps = paradigm.epoch(EpochBatches(loader, epoch, position.done))
-            for loss in _progress(steps, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
+            for loss in terminal.progress(steps, len(loader) - position.done, f"epoch {epoch}/{config.epochs}", show):
                 unread.append(loss)
                 position.step += 1
                 self.progress.at_step(position.step)
@@ -512,11 +511,3 @@ def evaluate(model, data: Dataset, xp, batch: int = 1024) -> tuple[float, float]
             total_loss += float(softmax_cross_entropy(logits, y).data) * len(y)
             correct += int((logits.data.argmax(axis=1) == y).sum())
     return total_loss / n, correct / n
-
-
-def _progress(iterable, total: int, desc: str, show: bool):
-    if not show or not sys.stderr.isatty():  # a bar is for a person at a terminal, not for a log or a pipe
-        return iterable
-    from tqdm import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)

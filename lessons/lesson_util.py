@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import textwrap
 import time
 from typing import TYPE_CHECKING
 
+from dtrain import terminal
 from dtrain.comm import mpi
 
 if TYPE_CHECKING:
@@ -114,8 +114,8 @@ def whole_numbers(text: str) -> tuple[int, ...]:
 
 
 def say(text: str) -> None:
-    """Print (on rank 0) a paragraph of explanation, wrapped and indented like the tables."""
-    mpi.print0(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "))
+    """Print (on rank 0) a paragraph of explanation, indented like the tables and wrapped to the terminal."""
+    mpi.print0(terminal.paragraph(text, "   "))
 
 
 def everywhere(flag: bool, comm) -> bool:
@@ -151,7 +151,7 @@ class Checks:
         there without communicating; conclude() gives every rank the verdict."""
         flag = self.verdicts.get(claim, True) and bool(flag)  # (a claim made again holds only if it held each time)
         self.verdicts[claim] = flag
-        mpi.print0(f"   OK: {claim}: {'yes' if flag else 'NO'}{note}")
+        mpi.print0(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}{note}", "   ", "       "))
         return flag
 
 

@@ -8,6 +8,7 @@ timeout: a bug is a failed test, never a hung suite.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -17,13 +18,13 @@ from dtrain.comm import launcher
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 
 
-def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = True, cwd=None):
+def run_mpi(nranks: int, target: list[str], timeout: float = 180, check: bool = True, cwd=None, env=None):
     """Run ``target`` (``[script, args...]`` or ``["-m", module, ...]``) on ``nranks`` ranks; return the result.
 
     With ``check`` a non-zero exit fails the test and shows both output streams.
     """
     try:
-        result = launcher.launch(nranks, target, timeout=timeout, capture=True, cwd=cwd)
+        result = launcher.launch(nranks, target, timeout=timeout, capture=True, cwd=cwd, env=env)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(
             f"{nranks} ranks did not finish within {timeout} s (a hang?)\nstdout:\n{exc.output}\nstderr:\n{exc.stderr}"
@@ -43,6 +44,15 @@ def run_mpi_code(nranks: int, code: str, tmp_path, timeout: float = 180, check: 
     return run_mpi(nranks, [str(script)], timeout=timeout, check=check)
 
 
+COLUMNS = 80  # a lesson under test prints for a terminal this wide, and must fit it (dtrain.terminal)
+
+
+def assert_fits(text: str, columns: int) -> None:
+    """Every line of ``text`` fits ``columns``; else the lines that do not, numbered."""
+    long = [f"{i}: ({len(line)}) {line}" for i, line in enumerate(text.splitlines(), 1) if len(line) > columns]
+    assert not long, f"{len(long)} line(s) wider than {columns} columns:\n" + "\n".join(long[:20])
+
+
 def run_lesson(
     nranks: int, lesson: str, flags: list[str], tmp_path, claims=(), timeout: float = 240
 ) -> tuple[dict, str]:
@@ -50,7 +60,9 @@ def run_lesson(
     measurement, and under "checks" the verdict of every claim it checked ({claim: passed}). Every verdict must be a
     pass and each of ``claims`` must be among them (the lesson made it). Returns the measurements and the output."""
     measurements = tmp_path / "lesson.json"
-    out = run_mpi(nranks, [str(LESSONS / lesson), *flags, "--json", str(measurements)], timeout=timeout).stdout
+    out = run_mpi(nranks, [str(LESSONS / lesson), *flags, "--json", str(measurements)], timeout=timeout,
+                  env={**os.environ, "COLUMNS": str(COLUMNS)}).stdout  # fmt: skip
+    assert_fits(out, COLUMNS)
     results = json.loads(measurements.read_text())
     failed = [claim for claim, passed in results["checks"].items() if not passed]
     assert not failed, f"claims that failed: {failed}\n{out}"

@@ -287,6 +287,34 @@ def test_plan_for_the_gpu_uses_the_measured_preset_and_says_device_gpu(tmp_path)
     assert result.returncode == 0, result.stderr
     out = json.loads((tmp_path / "plan.json").read_text())
     assert out["machine"]["name"] == hardware.GPU_MEASURED and out["model"]["device"] == "gpu"
-    assert "--device gpu" in result.stdout.split("run it:")[1].splitlines()[0]
+    assert "--device gpu" in result.stdout.split("run it:")[1].split("\n\n")[0]
     refused = dtrain_plan("--device", "gpu", "--machine", "this", "--check", "1")
-    assert refused.returncode == 2 and "--machine lent-h100 (with --device gpu)" in refused.stderr
+    assert refused.returncode == 2 and refused.stderr == (
+        "dtrain: error: --device gpu with --machine this, whose ranks compute on CPUs: leave --device out, or give "
+        "--machine lent-h100 (a GPU measured by dtrain) or a GPU preset\n")  # fmt: skip
+
+
+def test_a_gpu_preset_plans_for_its_gpus_and_the_command_says_so():
+    """--preset is --machine's other name (the README calls them presets); a GPU preset's ranks are GPUs, so the
+    command to run the best says --device gpu without being told; --device cpu there is refused."""
+    result = dtrain_plan("--preset", "dgx-h100", "--ranks", "8")
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.split("run it:")[1].split("\n\n")[0]
+    assert "--device gpu" in command and command.strip().startswith("dtrain launch -n ")
+    refused = dtrain_plan("--machine", "dgx-h100", "--device", "cpu")
+    assert refused.returncode == 2 and refused.stderr == (
+        "dtrain: error: --device cpu with --machine dgx-h100, whose ranks compute on GPUs: leave --device out, or "
+        "give --machine this (this machine's CPUs)\n")  # fmt: skip
+
+
+def test_json_and_png_dash_are_standard_output_and_the_table_goes_to_stderr(tmp_path):
+    """As in every Unix tool, "-" names standard output: the plan's JSON (or PNG) alone there, the table on stderr."""
+    result = dtrain_plan("--ranks", "2", "--json", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["ranks"] == 2 and "best:" in result.stderr
+    assert not (tmp_path / "-").exists()
+    png = subprocess.run([sys.executable, "-m", "dtrain", "plan", "--ranks", "2", "--png", "-"], capture_output=True,
+                         cwd=tmp_path)  # fmt: skip
+    assert png.returncode == 0 and png.stdout.startswith(b"\x89PNG\r\n") and b"best:" in png.stderr
+    both = dtrain_plan("--json", "-", "--png", "-")
+    assert both.returncode == 2 and "only one of them can be standard output" in both.stderr

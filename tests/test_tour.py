@@ -34,6 +34,7 @@ BOOM = textwrap.dedent('''
 def dtrain_tour(tmp_path, *args, env=None):
     """``dtrain tour ARGS --out tmp_path/tour``: the finished process and the rows of its tour.json (if written)."""
     out = tmp_path / "tour"
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "COLUMNS"}  # (a pipe: full width)
     result = subprocess.run([sys.executable, "-m", "dtrain", "tour", *map(str, args), "--out", str(out)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
     written = out / "tour.json"
@@ -57,15 +58,21 @@ def test_a_short_tour_measures_what_the_costs_predict(tmp_path):
     n = ps["predicted_state_bytes"][0] // 2  # the worker's parameters and gradients
     assert round(ps["sent_per_step"][1] * ps["steps"]) == ps["predicted_sent_per_step"][1] * ps["steps"] + n
     table = (tmp_path / "tour" / "tour.txt").read_text()
-    assert table in result.stdout + "\n" and "each worker pulls the weights once" in table
+    assert table in result.stdout + "\n" and "each worker pulls the weights once" in " ".join(table.split())
+    summary = json.loads((tmp_path / "tour" / "tour.json").read_text())["runs"]
+    for columns in (80, 120):  # a terminal's table fits it, and says the same
+        fitted = tour.table(summary, [], width=columns)
+        assert max(map(len, fitted.splitlines())) <= columns
+        assert all(row["label"] in fitted and f"{max(row['sent_per_step']):,.0f}" in fitted for row in summary)
     assert (tmp_path / "tour" / "tour.png").is_file()
     # beside each measured step, the planner's; the closing line names its first choice and says how it measured
     assert all(row["step_s"] > 0 and row["predicted_step_s"] > 0 for row in rows.values())
     chosen = min(rows.values(), key=lambda r: r["predicted_step_s"])  # (all three make single's updates)
     fastest = min(rows.values(), key=lambda r: r["step_s"])
     said = "was the measured fastest" if chosen is fastest else f"slower than the fastest, {fastest['label']}"
-    assert f"The planner's first choice among the runs that make single's updates, {chosen['label']}" in table
-    assert said in table
+    prose = " ".join(table.split())  # (its paragraphs are wrapped)
+    assert f"The planner's first choice among the runs that make single's updates, {chosen['label']}" in prose
+    assert said in prose
 
 
 @pytest.mark.mpi

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain import terminal
 from dtrain.comm import flavours, usable_cores
 from dtrain.comm.flavours import Flavour, Mpich
 from dtrain.comm.hosts import Host, check_fits
@@ -76,7 +77,8 @@ def mpiexec_path() -> Path:
 
 
 def launch_env(nranks: int, base: dict | None = None, flavour: Flavour | None = None) -> dict:
-    """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed.
+    """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed,
+    and the launcher's terminal's width as ``COLUMNS`` (what the ranks print is fitted to it, :mod:`dtrain.terminal`).
 
     ``flavour`` says how the MPI spells the yielding wait (by default: that of :func:`mpiexec_path`'s MPI). Values
     already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
@@ -84,6 +86,9 @@ def launch_env(nranks: int, base: dict | None = None, flavour: Flavour | None = 
     env = dict(os.environ if base is None else base)
     for name in THREAD_VARIABLES:
         env.setdefault(name, "1")
+    width = terminal.columns()  # a rank's stdout is a pipe to mpiexec: tell it how wide the terminal at its end is
+    if width is not None:
+        env.setdefault("COLUMNS", str(width))
     if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
         for name, value in (flavour or _flavour()).yield_env().items():
             env.setdefault(name, value)
@@ -124,12 +129,15 @@ def mpiexec_command(
     return [str(mpiexec_path()), "-n", str(nranks), *flags, sys.executable, "-m", "dtrain.comm.run", *target]
 
 
+FORWARDED_TOO = ("PYTHONPATH", "COLUMNS")
+
+
 def forwarded(env: dict) -> list[str]:
     """The variables of ``env`` a rank on another machine must see: the threads per rank, dtrain's settings
-    (``DTRAIN_TIMEOUT``, ``DTRAIN_DEBUG`` ...) and ``PYTHONPATH``. (MPICH's hydra passes every variable on by itself;
-    Open MPI passes only its own ``OMPI_MCA_*`` unless each other one is named.)"""
+    (``DTRAIN_TIMEOUT``, ``DTRAIN_DEBUG`` ...), ``PYTHONPATH`` and the terminal's width. (MPICH's hydra passes
+    every variable on by itself; Open MPI passes only its own ``OMPI_MCA_*`` unless each other one is named.)"""
     return sorted(
-        name for name in env if name in THREAD_VARIABLES or name.startswith("DTRAIN_") or name == "PYTHONPATH"
+        name for name in env if name in THREAD_VARIABLES or name.startswith("DTRAIN_") or name in FORWARDED_TOO
     )
 
 

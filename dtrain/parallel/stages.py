@@ -83,7 +83,14 @@ def hidden_for(count: int, tp: int, hidden) -> str:
     (64 when there is none): what a refusal suggests when a pipeline has more stages than the model has units."""
     layers = count if tp == 1 else 2 * count
     width = hidden[0] if hidden else 64
-    return "--hidden " + ",".join([str(width)] * (layers - 1))
+    return spelled([width] * (layers - 1))
+
+
+def spelled(hidden) -> str:
+    """``--hidden`` as a person reads it: every width, or, for many equal ones, how many of which."""
+    if len(hidden) > 6 and len(set(hidden)) == 1:
+        return f"--hidden {hidden[0]},{hidden[0]},...,{hidden[0]} ({len(hidden)} layers of {hidden[0]})"
+    return f"--hidden {','.join(map(str, hidden)) or 'none'}"
 
 
 def check_cut(hidden, shape, schedule: str, m: int, v: int) -> None:
@@ -94,7 +101,7 @@ def check_cut(hidden, shape, schedule: str, m: int, v: int) -> None:
     what = f"{layers} Linear layers" if shape.tp == 1 else (
         f"{available} column-then-row pair(s) of Linear layers to split over --tp {shape.tp} (with tensor "
         "parallelism a pipeline cuts between pairs, so that every stage has layers to split)")  # fmt: skip
-    given = f"--hidden {','.join(map(str, hidden)) or 'none'}"
+    given = spelled(hidden)
     if schedule == "interleaved":
         if v < 2 or shape.pp < 2:
             raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2 and --pp >= 2, got {v} and "

@@ -1,0 +1,111 @@
+"""dtrain.terminal: tables and paragraphs that fit the terminal, "-" as standard output, one way to say "faster"."""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from dtrain import terminal
+
+HEADER = ["paradigm", "test acc", "sent B/step", "costs()", "what to notice"]
+ROWS = [
+    ["single (1 process)", "97.77%", "0", "0", "the reference: sends nothing; holds the model and its gradients"],
+    ["ddp hierarchical (2 nodes of 2)", "97.77%", "105,040", "105,040",
+     "single's curve (to 8e-07); a node's leader sends 2.00x the gradient, the other ranks 1.00x"],
+]  # fmt: skip
+
+
+def widest(text: str) -> int:
+    return max(map(len, text.splitlines()))
+
+
+def test_without_a_limit_every_row_is_one_line_numbers_right_text_left():
+    text = terminal.table(HEADER, ROWS, left=(0, 4), width=None)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(ROWS)  # header, rule, a line per row
+    assert lines[0].startswith("paradigm   ") and lines[0].endswith("what to notice")
+    assert lines[2].startswith("single (1 process) ") and "     0        0  the reference" in lines[2]
+    assert lines[1].split("  ")[2] == "-" * len("sent B/step")
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120, 60, 40, 30])
+def test_every_width_fits_and_keeps_every_cell(columns):
+    text = terminal.table(HEADER, ROWS, left=(0, 4), notes=4, width=columns)
+    assert widest(text) <= columns, text
+    words = " ".join(text.split())
+    for row in ROWS:  # every word of every cell is still there (a wrapped cell's words are whole)
+        assert all(word in words for cell in row for word in cell.split())
+
+
+def test_at_80_columns_the_notes_go_under_the_table_each_after_its_row_name():
+    text = terminal.table(HEADER, ROWS, left=(0, 4), notes=4, width=80)
+    table, notes = text.split("\n\nwhat to notice:\n")
+    assert "what to notice" not in table
+    assert table.splitlines()[0].split() == " ".join(HEADER[:4]).split()  # (the rest fits: headers on one line)
+    assert notes.splitlines()[0] == "  single (1 process): the reference: sends nothing; holds the model and its"
+    assert notes.splitlines()[1] == "      gradients"
+
+
+def test_a_wide_enough_terminal_keeps_the_notes_in_their_column_wrapped():
+    text = terminal.table(HEADER, ROWS, left=(0, 4), notes=4, width=140)
+    lines = text.splitlines()
+    assert "what to notice:" not in text and lines[0].endswith("what to notice") and widest(text) <= 140
+    start = lines[0].index("what to notice")  # the notes' column: a wrapped note goes on in it, under itself
+    ddp = next(i for i, line in enumerate(lines) if line.startswith("ddp hierarchical"))
+    assert lines[ddp][start:].startswith("single's curve") and lines[ddp + 1][:start].strip() == ""
+    assert lines[ddp + 1][start:].split()[-1] == "1.00x"
+
+
+def test_too_many_columns_are_dealt_into_tables_that_repeat_the_key_and_keep_groups():
+    header = ["", "configuration", "step ms", "comm ms", "sent", "params", "grads", "optim", "memory"]
+    rows = [["*", "tp4", "6.49", "0.602", "1.0 MiB", "670.5 KiB", "670.5 KiB", "670.5 KiB", "3.9 MiB"]] * 3
+    text = terminal.table(header, rows, left=(0, 1), keys=2, groups=(2, 5), width=60)
+    blocks = text.split("\n\n")
+    assert len(blocks) == 2 and all("configuration" in block for block in blocks)
+    assert "params" in blocks[1] and "sent" in blocks[0]  # the memory group starts the second table
+    assert widest(text) <= 60
+
+
+def test_a_very_narrow_terminal_gets_a_block_per_row():
+    text = terminal.table(HEADER, ROWS, left=(0, 4), width=24)
+    assert widest(text) <= 24
+    assert text.splitlines()[0] == "single (1 process)" and "97.77%" in text.splitlines()[1]
+
+
+def test_columns_reads_COLUMNS_then_the_terminal_and_a_pipe_has_no_limit(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "97")
+    assert terminal.columns(io.StringIO()) == 97
+    monkeypatch.setenv("COLUMNS", "nonsense")
+    assert terminal.columns(io.StringIO()) is None
+    monkeypatch.delenv("COLUMNS")
+    assert terminal.columns(io.StringIO()) is None and terminal.prose_width(None) == terminal.PROSE
+
+
+def test_a_command_breaks_between_options_with_the_shells_continuation():
+    words = ["dtrain", "launch", "-n", "4", "-m", "dtrain", "train", "--paradigm", "tp", "--hidden", "512,512",
+             "--batch-size", "256", "--dtype", "float32", "--optimizer", "sgd", "--label", "two words"]  # fmt: skip
+    text = terminal.command(words, "    ", width=50)
+    assert widest(text) <= 50 and all(line.endswith(" \\") for line in text.splitlines()[:-1])
+    assert shlex.split(text.replace("\\\n", " ")) == words  # a shell reads the same words back
+    assert not any(line.split()[-2].startswith("-") for line in text.splitlines()[:-1])  # an option beside its value
+
+
+def test_speed_says_which_way():
+    assert terminal.speed(1.0, 1.5, "single") == "1.50x faster than single"
+    assert terminal.speed(1.5, 1.0, "single") == "1.50x slower than single"
+    assert terminal.speed(1.0, 1.001, "ddp") == "as fast as ddp"
+
+
+def test_dash_writes_to_standard_output_itself(tmp_path):
+    code = ("import sys; from dtrain import terminal; sys.stdout = sys.stderr; print('for people'); "
+            "terminal.write_output('-', 'data\\n'); terminal.write_output(sys.argv[1], b'file')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sub" / "out.bin")], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "data\n" and done.stderr == "for people\n"
+    assert (tmp_path / "sub" / "out.bin").read_bytes() == b"file"
