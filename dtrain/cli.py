@@ -476,7 +476,25 @@ def _launch(args) -> int:
         for name in sorted(set(added) - set(os.environ)):
             print(f"  {name}={added[name]}")
         return 0
-    return launcher.launch(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=env).returncode
+    return _launch_and_explain(args.ranks, target, hosts, args.oversubscribe, env)
+
+
+def _launch_and_explain(ranks: int, target: list[str], hosts, oversubscribe: bool, env: dict) -> int:
+    """Run the job; if it failed and no rank said why (a rank killed by a signal), say it in one line, and keep MPI's
+    banners off the terminal where the ending is known (:func:`dtrain.supervise.ending`). Its exit status."""
+    from dtrain import supervise
+    from dtrain.comm import launcher
+
+    watched = launcher.launch_watched(ranks, target, hosts, oversubscribe, env)
+    status = watched.returncode
+    if status in (0, EXIT_USER_ERROR):  # (a mistake in what was asked: dtrain has said it, once)
+        supervise.keep_banners(watched, known=status == EXIT_USER_ERROR)
+        return status
+    found = supervise.ending(watched)
+    supervise.keep_banners(watched, found.known)
+    if not found.reported:
+        sys.stderr.write(f"dtrain launch: {found.how}; the job ended with mpiexec's exit status {status}\n")
+    return status
 
 
 def _exercises(args) -> int:

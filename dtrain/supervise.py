@@ -62,6 +62,7 @@ DEFAULT_RESTART_DELAY_S = 2.0
 ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attempts so far (metrics.json "restarts")
 PROGRESS_FILE = "progress"  # in the checkpoint folder: the last global step rank 0 finished (8 bytes)
 JOB_FILE = "job.json"  # in the checkpoint folder: the flags of the job whose checkpoints these are
+MPI_LOG = "mpi.log"  # in the checkpoint folder: what MPI said when an attempt ended (kept off the terminal)
 # flags a job may change and still be the same job (how long, where its outputs go, how it is watched)
 NOT_THE_JOB = ("epochs", "resume", "checkpoint_dir", "out", "trace", "progress", "quiet", "timeout")
 TRAIN_MODULES = ("dtrain", "dtrain.cli")
@@ -100,6 +101,7 @@ class Job:
     env: dict = field(default_factory=dict)
     train_config: object = None  # the TrainConfig when the target is `-m dtrain train` (else None)
     fresh: bool = True  # no checkpoint of this job in the folder yet: the folder's leftovers are cleared
+    finished: str | None = None  # the folder's checkpoint is this job's last: how far it went, in words
 
 
 def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks: int | None, delay_s: float,
@@ -113,10 +115,13 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
     """
     if max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if folder is None and is_train(target):  # (given to dtrain train instead: the launcher takes it from there)
+        folder = _train_args(target).checkpoint_dir
     if folder is None:
         raise UserError(
-            "--max-restarts needs --checkpoint-dir DIR: a restart goes on from the last checkpoint there (the "
-            "launcher gives DIR to dtrain train)"
+            "--max-restarts needs --checkpoint-dir DIR, given to dtrain launch before the target (dtrain launch -n "
+            f"{ranks} --max-restarts {max_restarts} --checkpoint-dir DIR {' '.join(target[:3])} ...): a restart goes "
+            "on from the last checkpoint there"
         )
     min_ranks = ranks if min_ranks is None else min_ranks
     if not 1 <= min_ranks <= ranks:
@@ -139,6 +144,7 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
         for size in (ranks, min_ranks):
             _check_paradigm(job.train_config, size)
         job.fresh = not _check_folder(job.train_config, folder, explicit_resume="--resume" in target[3:])
+        job.finished = None if job.fresh else _finished(job.train_config, folder)
     elif checkpoint.path_in(folder).exists() or (folder / JOB_FILE).exists():
         job.fresh = False  # (another program's folder: what is in it is its business)
     return job
@@ -148,20 +154,25 @@ def is_train(target: list[str]) -> bool:
     return len(target) >= 3 and target[0] == "-m" and target[1] in TRAIN_MODULES and target[2] == "train"
 
 
+def _train_args(target: list[str]):
+    """The ``dtrain train`` flags of a ``-m dtrain train ...`` target, read as its ranks will read them."""
+    from dtrain.cli import UsageError, build_parser
+
+    try:
+        return build_parser().parse_args([w for w in target[2:] if w != "--resume"])
+    except UsageError as exc:
+        raise UserError(f"the target's flags: {exc}") from None
+
+
 def _train_target(target: list[str], folder: Path, ranks: int):
     """The target's train flags, read as its ranks will read them; it gets ``--checkpoint-dir``, never ``--resume``
     (the launcher adds that to the attempts that go on from a checkpoint), and ``--batch-size`` if it has none: the
     default batch depends on the number of ranks, and a restart on fewer must keep the global batch."""
     from dtrain import parallel
-    from dtrain.cli import UsageError, build_parser
     from dtrain.train import TrainConfig, default_batch
 
     words = [w for w in target[2:] if w != "--resume"]
-    try:
-        args = build_parser().parse_args(words)
-    except UsageError as exc:
-        raise UserError(f"the target's flags: {exc}") from None
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    given = {k: v for k, v in vars(_train_args(target)).items() if k not in ("command", "func")}
     if given.get("checkpoint_dir") is not None:
         if Path(given["checkpoint_dir"]).resolve() != folder.resolve():
             raise UserError(
@@ -224,6 +235,14 @@ def _check_folder(config, folder: Path, explicit_resume: bool) -> bool:
     )
 
 
+def _finished(config, folder: Path) -> str | None:
+    """How far the job went, if the folder's checkpoint is its end (every one of ``--epochs`` done); else None."""
+    meta = checkpoint.load(folder)["meta"]
+    if meta["epoch"] <= config.epochs:
+        return None
+    return f"{meta['epoch'] - 1} epoch(s), global step {meta['global_step']}"
+
+
 def _check_paradigm(config, world: int) -> None:
     from dtrain import parallel
 
@@ -236,7 +255,13 @@ def _check_paradigm(config, world: int) -> None:
 # --- running it --------------------------------------------------------------------------------------------------
 def run(job: Job) -> int:
     """Start the job, and again after each failure, up to ``job.max_restarts`` times; the exit status of the last try
-    (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.comm.launcher.JobInterrupted`: no restart."""
+    (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.comm.launcher.JobInterrupted`: no restart.
+    A job whose folder holds its last checkpoint has finished: that is said, and nothing runs."""
+    if job.finished is not None:
+        _say(f"dtrain launch: the job in {job.folder} has already finished ({job.finished}): nothing to run; to "
+             f"start afresh remove {job.folder} or give another --checkpoint-dir (more --epochs goes on from "
+             "it)")  # fmt: skip
+        return 0
     if job.train_config is not None and not job.train_config.checkpoint_every:
         _say(
             "dtrain launch: the target writes no checkpoint before the end (no --checkpoint-every), so a restart "
@@ -277,12 +302,14 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
         progress.unlink(missing_ok=True)
         watched = launcher.launch_watched(ranks, target, _hosts(job), job.oversubscribe, env)
         attempt.seconds, attempt.exit_status = watched.seconds, watched.returncode
+        log, title = job.folder / MPI_LOG, f"attempt {attempt.number}, exit status {watched.returncode}"
         if watched.returncode == 0:
             attempt.ended = "finished"
+            keep_banners(watched, False, log, title)
             if len(attempts) > 1:
                 _say(report(attempts))
             return 0
-        _explain(attempt, watched, faults.fired(job.folder)[before:])
+        keep_banners(watched, _explain(attempt, watched, faults.fired(job.folder)[before:]).known, log, title)
         attempt.reached_step = faults.read_progress(progress)
         if watched.returncode == EXIT_USER_ERROR:
             attempt.ended += " (exit 2: a mistake in what was asked, which a restart would repeat: not restarted)"
@@ -360,8 +387,19 @@ _EXCEPTION = re.compile(r"uncaught exception \(rank (\d+)\)")
 _ABORT = re.compile(r"MPI_Abort\(MPI_COMM_WORLD, \d+\) - process (\d+)|MPI_ABORT was invoked on rank (\d+)")
 
 
-def _explain(attempt: Attempt, watched, fired: list[dict]) -> None:
-    """Fill in which rank failed and how, from what is known for sure: the fault injector's record, dtrain's own
+@dataclass
+class Ending:
+    """How a failed job ended, as far as the launcher can tell."""
+
+    how: str  # in words: "rank 1 was killed by SIGKILL", "the watchdog found rank 2 stalled", ...
+    rank: int | None = None
+    signal: str | None = None
+    reported: bool = False  # dtrain's own report (an exception's traceback, the watchdog's) said it already
+    known: bool = True  # False: neither dtrain nor MPI said what happened (MPI's banners are then worth showing)
+
+
+def ending(watched, fired: list[dict] = ()) -> Ending:
+    """Which rank failed and how, from what is known for sure: the fault injector's record (``fired``), dtrain's own
     report (an exception, the watchdog), MPI's report of a signal, and the order the ranks' processes ended in
     (:class:`~dtrain.comm.launcher.Endings`); the first of these that speaks is believed."""
     tail, status = watched.tail, watched.returncode
@@ -370,30 +408,45 @@ def _explain(attempt: Attempt, watched, fired: list[dict]) -> None:
     if not fired:
         for pattern, how in reports:
             if found := pattern.search(tail):
-                attempt.rank = int(next(g for g in found.groups() if g is not None))
-                attempt.ended = how.format(attempt.rank)
-                return
-    signum = None
+                rank = int(next(g for g in found.groups() if g is not None))
+                return Ending(how.format(rank), rank, reported=pattern is not _ABORT)
+    rank, signum = None, None
     if found := _OPEN_MPI.search(tail):
-        attempt.rank, signum = int(found.group(1)), int(found.group(2))
+        rank, signum = int(found.group(1)), int(found.group(2))
     elif found := _EXIT_STRING.search(tail):
         signum = int(found.group(1))
     elif status > 128 and status - 128 in signal.valid_signals():
         signum = status - 128
-    if signum is not None:
-        attempt.signal = signal.Signals(signum).name
-    if attempt.rank is None:
-        attempt.rank = watched.first_to_end
+    name = signal.Signals(signum).name if signum is not None else None
+    if rank is None:
+        rank = watched.first_to_end
     if fired:
-        attempt.rank, attempt.signal = fired[-1]["rank"], fired[-1]["signal"]
-    who = f"rank {attempt.rank}" if attempt.rank is not None else "a rank (MPI's report does not say which)"
-    if attempt.signal is not None:
-        attempt.ended = f"{who} was killed by {attempt.signal}"
-    else:
-        attempt.ended = f"{who} failed (the job's exit status {status})"
+        rank, name = fired[-1]["rank"], fired[-1]["signal"]
+    who = f"rank {rank}" if rank is not None else "a rank (MPI's report does not say which)"
+    how = f"{who} was killed by {name}" if name is not None else f"{who} failed (the job's exit status {status})"
     if fired:
-        fault = fired[-1]
-        attempt.ended += f" (the fault injector, {faults.ENV_VAR}={fault['spec']}, at global step {fault['step']})"
+        how += f" (the fault injector, {faults.ENV_VAR}={fired[-1]['spec']}, at global step {fired[-1]['step']})"
+    return Ending(how, rank, name, known=name is not None or rank is not None)
+
+
+def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:
+    """Fill in which rank failed and how (:func:`ending`)."""
+    found = ending(watched, fired)
+    attempt.ended, attempt.rank, attempt.signal = found.how, found.rank, found.signal
+    return found
+
+
+def keep_banners(watched, known: bool, log: Path | None = None, title: str = "") -> None:
+    """MPI's own banners on how a job ended (:class:`~dtrain.comm.launcher.Banners`): appended to ``log`` (the run's
+    folder's ``mpi.log``) if there is one, and shown on stderr only if nothing else explained the ending."""
+    if not watched.banners:
+        return
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"--- {title}\n{watched.banners.rstrip()}\n")
+    if not known:
+        sys.stderr.write(watched.banners)
+        sys.stderr.flush()
 
 
 def report(attempts: list[Attempt]) -> str:

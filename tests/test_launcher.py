@@ -127,6 +127,10 @@ def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path, job, 
         assert not left_of(tree, ENDED_WITHIN_S), f"still running after {ENDED_WITHIN_S} s"
         assert f"{signal.Signals(signum).name}: stopping the job" in "".join(started.stderr)
         assert "Traceback" not in "".join(started.stderr), "".join(started.stderr)
+        # the launcher's own last word, and not hydra's ("[mpiexec@host] Press Ctrl-C again to force abort")
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        assert "".join(started.stderr).splitlines()[-1] == f"dtrain launch: stopped by {name}; every rank ended"
+        assert "[mpiexec@" not in "".join(started.stdout + started.stderr)
     finally:
         kill_all(tree)
 
@@ -259,3 +263,65 @@ def test_an_aborted_job_leaves_no_shared_memory_behind(tmp_path, monkeypatch):
     if not aborted_job_leaves(free_shared_memory=lambda since: None):
         pytest.skip("this MPI leaves no segment in /dev/shm when a job aborts")
     assert not aborted_job_leaves(), "an aborted job's segment was left in /dev/shm"
+
+
+# --- MPI's banners: held back when the launcher says how the job ended -------------------------------------------
+MPICH_BOX = """
+===================================================================================
+=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES
+=   PID 8389 RUNNING AT vm
+=   EXIT CODE: 9
+=   CLEANING UP REMAINING PROCESSES
+=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES
+===================================================================================
+YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)
+This typically refers to a problem with your application.
+Please see the FAQ page for debugging suggestions
+"""
+OPEN_MPI_FRAME = """--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+
+
+def filtered(text: str, chunk: int) -> tuple[str, str]:
+    """What :class:`launcher.Banners` lets through of ``text`` fed ``chunk`` bytes at a time, and what it held."""
+    banners, data, shown = launcher.Banners(), text.encode(), b""
+    for i in range(0, len(data), chunk):
+        shown += banners.feed(data[i : i + chunk])
+    shown += banners.finish()
+    return shown.decode(), banners.held.decode()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])  # however the pipe happens to cut it
+def test_mpis_banners_are_held_and_everything_else_passes_whole(chunk):
+    ours = "epoch   1/2  loss 0.8766\n= not MPI's: one equals sign\n\n[1/4] a line of ours\nno newline at the end"
+    text = ours.replace("[1/4]", MPICH_BOX + "[1/4]") + "\n" + OPEN_MPI_FRAME
+    text += "[mpiexec@vm] Sending Ctrl-C to processes as requested\n[mpiexec@vm] Press Ctrl-C again to force abort"
+    shown, held = filtered(text, chunk)
+    assert shown == ours + "\n"
+    assert held.startswith("\n=====") and "YOU CAN IGNORE" in held and "exited on signal 9" in held
+    assert held.endswith("Press Ctrl-C again to force abort")
+
+
+def test_a_frame_of_dashes_that_is_not_about_the_ending_is_shown():
+    notice = "-" * 74 + "\nA notice from Open MPI about something else.\n" + "-" * 74 + "\n"
+    assert filtered(notice, 5) == (notice, "")
+
+
+def test_a_rank_killed_under_dtrain_launch_is_one_line_of_the_launchers(tmp_path):
+    env = {**os.environ, "DTRAIN_FAULT": "1:3"}
+    done = subprocess.run([sys.executable, "-m", "dtrain", "launch", "-n", "2", "-m", "dtrain", "train", "--paradigm",
+                           "ddp", "--epochs", "1", "--quiet", "--no-progress"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 9 and done.stdout == "", done.stdout
+    assert done.stderr == "dtrain launch: rank 1 was killed by SIGKILL; the job ended with mpiexec's exit status 9\n"
+
+
+def test_a_ranks_exception_is_its_traceback_without_mpis_abort_line(tmp_path):
+    (tmp_path / "boom.py").write_text("from mpi4py import MPI\nif MPI.COMM_WORLD.Get_rank() == 1:\n    raise "
+                                      "ValueError('boom')\nMPI.COMM_WORLD.Barrier()\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "dtrain", "launch", "-n", "2", "boom.py"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("uncaught exception (rank 1), ending the job:\nTraceback")
+    assert done.stderr.endswith("ValueError: boom\n") and "Abort(" not in done.stdout + done.stderr

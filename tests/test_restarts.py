@@ -70,6 +70,9 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_weights_are_those_of_a_run_n
     assert "rank 1 was killed by SIGKILL" in result.stderr
     assert "from the checkpoint at global step 20" in result.stderr
     assert faults.fired(tmp_path / "ck")[0]["step"] == 23  # recorded: the restart went past step 23 alive
+    # MPI's own box about the dead rank is in the folder's mpi.log, not on the terminal: the launcher said it
+    assert "BAD TERMINATION" not in result.stdout + result.stderr
+    assert "BAD TERMINATION" in (tmp_path / "ck" / supervise.MPI_LOG).read_text()
 
 
 @pytest.mark.mpi
@@ -99,6 +102,36 @@ def test_a_checkpoint_write_killed_halfway_leaves_the_previous_checkpoint_loadab
     assert 0 < half < checkpoint.path_in(tmp_path).stat().st_size
     state = checkpoint.load(tmp_path)
     assert state["meta"]["global_step"] == 10 and np.array_equal(state["params"], params)
+
+
+@pytest.mark.mpi
+def test_launching_a_finished_job_again_says_so_and_runs_nothing(tmp_path):
+    flags = [*PARADIGMS["ddp"], "--epochs", "1", "--batch-size", "48", "--quiet", "--no-progress"]
+    restart = ["--max-restarts", "1", "--checkpoint-dir", "ck"]
+    first, metrics = dtrain_launch(tmp_path, "first", restart, flags)
+    assert first.returncode == 0 and metrics is not None, first.stderr
+    again, _ = dtrain_launch(tmp_path, "again", restart, flags)
+    assert again.returncode == 0 and again.stdout == ""
+    assert again.stderr == (
+        "dtrain launch: the job in ck has already finished (1 epoch(s), global step 29): nothing to run; to start "
+        "afresh remove ck or give another --checkpoint-dir (more --epochs goes on from it)\n"
+    )
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_checkpoint_folder_given_to_the_target_is_the_launchers(tmp_path):
+    """--checkpoint-dir after ``-m dtrain train`` is the train command's; the launcher takes it from there."""
+    command = [sys.executable, "-m", "dtrain", "launch", "-n", "2", "--max-restarts", "1", "--dry-run", "-m", "dtrain",
+               "train", "--paradigm", "ddp", "--checkpoint-dir", "D"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].split()[-4:] == ["--checkpoint-dir", "D", "--batch-size", "64"]
+    other = subprocess.run([*command[:9], "script.py"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert other.returncode == 2 and other.stderr == (
+        "dtrain: error: --max-restarts needs --checkpoint-dir DIR, given to dtrain launch before the target (dtrain "
+        "launch -n 2 --max-restarts 1 --checkpoint-dir DIR script.py ...): a restart goes on from the last "
+        "checkpoint there\n"
+    )
 
 
 # --- what is not restarted ------------------------------------------------------------------------------------------

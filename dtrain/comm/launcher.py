@@ -26,6 +26,7 @@ Three things a learner meets here, handled once:
 from __future__ import annotations
 
 import os
+import re
 import select
 import shutil
 import signal
@@ -219,41 +220,148 @@ class Watched:
     together, as they came), and which process was which rank (pid -> rank, for the ranks seen on this machine)."""
 
     returncode: int
-    tail: str  # the end of its stdout, then the end of its stderr
+    tail: str  # the end of its stdout, then the end of its stderr (MPI's banners included)
     ranks: dict[int, int]
     seconds: float
     ended: list[int]  # the ranks in the order their processes ended (the first: the one that died, if one did)
     first_to_end: int | None  # the rank that ended first, if that is known for sure (see Endings)
+    banners: str = ""  # MPI's own words on how the job ended, kept off the terminal (see Banners)
 
 
 TAIL_BYTES = 64 * 1024  # enough for MPI's report of a dead rank and the tracebacks before it
 
 
-def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bool = False, env=None) -> Watched:
-    """:func:`launch`, for a launcher that must say afterwards how the job ended (``dtrain launch --max-restarts``):
-    what the job writes goes on to this process's stdout and stderr as it comes, and its end is kept; every moment
-    the job runs, its processes are looked at for the rank MPI gave them (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK`` in
-    their environment), since a dead rank can no longer say who it was, and MPICH's report names only its PID.
+class Banners:
+    """Keeps MPI's own words on how a job ended out of what a person reads, line by line as the job writes.
 
-    SIGINT, SIGTERM and SIGHUP stop the whole job and raise :class:`JobInterrupted`, as with :func:`launch`."""
+    When a rank dies, MPICH's process manager prints an 11-line box ("BAD TERMINATION OF ONE OF YOUR APPLICATION
+    PROCESSES ... YOU CAN IGNORE THE BELOW CLEANUP MESSAGES"); on Ctrl-C, "[mpiexec@host] Press Ctrl-C again to force
+    abort"; after an ``MPI_Abort``, "Abort(1) on node 1 ..."; Open MPI frames its own in lines of dashes. The launcher
+    says what happened in a line of its own, so these are held back (:attr:`held`), and given to whoever explains the
+    ending: shown after all if nothing explains it, never lost. Every other line passes at once; a line still being
+    written passes as soon as it cannot be the start of one of these."""
+
+    LINE = re.compile(
+        rb"(=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*"
+        rb"|This typically refers to a problem with your application\."
+        rb"|Please see the FAQ page for debugging suggestions"
+        rb"|\[mpiexec@[^\]]*\] (Sending Ctrl-C to processes as requested|Press Ctrl-C again to force abort)"
+        rb"|\[mpiexec@[^\]]*\] \S+ \(\S+:\d+\): .*"  # hydra's own errors once its proxies are gone
+        rb"|Abort\(\d+\) on node \d+.*MPI_Abort.*|\[[^\]]*\] \*\*\* (An error occurred in|MPI_ABORT was invoked).*)"
+    )  # fmt: skip
+    STARTS = (b"=", b"-", b"YOUR APPLICATION", b"This typically", b"Please see the FAQ", b"[mpiexec@", b"Abort(", b"[")
+    DASHES = re.compile(rb"-{20,}")  # Open MPI's frame around a message
+    OPEN_MPI_ENDING = re.compile(rb"exited on signal|noticed that process rank|MPI_ABORT was invoked|aborted the job")
+
+    def __init__(self):
+        self.held = bytearray()
+        self._line = bytearray()  # the line being written, not yet decided
+        self._passing = False  # the line being written was let through: the rest of it follows
+        self._blank = False  # a blank line held: MPICH's box starts with one
+        self._frame: bytearray | None = None  # inside Open MPI's dashes
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` may be shown now."""
+        out = bytearray()
+        for piece in chunk.splitlines(keepends=True):
+            if self._passing:
+                out += piece
+                self._passing = not piece.endswith(b"\n")
+                continue
+            self._line += piece
+            if self._line.endswith(b"\n"):
+                out += self._decide(bytes(self._line))
+                self._line.clear()
+            elif not self._may_be_banner(bytes(self._line)):
+                out += self._unblank() + self._line
+                self._line.clear()
+                self._passing = True
+        return bytes(out)
+
+    def finish(self) -> bytes:
+        """What is left at the end of the stream (a last line without its newline)."""
+        out = bytearray()
+        if self._line:
+            out += self._decide(bytes(self._line))
+            self._line.clear()
+        if self._frame is not None:
+            out += self._frame
+            self._frame = None
+        return bytes(out + self._unblank())
+
+    def _may_be_banner(self, start: bytes) -> bool:
+        return self._frame is not None or any(s.startswith(start) or start.startswith(s) for s in self.STARTS)
+
+    def _decide(self, line: bytes) -> bytes:
+        text = line.rstrip(b"\r\n")
+        if self._frame is not None:  # Open MPI: hold the whole frame, then decide on what it says
+            self._frame += line
+            if not self.DASHES.fullmatch(text):
+                return b""
+            frame, self._frame = bytes(self._frame), None
+            if self.OPEN_MPI_ENDING.search(frame):
+                self.held += frame
+                return b""
+            return frame
+        if self.DASHES.fullmatch(text):
+            self._frame = bytearray(self._unblank() + line)
+            return b""
+        if not text:
+            shown = self._unblank()
+            self._blank = True
+            return shown
+        if self.LINE.fullmatch(text):
+            self.held += self._unblank(held=True) + line
+            return b""
+        return self._unblank() + line
+
+    def _unblank(self, held: bool = False) -> bytes:
+        """A blank line held back: shown (or, before a banner, held with it)."""
+        if not self._blank:
+            return b""
+        self._blank = False
+        if held:
+            self.held += b"\n"
+            return b""
+        return b"\n"
+
+
+def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bool = False, env=None) -> Watched:
+    """:func:`launch`, for a launcher that must say afterwards how the job ended (``dtrain launch``): what the job
+    writes goes on to this process's stdout and stderr as it comes, but for MPI's own banners about the ending
+    (:class:`Banners`, returned for the caller to explain or show), and its end is kept; every moment the job runs,
+    its processes are looked at for the rank MPI gave them (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK`` in their
+    environment), since a dead rank can no longer say who it was, and MPICH's report names only its PID.
+
+    SIGINT, SIGTERM and SIGHUP stop the whole job and raise :class:`JobInterrupted`, as with :func:`launch`, after
+    one line that says the job has ended (MPI's own lines about it are not shown)."""
     env = launch_env(ranks_per_host(nranks, hosts), env)
     cmd = mpiexec_command(nranks, target, None, hosts, oversubscribe, env)
     tails = (bytearray(), bytearray())
+    banners = (Banners(), Banners())
 
-    def echo(fd, sink, tail):
-        """Copy what comes on ``fd`` to ``sink`` as it comes, keeping its end; until the job closes the pipe."""
+    def echo(fd, sink, tail, banner):
+        """Copy what comes on ``fd`` to ``sink`` as it comes, but MPI's banners, keeping its end; until the job
+        closes the pipe."""
+
+        def show(data: bytes) -> None:
+            try:  # a closed terminal, or a stream without bytes, must not stop the reading (the job would block)
+                if not data:
+                    return
+                if hasattr(sink, "buffer"):
+                    sink.buffer.write(data)
+                else:
+                    sink.write(data.decode(errors="replace"))
+                sink.flush()
+            except Exception:
+                pass
+
         try:
             while chunk := os.read(fd, 65536):
-                try:  # a closed terminal, or a stream without bytes, must not stop the reading (the job would block)
-                    if hasattr(sink, "buffer"):
-                        sink.buffer.write(chunk)
-                    else:
-                        sink.write(chunk.decode(errors="replace"))
-                    sink.flush()
-                except Exception:
-                    pass
+                show(banner.feed(chunk))
                 tail.extend(chunk)
                 del tail[:-TAIL_BYTES]
+            show(banner.finish())
         finally:
             os.close(fd)
 
@@ -261,9 +369,10 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
     with Job(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as job, Endings() as endings:
         # The readers own copies of the pipes' descriptors: however the job ends, Popen closing its own never pulls
         # a descriptor from under a reader.
-        streams = ((job.process.stdout, sys.stdout, tails[0]), (job.process.stderr, sys.stderr, tails[1]))
-        readers = [threading.Thread(target=echo, args=(os.dup(pipe.fileno()), sink, tail), daemon=True)
-                   for pipe, sink, tail in streams]  # fmt: skip
+        streams = ((job.process.stdout, sys.stdout, tails[0], banners[0]),
+                   (job.process.stderr, sys.stderr, tails[1], banners[1]))  # fmt: skip
+        readers = [threading.Thread(target=echo, args=(os.dup(pipe.fileno()), sink, tail, banner), daemon=True)
+                   for pipe, sink, tail, banner in streams]  # fmt: skip
         for reader in readers:
             reader.start()
         try:
@@ -274,12 +383,20 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
                 time.sleep(0.1)
         except JobInterrupted as interrupted:
             job.stop(interrupted.signum)
+            for reader in readers:
+                reader.join(timeout=5)
+            name = "Ctrl-C" if interrupted.signum == signal.SIGINT else signal.Signals(interrupted.signum).name
+            left = job.left(within=GRACE_S)  # (a process killed a moment ago may take that moment to end)
+            _say(f"dtrain launch: stopped by {name}; every rank ended" if not left else
+                 f"dtrain launch: stopped by {name}; processes {left} could not be ended")  # fmt: skip
             raise
         for reader in readers:
             reader.join(timeout=5)  # (what the ranks wrote last is still in the pipes)
     text = "\n".join(bytes(tail).decode(errors="replace") for tail in tails)
+    held = "".join(bytes(b.held).decode(errors="replace") for b in banners)
     seconds = time.monotonic() - started
-    return Watched(job.process.returncode, text, dict(job.ranks), seconds, list(endings.order), endings.first(nranks))
+    return Watched(job.process.returncode, text, dict(job.ranks), seconds, list(endings.order),
+                   endings.first(nranks), held)  # fmt: skip
 
 
 class Endings:
@@ -370,7 +487,7 @@ class Job:
     def __init__(self, cmd: list[str], **popen_kwargs):
         self._cmd, self._popen_kwargs = cmd, popen_kwargs
         self.process: subprocess.Popen | None = None
-        self._known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
+        self.known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
         self._hurry = False
         self._previous = {}
         self.received: int | None = None  # the signal that interrupted the job, if one did
@@ -415,7 +532,7 @@ class Job:
         A second signal during the grace period means: now.
         """
         self._hurry_on_next_signal()
-        self._known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
+        self.known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signum)  # mpiexec's process group (its own session: itself, at least)
@@ -425,9 +542,18 @@ class Job:
         while not self._hurry and time.monotonic() < deadline and self._alive():
             self.process.poll()  # reap mpiexec as soon as it ends (a zombie would count as alive)
             time.sleep(0.02)
-        for pid, started in self._known.items():
+        for pid, started in self.known.items():
             _signal(pid, started, signal.SIGKILL)
         self.process.wait()
+
+    def left(self, within: float = 0.0) -> list[int]:
+        """The job's processes still running after waiting up to ``within`` seconds for them to end."""
+        deadline = time.monotonic() + within
+        while True:
+            left = [pid for pid, started in self.known.items() if _running(pid, started)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.02)
 
     def note_ranks(self) -> list[int]:
         """Look at the job's processes now, note the rank of each new one MPI started as a rank; return those pids.
@@ -435,9 +561,9 @@ class Job:
         A process that is not a rank yet may still become one (forked by MPI's proxy, its program not started), so
         it is looked at again next time; a rank's own children inherit its environment and are not ranks."""
         if self.process.poll() is None:
-            self._known.update(_tree(self.process.pid))
+            self.known.update(_tree(self.process.pid))
         new = []
-        for pid in self._known.keys() - self.ranks.keys():
+        for pid in self.known.keys() - self.ranks.keys():
             stat = _stat(pid)
             rank = _rank_of(pid) if stat is not None and stat[1] not in self.ranks else None
             if rank is not None:
@@ -459,8 +585,8 @@ class Job:
 
     def _alive(self) -> bool:
         if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
-            self._known.update(_tree(self.process.pid))
-        return any(_running(pid, started) for pid, started in self._known.items())
+            self.known.update(_tree(self.process.pid))
+        return any(_running(pid, started) for pid, started in self.known.items())
 
 
 _said: set[str] = set()
