@@ -146,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="go on from DIR/checkpoint.npz; the same world size continues bit-identically, another one works too",
     )
     t.add_argument("--out", metavar="DIR", help="write DIR/metrics.json")
-    t.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the communication (JSON)")
+    t.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write a Chrome/Perfetto trace of the communication (JSON; -: to "
+        "stdout, what is printed for people to stderr)",
+    )
     t.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     t.add_argument("--quiet", action="store_true", help="no per-epoch lines")
@@ -240,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="plot loss/accuracy of one or more runs")
     plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
-    plot.add_argument("-o", "--output", default="curves.png", help="PNG to write (default %(default)s)")
+    plot.add_argument("-o", "--output", default="curves.png", help="PNG to write, - for stdout (default %(default)s)")
 
     ex = sub.add_parser(
         "exercises",
@@ -310,8 +315,8 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
     which.add_argument("--pp", type=int, help="only grids with this many pipeline stages")
     which.add_argument("--all", action="store_true", help="every configuration (default: the 20 fastest)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="FILE", help="write the plan as JSON")
-    out.add_argument("--png", metavar="FILE", help="draw time and memory per configuration")
+    out.add_argument("--json", metavar="FILE", help="write the plan as JSON (-: to stdout, the table to stderr)")
+    out.add_argument("--png", metavar="FILE", help="draw time and memory per configuration (-: to stdout)")
     out.add_argument(
         "--check",
         type=int,
@@ -361,9 +366,12 @@ def main(argv=None) -> int:
 
             return command(args)
         if args.command == "plot":
+            from dtrain import terminal
             from dtrain.report import plot_metrics
 
-            print(plot_metrics(args.metrics, args.output))
+            written = plot_metrics(args.metrics, args.output)
+            if not terminal.to_stdout(args.output):  # ("-": the PNG itself went to stdout)
+                print(written)
             return 0
     except UsageError as exc:
         return _fail(str(exc), exc.prog)
@@ -384,8 +392,11 @@ def main(argv=None) -> int:
 
 
 def _train(args) -> int:
+    from contextlib import redirect_stdout
+
     import numpy as np
 
+    from dtrain import terminal
     from dtrain.comm import mpi, watchdog
     from dtrain.train import TrainConfig, train
 
@@ -396,12 +407,13 @@ def _train(args) -> int:
     comm = mpi.world()
     mpi.install_excepthook()  # (main did already, where its launcher's environment names the ranks; else here)
     # Overflow on the way to a NaN loss is reported once, by train(), as TrainingDiverged: no NumPy warnings first.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    # --trace -: the trace alone on stdout, what is printed for people on stderr
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), redirect_stdout(terminal.human(config.trace)):
         train(config, comm)
-    if config.out:
-        mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
-    if config.trace:
-        mpi.print0(f"trace written to {config.trace} (open it at https://ui.perfetto.dev)", comm=comm)
+        if config.out:
+            mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
+        if config.trace and not terminal.to_stdout(config.trace):
+            mpi.print0(f"trace written to {config.trace} (open it at https://ui.perfetto.dev)", comm=comm)
     return 0
 
 

@@ -6,6 +6,7 @@ and tests read these files instead of scraping printed text.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 import dtrain
+from dtrain import terminal
 
 # weights_digest lives with the model stack (paradigms use it too); the driver's callers find it here as before
 from dtrain.backend import weights_digest  # noqa: F401
@@ -209,6 +211,12 @@ def plot_metrics(paths, out_png, labels=None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
+    if terminal.to_stdout(out_png):  # "-": the PNG to standard output
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=120)
+        plt.close(fig)
+        terminal.write_output(out_png, png.getvalue())
+        return Path(out_png)
     out_png = Path(out_png)
     if not out_png.suffix:
         out_png = out_png.with_suffix(".png")  # what matplotlib writes for a bare name: report the real file

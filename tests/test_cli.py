@@ -413,3 +413,19 @@ def test_trace_that_is_a_folder_is_one_line(tmp_path):
     result = dtrain("train", "--epochs", 1, "--quiet", "--trace", tmp_path, cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1 and "--trace" in result.stderr, result.stderr
+
+
+@pytest.mark.mpi
+def test_dash_is_standard_output_for_every_output_file_and_the_words_for_people_go_to_stderr(runs, tmp_path):
+    """As in every Unix tool: ``--trace -`` (2 ranks under dtrain launch), ``plot -o -``, ``where --json -`` (and
+    ``plan --json/--png -``, tests/test_plan.py) write their data alone on stdout; no file named "-" appears."""
+    traced = ok(dtrain("launch", "-n", 2, "-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", 1, "--hidden", 8,
+                       "--no-progress", "--trace", "-", cwd=tmp_path))  # fmt: skip
+    assert {e["pid"] for e in json.loads(traced.stdout)["traceEvents"]} == {0, 1}
+    assert "epoch   1/1" in traced.stderr
+    plotted = subprocess.run([sys.executable, "-m", "dtrain", "plot", str(runs / "a"), "-o", "-"], cwd=tmp_path,
+                             capture_output=True, timeout=TIMEOUT)  # fmt: skip
+    assert plotted.returncode == 0 and plotted.stdout.startswith(b"\x89PNG\r\n\x1a\n"), plotted.stderr
+    where = ok(dtrain("launch", "-n", 2, "-m", "dtrain.comm.where", "--json", "-", cwd=tmp_path))
+    assert len(json.loads(where.stdout)["ranks"]) == 2 and "ranks 0-1" in where.stderr
+    assert not (tmp_path / "-").exists()

@@ -43,8 +43,8 @@ import contextlib
 import dataclasses
 import json
 import time
-from pathlib import Path
 
+from dtrain import terminal
 from dtrain.comm.names import IN_PLACE, PROC_NULL
 from dtrain.comm.wrapper import Collective, CommWrapper, PointToPoint, RequestWrapper, forward
 
@@ -284,7 +284,8 @@ def write_chrome_trace(path, events_per_rank: list) -> None:
     """Write one Chrome/Perfetto JSON trace with a row ("process") per rank: ``events_per_rank[r]`` is rank r's.
 
     Time is shifted so the earliest event starts at zero; the file's folder is made if need be (as metrics.json's:
-    a run must not train for an hour and then fail to write). Open the file at https://ui.perfetto.dev.
+    a run must not train for an hour and then fail to write); "-" is standard output. Open the file at
+    https://ui.perfetto.dev.
     """
     starts = [event["ts"] for events in events_per_rank for event in events]
     origin = min(starts) if starts else 0.0
@@ -295,6 +296,4 @@ def write_chrome_trace(path, events_per_rank: list) -> None:
         # Enclosing spans first (earlier start, then longer), the order viewers nest them in.
         for event in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
             trace.append({**event, "ts": round(event["ts"] - origin, 3), "pid": rank, "tid": 0})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    terminal.write_output(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))  # ("-": stdout)

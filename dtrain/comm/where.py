@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 
+from dtrain import terminal
 from dtrain.comm import mpi, ranks_on_this_node
 from dtrain.comm.names import COMM_TYPE_SHARED
 
@@ -114,7 +115,9 @@ def report(ranks: list[dict], library: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dtrain.comm.where", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="FILE", help="also write every rank's record to FILE")
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write every rank's record to FILE (-: to stdout, the report to stderr)"
+    )
     args = parser.parse_args(argv)
     from mpi4py import MPI
 
@@ -122,10 +125,9 @@ def main(argv=None) -> int:
     ranks = comm.gather(this_rank(comm), root=0)
     if comm.Get_rank() == 0:
         library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
-        print(report(ranks, library), flush=True)
+        print(report(ranks, library), file=terminal.human(args.json), flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"library": library, "ranks": ranks}, f, indent=1)
+            terminal.write_output(args.json, json.dumps({"library": library, "ranks": ranks}, indent=1) + "\n")
     return 0
 
 
