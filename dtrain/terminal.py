@@ -290,7 +290,12 @@ class Bar:
         if show and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=title, unit=unit, leave=False, dynamic_ncols=True)
+            try:  # a terminal that does not know its size (script(1) without one says 0 columns): $COLUMNS or 80
+                known = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+            except OSError:
+                known = False
+            width = {"dynamic_ncols": True} if known else {"ncols": columns(sys.stderr) or 80, "nrows": 24}
+            self.bar = tqdm(total=total, desc=title, unit=unit, leave=False, **width)
 
     def update(self, done: int) -> None:
         """``done`` steps of the total are done now."""
