@@ -36,6 +36,7 @@ import tempfile
 import numpy as np
 from lesson_util import add_device_flag, lesson_xp
 
+from dtrain import terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.comm import mpi
 from dtrain.data import ShardedLoader, load_dataset
@@ -60,10 +61,21 @@ if args.plot:
         mpi.refuse_arguments(f"--plot: {exc}")
 xp = lesson_xp(args, mpi.world())  # numpy, or cupy (--device gpu; no GPU here: one line, and exit status 2)
 
+
+def heading(text: str) -> None:
+    """A section's title, wrapped to the terminal (its later lines indented like the section)."""
+    print(terminal.paragraph(text, hanging="   "))
+
+
+def say(text: str) -> None:
+    """A paragraph of the section, indented like its tables and wrapped to the terminal."""
+    print(terminal.paragraph(text, "   "))
+
+
 # ---------------------------------------------------------------------------------------------- 1. autograd
-print("1. Autograd: y = sum(relu(w * x + b)), gradients by the chain rule vs by finite differences")
+heading("1. Autograd: y = sum(relu(w * x + b)), gradients by the chain rule vs by finite differences")
 if args.device == "gpu":
-    print("   (--device gpu: these five numbers stay on the CPU; sections 2-4 run on the GPU)")
+    say("(--device gpu: these five numbers stay on the CPU; sections 2-4 run on the GPU)")
 rng = np.random.default_rng(0)
 x = Tensor(rng.normal(size=5))
 w = Tensor(rng.normal(size=5), requires_grad=True)
@@ -78,23 +90,26 @@ def f(w_values):  # the same function on plain arrays, to differentiate numerica
 
 h = 1e-6
 numeric = np.array([(f(w.data + h * e) - f(w.data - h * e)) / (2 * h) for e in np.eye(5)])
-print(f"   dy/dw by autograd:           {np.round(w.grad, 6)}")
-print(f"   dy/dw by finite differences: {np.round(numeric, 6)}")
+gradients = {"autograd": w.grad, "finite differences": numeric}
+rows = [[how, *(f"{v:.6f}" for v in values)] for how, values in gradients.items()]
+print(terminal.table(["dy/dw by", *(f"w[{i}]" for i in range(5))], rows, indent="   "))
 assert np.allclose(w.grad, numeric, atol=1e-5)
 
 # ----------------------------------------------------------------------------------------- 2. flat buffers
 data = load_dataset("digits")
 model = MLP([data.n_features, 128, 128, data.n_classes], seed=0, xp=xp)
-print(f"\n2. The model: {model}")
-print(f"   {model.num_parameters():,} parameters, all in one buffer of {model.flat_params.nbytes:,} bytes:")
+print()
+heading(f"2. The model: {model}")
+say(f"{model.num_parameters():,} parameters, all in one buffer of {model.flat_params.nbytes:,} bytes:")
 for name, where in model.param_slices.items():
     print(f"     {name:18s} flat_params[{where.start:6d}:{where.stop:6d}]")
 first = model.layers[0].weight
 shares = xp.shares_memory(first.data, model.flat_params)
-print(f"   layers.0.weight is a view: shares memory with flat_params -> {shares}")
+say(f"layers.0.weight is a view: shares memory with flat_params -> {shares}")
 
 # -------------------------------------------------------------------------------------- 3. the training loop
-print(f"\n3. Training on digits: {data.describe()}")
+print()
+heading("3. Training on digits: " + ", ".join(f"{key}={value}" for key, value in data.describe().items()))
 optimizer = SGD(model, lr=0.05, momentum=0.9)
 loader = ShardedLoader(data.x_train, data.y_train, global_batch=64, seed=0, xp=xp)  # one rank: the whole batch
 for epoch in range(1, args.epochs + 1):
@@ -109,24 +124,28 @@ for epoch in range(1, args.epochs + 1):
     print(f"   epoch {epoch:2d}  train loss {np.mean(losses):.4f}  test accuracy {100 * test_acc:.2f}%")
 
 # -------------------------------------------------------------------------------------------- 4. the driver
-print("\n4. The same through the driver (what `dtrain train` runs), which writes metrics.json:")
+print()
+heading("4. The same through the driver (what `dtrain train` runs), which writes metrics.json:")
 with tempfile.TemporaryDirectory() as out:
     train(TrainConfig(epochs=args.epochs, out=out, progress=False, quiet=True, device=args.device))
     metrics = load_metrics(out)
     final = metrics["final"]["test_accuracy"]
-    print(
-        f"   final test accuracy {100 * final:.2f}%, {metrics['samples_per_s']:,.0f} samples/s, "
-        f"weights sha256 {metrics['weights_sha256'][:16]}..."
-    )
+    say(f"final test accuracy {100 * final:.2f}%, {metrics['samples_per_s']:,.0f} samples/s")
+    say(f"weights sha256 {metrics['weights_sha256'][:16]}...")
     # Same data, seed, model, optimizer and batches as section 3: the driver *is* that loop, to the last bit.
     same = metrics["weights_sha256"] == weights_digest(model.flat_params)
     print(f"   bit-identical to the weights of the loop in section 3: {'yes' if same else 'NO'}")
     assert same
     if args.plot:
-        print(f"   curves saved to {plot_metrics([out], args.plot, labels=['single device'])}")
-print("\nNext: lesson 2 runs the same arithmetic on several ranks, starting with the all-reduce.")
-print(
-    "\nExercises: write the backward rules yourself. `dtrain exercises init ex` once, then `dtrain exercises check "
-    "1.1 --path ex` grades ex/backward.py's matmul_backward(grad, a, b) (C = A @ B) and `... check 1.2 --path ex` "
-    "its linear_backward(grad_out, x, weight) (y = x @ W + b), against finite differences and autograd."
-)
+        say(f"curves saved to {plot_metrics([out], args.plot, labels=['single device'])}")
+print()
+print(terminal.paragraph("Next: lesson 2 runs the same arithmetic on several ranks, starting with the all-reduce."))
+print()
+print(terminal.paragraph(
+    "Exercises: write the backward rules yourself. `dtrain exercises init ex` once, then each of these commands"
+    " grades one, in ex/backward.py, against finite differences (and 1.2 against autograd too):"
+))  # fmt: skip
+for command, what in (("1.1", "matmul_backward(grad, a, b), for C = A @ B"),
+                      ("1.2", "linear_backward(grad_out, x, weight), for y = x @ W + b")):  # fmt: skip
+    print(f"  dtrain exercises check {command} --path ex")
+    print(terminal.paragraph(what, "      "))

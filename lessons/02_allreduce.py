@@ -37,14 +37,22 @@ Things to try:
   * --trace trace.json, then open https://ui.perfetto.dev and drag the file in: one row per rank, each all-reduce
     as a span with every Send/Recv inside it, and its peer and bytes in the details.
 
-Exercises (write the algorithms yourself; `dtrain exercises init ex` once copies the stubs into ex/):
-  2.1  ring all-reduce, ring_allreduce(comm, buf) in ex/ring.py:     dtrain exercises check 2.1 --path ex
-  2.2  binomial-tree broadcast, tree_broadcast(comm, buf, root):      dtrain exercises check 2.2 --path ex
-  2.3  binomial-tree reduce, tree_reduce(comm, buf, root) (tree.py):  dtrain exercises check 2.3 --path ex
-  2.4  recursive doubling with the fold for any p (doubling.py):      dtrain exercises check 2.4 --path ex
-  2.5  hierarchical all-reduce, hierarchical_allreduce(topology, buf): dtrain exercises check 2.5 --path ex
-Each check runs on simulated ranks, then under mpiexec -n 2, 3, 4, and counts who sent what to whom. A ring that
-passes trains the MLP: dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce ex/ring.py:ring_allreduce
+Exercises (write the algorithms yourself; `dtrain exercises init ex` once copies
+the stubs into ex/), each graded by the command under it:
+  2.1  ring all-reduce, ring_allreduce(comm, buf) in ex/ring.py:
+       dtrain exercises check 2.1 --path ex
+  2.2  binomial-tree broadcast, tree_broadcast(comm, buf, root) in ex/tree.py:
+       dtrain exercises check 2.2 --path ex
+  2.3  binomial-tree reduce, tree_reduce(comm, buf, root) in ex/tree.py:
+       dtrain exercises check 2.3 --path ex
+  2.4  recursive doubling with the fold for any p, in ex/doubling.py:
+       dtrain exercises check 2.4 --path ex
+  2.5  hierarchical all-reduce, hierarchical_allreduce(topology, buf):
+       dtrain exercises check 2.5 --path ex
+Each check runs on simulated ranks, then under mpiexec -n 2, 3, 4, and counts
+who sent what to whom. A ring that passes trains the MLP, with
+--allreduce ex/ring.py:ring_allreduce added to
+    dtrain launch -n 4 -m dtrain train --paradigm ddp
 """
 
 import argparse
@@ -55,6 +63,7 @@ import time
 import numpy as np
 from lesson_util import add_device_flag, everywhere, lesson_xp, parse_and_start
 
+from dtrain import terminal
 from dtrain.backend import to_host
 from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
 from dtrain.comm import mpi
@@ -133,25 +142,33 @@ def finished() -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-mpi.print0(
-    f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), "
-    f"median of {args.repeats} run(s), time = slowest rank"
-)
+def say(text: str) -> None:
+    """A paragraph, on rank 0, wrapped to the terminal (its later lines indented by one)."""
+    mpi.print0(terminal.paragraph(text, hanging=" "))
+
+
+def versus(ours: float, theirs: float, whose: str) -> str:
+    """terminal.speed's words without " than MPI", for a column whose header names MPI: "2.31x faster"."""
+    return terminal.speed(ours, theirs, whose).removesuffix(f" than {whose}").removesuffix(f" as {whose}")
+
+
+say(f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), median of {args.repeats} run(s),"
+    " time = slowest rank")  # fmt: skip
 if args.device == "gpu":
     staged = "handed to MPI as they are" if alg_comm.cuda_aware else "staged through pinned host memory"
-    mpi.print0(f"--device gpu: each rank's buffer is a CuPy array, {staged} ({alg_comm.cuda_aware_reason});\n"
-               "the times include the staging (the cost model's do not); every result is checked against MPI_Allreduce"
-               " of the host copy")  # fmt: skip
+    say(f"--device gpu: each rank's buffer is a CuPy array, {staged} ({alg_comm.cuda_aware_reason}); the times"
+        " include the staging (the cost model's do not); every result is checked against MPI_Allreduce of the host"
+        " copy")  # fmt: skip
 # The cost model numbers the ranks of K-rank nodes node * K + local rank. On real nodes of equal size a rank is priced
 # at that place, wherever mpiexec put it (a hostfile fills each machine in turn; --oversubscribe deals ranks round).
 real, place = list(nodes.node_sizes), rank
 if K is None:
-    mpi.print0(f"hierarchical: the real nodes, as MPI reports them (Split_type): sizes {real}"
-               + ("; try --ranks-per-node K to emulate nodes" if len(real) == 1 else ""))  # fmt: skip
+    say(f"hierarchical: the real nodes, as MPI reports them (Split_type): sizes {real}"
+        + ("; try --ranks-per-node K to emulate nodes" if len(real) == 1 else ""))  # fmt: skip
     if nodes.equal and len(real) > 1:
         K, place = real[0], nodes.cross.Get_rank() * real[0] + nodes.node.Get_rank()
 else:
-    mpi.print0(f"hierarchical: emulated nodes of {K} ranks, sizes {list(hierarchical.node_sizes(p, K))}")
+    say(f"hierarchical: emulated nodes of {K} ranks, sizes {list(hierarchical.node_sizes(p, K))}")
 
 for alg in algorithms:
     if alg == "hierarchical_rs" and K is not None and p % K:
@@ -219,45 +236,43 @@ if args.trace:
 if rank == 0:
     ran = [r for r in rows if "skipped" not in r]
     mpi_time = next((r["time_s"] for r in ran if r["algorithm"] == "mpi"), None)
-    print(
-        f"\n{'algorithm':22s} {'ok':>3s} {'time ms':>9s} {'busbw GB/s':>10s} {'MPI/alg':>7s} {'model ms':>9s}"
-        f" | {'rank 0 sent':>12s} {'formula':>12s} {'all ranks':>9s}"
-    )
-    print("-" * 103)
-    for r in rows:
-        title = r["algorithm"] if r["algorithm"] != "auto" else f"auto -> {r.get('name', '?')}"
-        if "skipped" in r:
-            print(f"{title:22s} skipped: {r['skipped']}")
-            continue
-        busbw = f"{r['busbw_GBps']:10.2f}" if p > 1 else f"{'-':>10s}"
-        ratio = f"{mpi_time / r['time_s']:6.2f}x" if mpi_time else f"{'-':>7s}"
-        same = "=" if r["sent"] == r["formula"] else "DIFFER"
-        print(
-            f"{title:22s} {'yes' if r['ok'] else 'NO':>3s} {1e3 * r['time_s']:9.3f} {busbw} {ratio}"
-            f" {1e3 * r['model_s']:9.3f} | {r['sent'][0]:12,d} {r['formula'][0]:12,d} {same:>9s}"
-        )
-
-    print("\nBytes sent by each rank, KiB (measured by the tracer; * where costmodel.bytes_sent says otherwise):")
-    print(f"{'algorithm':22s}" + "".join(f"{'rank ' + str(i):>10s}" for i in range(p)))
+    # One row per algorithm: time, bandwidth and speed, then (a group of its own, which a narrow terminal prints as a
+    # second table) the bytes rank 0 sent against the formula, and whether every rank's did.
+    header = ["algorithm", "ok", "time ms", "busbw GB/s", "vs MPI", "model ms", "rank 0 sent", "formula",
+              "all ranks"]  # fmt: skip
+    cells = []
     for r in ran:
-        cells = [f"{s / 1024:9.1f}" + (" " if s == f else "*") for s, f in zip(r["sent"], r["formula"])]
-        print((f"{r['name'] if r['algorithm'] != 'auto' else 'auto':22s}" + "".join(cells)).rstrip())
-    print(
-        f"(the buffer is {nbytes / 1024:.1f} KiB; a bandwidth-optimal all-reduce sends 2(p-1)/p of it per rank,"
-        f" {2 * (p - 1) / p * nbytes / 1024:.1f} KiB here.\n The mpi row is the logical volume, the buffer once:"
-        " MPI's own messages are invisible to the tracer.)"
-    )
+        title = r["algorithm"] if r["algorithm"] != "auto" else f"auto -> {r['name']}"
+        cells.append([
+            title, "yes" if r["ok"] else "NO", f"{1e3 * r['time_s']:.3f}",
+            f"{r['busbw_GBps']:.2f}" if p > 1 else "-", versus(r["time_s"], mpi_time, "MPI") if mpi_time else "-",
+            f"{1e3 * r['model_s']:.3f}", f"{r['sent'][0]:,d}", f"{r['formula'][0]:,d}",
+            "=" if r["sent"] == r["formula"] else "DIFFER",
+        ])  # fmt: skip
+    print()
+    print(terminal.table(header, cells, wrap=(), groups=(6,)))
+    for r in rows:
+        if "skipped" in r:
+            say(f"{r['algorithm']} skipped: {r['skipped']}")
+    say("(all ranks: = where every rank sent what the formula, costmodel.bytes_sent, says)")
+
+    print()
+    say("Bytes sent by each rank, KiB (measured by the tracer; * where costmodel.bytes_sent says otherwise):")
+    cells = [[r["name"] if r["algorithm"] != "auto" else "auto"]
+             + [f"{s / 1024:.1f}" + (" " if s == f else "*") for s, f in zip(r["sent"], r["formula"])]
+             for r in ran]  # fmt: skip
+    print(terminal.table(["algorithm", *(f"rank {i}" for i in range(p))], cells))
+    say(f"(the buffer is {nbytes / 1024:.1f} KiB; a bandwidth-optimal all-reduce sends 2(p-1)/p of it per rank,"
+        f" {2 * (p - 1) / p * nbytes / 1024:.1f} KiB here. The mpi row is the logical volume, the buffer once:"
+        " MPI's own messages are invisible to the tracer.)")  # fmt: skip
     m = costmodel.default_machine(p)  # the constants measured with p ranks busy: what auto chooses by
-    print(
-        f"model: alpha-beta-gamma, alpha = {m.alpha:.1e} s per message, beta = {m.beta:.1e} s per byte sent,"
-        f" gamma = {m.gamma:.1e} s per byte reduced\n (scripts/calibrate.py measures them on this machine,"
-        f" with {p} ranks busy at once)"
-    )
+    say(f"model: alpha-beta-gamma, alpha = {m.alpha:.1e} s per message, beta = {m.beta:.1e} s per byte sent,"
+        f" gamma = {m.gamma:.1e} s per byte reduced (scripts/calibrate.py measures them on this machine, with {p}"
+        " ranks busy at once)")  # fmt: skip
     if args.trace:
-        print(
-            f"\ntrace of one all-reduce per algorithm written to {args.trace}:\n open https://ui.perfetto.dev and"
-            " drag the file in (one row per rank; click a Send/Recv to see its peer and bytes)"
-        )
+        print()
+        say(f"trace of one all-reduce per algorithm written to {args.trace}: open https://ui.perfetto.dev and drag"
+            " the file in (one row per rank; click a Send/Recv to see its peer and bytes)")  # fmt: skip
 
     print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     results_ok = mpi_agrees_with_numpy and all(r["ok"] for r in ran)

@@ -47,7 +47,7 @@ import time
 import numpy as np
 from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
 
-from dtrain import collectives
+from dtrain import collectives, terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.backend import to_host
 from dtrain.collectives import costmodel
@@ -96,6 +96,21 @@ def name(sizes) -> str:
     return "-".join(map(str, sizes))
 
 
+def heading(text: str) -> None:
+    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
+    mpi.print0(terminal.paragraph(text, hanging="   "))
+
+
+def show(header: list, rows: list, **how) -> None:
+    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, indent="   ", **how))
+
+
+def versus(ours: float, theirs: float, whose: str) -> str:
+    """terminal.speed's words without " than <whose>", for a column whose header names whose: "2.31x faster"."""
+    return terminal.speed(ours, theirs, whose).removesuffix(f" than {whose}").removesuffix(f" as {whose}")
+
+
 FIRST = {k: world.Split(0 if rank < k else MPI.UNDEFINED, rank) for k in RANKS}  # ranks 0..k-1; others: COMM_NULL
 
 
@@ -106,7 +121,8 @@ def on_first(k: int, work):
     return result
 
 
-mpi.print0(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(str, RANKS))} rank(s) compared\n")
+mpi.print0(terminal.paragraph(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(str, RANKS))} rank(s)"
+                               " compared") + "\n")  # fmt: skip
 
 # ------------------------------------------------------------------------ 1. the average IS the big-batch gradient
 # The global batch's loss is the mean of its B per-sample losses. Cut into p equal slices, that is the mean over
@@ -114,7 +130,7 @@ mpi.print0(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(s
 # average of the slice gradients must be the gradient one process computes on the whole batch. In float64 we see
 # that it is, to the last bits (the additions merely happen in another order). Equal slices matter: a mean of means
 # of unequal slices is not the mean (that is why the global batch must divide by p, see dtrain/data.py).
-mpi.print0(f"1. One global batch of {B} digits, {B // p} per rank: the average of the slice gradients")
+heading(f"1. One global batch of {B} digits, {B // p} per rank: the average of the slice gradients")
 x64 = digits.x_train.astype(np.float64)
 x_mine, y_mine = next(ShardedLoader(x64, digits.y_train, B, rank, p, seed=0, xp=xp).epoch(1))  # my slice of batch 0
 x_all, y_all = next(ShardedLoader(x64, digits.y_train, B, seed=0, xp=xp).epoch(1))  # the whole of batch 0
@@ -138,9 +154,10 @@ my_grad, full_grad, averaged = to_host(my_grad), to_host(full_grad), to_host(ave
 own_error, error = np.abs(my_grad - full_grad).max(), np.abs(averaged - full_grad).max()
 rows = world.gather((own_error, error), root=0)
 if rank == 0:
-    for r, (own, avg) in enumerate(rows):
-        print(f"   rank {r}: its own slice's gradient is off by up to {own:.3f}; the average, by {avg:.1e}")
-    print(f"   loss: mean of the {p} slice losses {mean_loss:.15f}, whole batch {full_loss:.15f}")
+    say("How far from the whole batch's gradient (largest difference):")
+    show(["rank", "its own slice's gradient", "the average"],
+         [[str(r), f"{own:.3f}", f"{avg:.1e}"] for r, (own, avg) in enumerate(rows)], left=())  # fmt: skip
+    say(f"loss: mean of the {p} slice losses {mean_loss:.15f}, whole batch {full_loss:.15f}")
     results["gradient"] = {
         "max_difference": max(avg for _, avg in rows),
         "own_slice_difference": [own for own, _ in rows],
@@ -153,20 +170,21 @@ checks.ok("the average of the slice gradients is the whole batch's gradient",
 # The same run (seed, global batch, learning rate) on 1, 2 and 4 ranks, through dtrain's driver: the loss curves
 # must coincide. In float32 the all-reduce adds the slices' gradients in another order than one process's matrix
 # product adds the samples', so they agree to ~1e-8, not to the bit (the weights' digests differ).
-mpi.print0(f"\n2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
+mpi.print0()
+heading(f"2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
 config = TrainConfig(paradigm="ddp", epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=B,
                      allreduce="ring", progress=False, quiet=True, device=args.device)  # fmt: skip
 runs = {k: on_first(k, lambda sub: train(config, sub)) for k in RANKS}
 training_ok = True
 if rank == 0:
     curves = {k: [e["train_loss"] for e in runs[k]["epochs"]] for k in RANKS}
-    print(f"   {'epoch':>5s}" + "".join(f"{f'loss on {k}':>17s}" for k in RANKS) + "   test accuracy")
-    for e in range(args.epochs):
-        accuracy = " ".join(f"{100 * runs[k]['epochs'][e]['test_accuracy']:.2f}%" for k in RANKS)
-        print(f"   {e + 1:5d}" + "".join(f"{curves[k][e]:17.9f}" for k in RANKS) + f"   {accuracy}")
+    show(["epoch", *(f"loss on {k}" for k in RANKS), *(f"test accuracy on {k}" for k in RANKS)],
+         [[str(e + 1), *(f"{curves[k][e]:.9f}" for k in RANKS),
+           *(f"{100 * runs[k]['epochs'][e]['test_accuracy']:.2f}%" for k in RANKS)] for e in range(args.epochs)],
+         left=(), groups=(1, 1 + len(RANKS)))  # fmt: skip
     spread = max(abs(a - b) for k in RANKS for a, b in zip(curves[k], curves[1]))
     speeds = ", ".join(f"{k} rank(s) {runs[k]['samples_per_s']:,.0f}" for k in RANKS)
-    print(f"   largest difference from the 1-rank curve: {spread:.1e}; samples/s: {speeds}")
+    say(f"largest difference from the 1-rank curve: {spread:.1e}; samples/s: {speeds}")
     results["training"] = {
         str(k): {
             "train_loss": curves[k],
@@ -239,7 +257,8 @@ def mean_over_ranks(rows: list, key: str) -> float:
 # per bucket per step, so buckets change the number of messages (2(p-1) per bucket), not the bytes. The tracer
 # counts; DataParallel.costs() predicts, exactly, chunk by chunk; the formula is exact up to one element per chunk.
 n = parameter_count(BIG) * 4
-mpi.print0(f"\n3. Bytes sent per step by each rank: {name(BIG)}, n = {n:,} bytes of gradients, {p} rank(s)")
+mpi.print0()
+heading(f"3. Bytes sent per step by each rank: {name(BIG)}, n = {n:,} bytes of gradients, {p} rank(s)")
 bytes_ok, results["bytes"] = True, []
 for bucket_mb in (0.0, args.bucket_mb):
     run = Run(world, BIG, wide, BIG_B, bucket_mb=bucket_mb, warmup=1)
@@ -252,10 +271,10 @@ for bucket_mb in (0.0, args.bucket_mb):
         predicted = DataParallel.costs(BIG, p, run.config)["sent_per_step"]
         m = len(mine["buckets"])
         formula = sum(2 * (p - 1) / p * b for b in mine["buckets"])
-        print(f"   {m} bucket(s) of {', '.join(f'{b:,}' for b in mine['buckets'])} bytes:")
-        print(f"   {'rank':>6s} {'tracer':>12s} {'costs()':>12s} {'2(p-1)/p n':>12s} {'messages':>9s}")
-        for r in range(p):
-            print(f"   {r:6d} {measured[r]:12,d} {predicted[r]:12,d} {formula:12,.0f} {messages[r]:9d}")
+        say(f"{m} bucket(s) of {', '.join(f'{b:,}' for b in mine['buckets'])} bytes:")
+        show(["rank", "tracer", "costs()", "2(p-1)/p n", "messages"],
+             [[str(r), f"{measured[r]:,d}", f"{predicted[r]:,d}", f"{formula:,.0f}", str(messages[r])]
+              for r in range(p)], left=())  # fmt: skip
         exact = measured == predicted and messages == [2 * (p - 1) * m] * p
         close = all(abs(b - formula) <= 2 * 4 * m for b in measured)  # < one float32 per phase and bucket
         bytes_ok = bytes_ok and exact and close
@@ -268,16 +287,18 @@ checks.ok("bytes per step match DataParallel.costs() and 2(p-1)/p n on every ran
 # --------------------------------------------------------------------------------- 4. buckets, overlap, timeline
 # Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its
 # all-reduce while backward is still computing the earlier layers' gradients. Where each bucket lies:
-mpi.print0(f"\n4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s), --bucket-mb {args.bucket_mb:g}")
+mpi.print0()
+heading(f"4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s), --bucket-mb {args.bucket_mb:g}")
 model = MLP(BIG, seed=0, xp=xp)
 layout = [(where.start, where.stop - where.start, 4) for where in model.param_slices.values()]
 names = list(model.param_slices)
-for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20)))):
-    parameters = ", ".join(names[i] for i in sorted(members))
-    mpi.print0(f"   bucket {b}: flat_grads[{start:,}:{stop:,}], {4 * (stop - start):,} bytes: {parameters}")
+show(["bucket", "flat_grads slice", "bytes", "parameters"],
+     [[str(b), f"[{start:,}:{stop:,}]", f"{4 * (stop - start):,}", ", ".join(names[i] for i in sorted(members))]
+      for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20))))],
+     left=(1, 3), wrap=(3,))  # fmt: skip
 
 if p == 1:
-    mpi.print0("   one rank: nothing to all-reduce, so no timeline (run with dtrain launch -n 2 or more)")
+    say("one rank: nothing to all-reduce, so no timeline (run with dtrain launch -n 2 or more)")
 else:
     # The same steps with overlap on and off, interleaved step by step so both see the same machine.
     on, off = (Run(world, BIG, wide, BIG_B, overlap=o, bucket_mb=args.bucket_mb) for o in (True, False))
@@ -288,30 +309,34 @@ else:
     timelines, events = world.gather(on.timeline(), root=0), world.gather(on.events, root=0)
     if rank == 0:
         # A picture of the last step with overlap, in text: a line per rank and span, "#" backward, "0" bucket 0 ...
+        # As wide as the terminal allows, 64 characters at most: 31 go to the indent, the names and the two bars.
         origin = min(lo for t in timelines for lo, _ in t.values())
         end = max(hi for t in timelines for _, hi in t.values())
-        scale = 64 / (end - origin)
-        print(
-            f"   the last step with overlap on ({(end - origin) / 1e3:.1f} ms), as DataParallel put it on the timeline:"
-        )
+        label = max(len(span) for t in timelines for span in t)
+        width = max(16, min(64, (terminal.columns() or 100) - (3 + 7 + label + 3)))
+        scale = width / (end - origin)
+        say(f"the last step with overlap on ({(end - origin) / 1e3:.1f} ms), as DataParallel put it on the timeline:")
         for r, t in enumerate(timelines):
             for i, (span, (lo, hi)) in enumerate(sorted(t.items(), key=lambda item: item[1])):
-                a = int((lo - origin) * scale)
+                a = min(int((lo - origin) * scale), width - 1)
                 mark = "#" if span == "backward" else span.split()[1][-1] if span.startswith("bucket") else "*"
-                cells = (" " * a + mark * max(1, int((hi - origin) * scale) - a)).ljust(64)
-                print(f"   {f'rank {r}' if i == 0 else '':6s} {span:18s} |{cells}|")
+                cells = (" " * a + mark * max(1, int((hi - origin) * scale) - a)).ljust(width)
+                print(f"   {f'rank {r}' if i == 0 else '':6s} {span:{label}s} |{cells}|")
         results["timeline"] = [
             {span: [(v - origin) / 1e3 for v in times] for span, times in t.items()} for t in timelines
         ]
 
         # What the ranks measured (DataParallel's own timing, mean over ranks, ms per step)
-        print(f"\n   {'':11s} {'ms/step':>8s} {'backward':>9s} {'waiting after it':>17s} {'buckets in flight':>18s}"
-              f" {'of which during backward':>25s}")  # fmt: skip
+        print()
+        say("What the ranks measured, ms per step (the step: the slowest rank's; the rest: DataParallel's own"
+            " timing, the mean over ranks):")  # fmt: skip
+        cells = []
         for variant, rows in figures.items():
             mean = {k: mean_over_ranks(rows, k) for k in ("backward_s", "exposed_comm_s", "in_flight_s", "hidden_s")}
-            print(f"   overlap {variant:3s} {rows[0]['ms_per_step']:8.2f} {mean['backward_s']:9.2f}"
-                  f" {mean['exposed_comm_s']:17.2f} {mean['in_flight_s']:18.2f} {mean['hidden_s']:25.2f}")  # fmt: skip
+            ms = [rows[0]["ms_per_step"], *mean.values()]
+            cells.append([f"overlap {variant}", *(f"{v:.2f}" for v in ms)])
             results.setdefault("overlap", {})[variant] = {"ms_per_step": rows[0]["ms_per_step"], **mean}
+        show(["", "whole step", "backward", "waiting after it", "buckets in flight", "of which during backward"], cells)
         with_, without = figures["on"][0]["ms_per_step"], figures["off"][0]["ms_per_step"]
         fraction = mean_over_ranks(figures["on"], "hidden_s") / mean_over_ranks(figures["on"], "in_flight_s")
         change = (without - with_) / without
@@ -321,11 +346,9 @@ else:
             else f"made no clear difference ({100 * change:+.0f}%)"
         )  # fmt: skip
         results["overlap"]["fraction"], results["overlap"]["saved"] = fraction, change
-        print(
-            f"   overlap_fraction {fraction:.2f}: the share of the buckets' time in flight during which backward was "
-            f"still running.\n   Against all-reduces after backward, overlap {verdict} here\n   (median step of "
-            f"{args.steps}, overlap on and off interleaved step by step)."
-        )
+        say(f"overlap_fraction {fraction:.2f}: the share of the buckets' time in flight during which backward was"
+            f" still running. Against all-reduces after backward, overlap {verdict} here (median step of"
+            f" {args.steps}, overlap on and off interleaved step by step).")  # fmt: skip
         # Why time in flight says little about bytes moved, on a CPU (see data_parallel.py and docs/benchmarks.md)
         say(
             "In flight is not moving: a bucket's ring advances only when its rank calls into MPI (in the gradient-"
@@ -336,7 +359,7 @@ else:
         )
         if args.trace:  # every rank's row: its backward, its buckets in flight, every message
             write_chrome_trace(args.trace, events)
-            print(f"   that step's trace written to {args.trace}: open https://ui.perfetto.dev and drag the file in")
+            say(f"that step's trace written to {args.trace}: open https://ui.perfetto.dev and drag the file in")
 
 # ----------------------------------------------------------------------------------- 5. when not to distribute
 # Per step each rank computes forward and backward on its B/p samples, about 6 N B/p floating-point operations for N
@@ -346,8 +369,9 @@ else:
 # step. Timed for a small model on a small batch and a big one on a big batch; the world sizes interleaved round by
 # round (the ranks not in a round sleep).
 rounds = 4
-mpi.print0(f"\n5. When not to distribute: ms per step on {RANKS} ranks (median of {rounds * (args.steps // rounds)}"
-           " steps, slowest rank)")  # fmt: skip
+mpi.print0()
+heading(f"5. When not to distribute: ms per step on {RANKS} ranks (median of {rounds * (args.steps // rounds)} steps,"
+        " slowest rank)")  # fmt: skip
 timing = []
 for sizes, data, batch in ((SMALL, digits, B), (BIG, wide, BIG_B)):
     runs = {k: on_first(k, lambda sub, s=sizes, d=data, b=batch: Run(sub, s, d, b)) for k in RANKS}
@@ -366,36 +390,40 @@ for sizes, data, batch in ((SMALL, digits, B), (BIG, wide, BIG_B)):
                 "model_ms": 1e3 * costmodel.predict_time("ring", grad_bytes, k) if k > 1 else 0.0,
             })  # fmt: skip
 if rank == 0:
-    print(f"   {'model':>15s} {'gradient':>10s} {'batch':>5s} {'ranks':>5s} {'MFLOP/rank':>10s} {'ms/step':>8s}"
-          f" {'rest':>9s} {'waiting':>9s} {'cost model':>10s} {'speed-up':>8s}")  # fmt: skip
+    cells = []
     for t in timing:
         one = next(u for u in timing if u["model"] == t["model"] and u["ranks"] == 1)
         t["speedup"] = one["ms_per_step"] / t["ms_per_step"]
-        print(
-            f"   {t['model']:>15s} {t['gradient_bytes']:>10,d} {t['batch']:5d} {t['ranks']:5d}"
-            f" {t['mflop_per_rank']:10.2f} {t['ms_per_step']:8.2f} {t['rest_ms']:9.2f}"
-            f" {t['waiting_ms']:9.2f} {t['model_ms']:10.2f} {t['speedup']:7.2f}x"
-        )
+        cells.append([t["model"], str(t["ranks"]), str(t["batch"]), f"{t['gradient_bytes']:,d}",
+                      f"{t['mflop_per_rank']:.2f}", f"{t['ms_per_step']:.2f}", f"{t['rest_ms']:.2f}",
+                      f"{t['waiting_ms']:.2f}", f"{t['model_ms']:.2f}",
+                      versus(t["ms_per_step"], one["ms_per_step"], "1 rank") if t["ranks"] > 1 else "-"])  # fmt: skip
+    # The model and the ranks name a row; what a step computes, then what it took (a second table if need be)
+    show(["model", "ranks", "batch", "gradient bytes", "MFLOP per rank", "ms per step", "rest", "waiting",
+          "cost model", "vs 1 rank"], cells, keys=2, groups=(5,))  # fmt: skip
     say(
-        "(gradient in bytes; MFLOP/rank ~ 6 N B/p; times in ms; rest: the busiest rank's forward, backward and update,"
-        " i.e. its step but for its wait after backward; waiting = ms/step - rest; cost model: the ring all-reduce of"
-        " the gradient as costmodel.predict_time prices it)"
+        "(MFLOP per rank ~ 6 N B/p; times in ms; rest: the busiest rank's forward, backward and update, i.e. its step"
+        " but for its wait after backward; waiting = ms per step - rest; cost model: the ring all-reduce of the"
+        " gradient as costmodel.predict_time prices it; vs 1 rank: the step against the same model's on one rank)"
     )
     results["timing"] = timing
     for model_name in dict.fromkeys(t["model"] for t in timing if p > 1):
         mine = [t for t in timing if t["model"] == model_name]
         best = max(mine, key=lambda t: t["speedup"])
         worst = min(mine, key=lambda t: t["speedup"])
+        one_ms = mine[0]["ms_per_step"]
         if best["ranks"] == 1:
-            print(f"   {model_name}: fastest on ONE rank; on {worst['ranks']} ranks {1 / worst['speedup']:.1f}x slower")
+            say(f"{model_name}: fastest on ONE rank; on {worst['ranks']} ranks"
+                f" {terminal.speed(worst['ms_per_step'], one_ms, 'one rank')}")  # fmt: skip
         else:
-            print(f"   {model_name}: fastest on {best['ranks']} ranks, {best['speedup']:.2f}x one rank's speed")
+            say(f"{model_name}: fastest on {best['ranks']} ranks,"
+                f" {terminal.speed(best['ms_per_step'], one_ms, 'one rank')}")  # fmt: skip
         # Did the ranks' arithmetic run in parallel? k ranks compute 1/k of the batch each: on k free cores the rest
         # of the step (all but the waiting) gets up to k times faster. Less: the cores were not free (more ranks than
         # cores, or other programs), or the step is mostly fixed overhead that does not divide.
-        rest = ", ".join(f"{mine[0]['ms_per_step'] / t['rest_ms']:.1f}x ({t['ranks']} ranks)" for t in mine[1:])
-        print(f"      without the waiting, its step ran at {rest} one rank's speed; {usable_cores()} cores allow"
-              f" {min(usable_cores(), p)}x at most")  # fmt: skip
+        rest = ", ".join(f"on {t['ranks']} ranks {terminal.speed(t['rest_ms'], one_ms, 'one rank')}" for t in mine[1:])
+        mpi.print0(terminal.paragraph(f"without the waiting, its step ran {rest}; {usable_cores()} cores allow"
+                                      f" {min(usable_cores(), p)}x faster at most", "      "))  # fmt: skip
     why = (
         "Each rank's arithmetic shrinks with p, the all-reduce does not: 2(p-1) latencies and 2(p-1)/p n bytes per"
         " rank per step, however little there is to compute"
@@ -417,9 +445,11 @@ if rank == 0:
         " per rank."
     )
 
-mpi.print0(
-    "\nExercises: `dtrain exercises init ex` once, then `dtrain exercises check 3.1 --path ex` grades your "
-    "buckets_to_start(missing, started, bucket) (which buckets a gradient hook may start, in order) and `... "
-    "check 3.2 --path ex` your plan_buckets(parameters, bucket_bytes), both in ex/buckets.py."
-)
+mpi.print0()
+mpi.print0(terminal.paragraph("Exercises: `dtrain exercises init ex` once, then each of these commands grades one"
+                              " function of yours in ex/buckets.py:"))  # fmt: skip
+for exercise, what in (("3.1", "buckets_to_start(missing, started, bucket): which buckets a gradient hook may start,"
+                               " in order"), ("3.2", "plan_buckets(parameters, bucket_bytes)")):  # fmt: skip
+    mpi.print0(f"  dtrain exercises check {exercise} --path ex")
+    mpi.print0(terminal.paragraph(what, "      "))
 conclude(args.json, results, checks)

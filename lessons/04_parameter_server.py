@@ -37,12 +37,16 @@ Things to try:
   * dtrain train --paradigm ps-async --staleness 1 --slow-rank 1 --slow-factor 5: the bound makes the fast workers
     wait for the straggler, and the staleness histogram shrinks (see metrics.json, docs/metrics.md).
 
-Exercises (write them yourself; `dtrain exercises init ex` once copies the stubs into ex/):
-  4.1  a worker's push and pull: each server its slice of the gradient (PUSH), its slice of the weights back
-       (WEIGHTS), all in flight together:     dtrain exercises check 4.1 --path ex
-  4.2  the stale-synchronous gate: which held workers a server may answer, within K steps of the slowest:
+Exercises (write them yourself; `dtrain exercises init ex` once copies the stubs
+into ex/), each graded by the command under it:
+  4.1  a worker's push and pull: each server its slice of the gradient (PUSH),
+       its slice of the weights back (WEIGHTS), all in flight together:
+       dtrain exercises check 4.1 --path ex
+  4.2  the stale-synchronous gate: which held workers a server may answer,
+       within K steps of the slowest:
        dtrain exercises check 4.2 --path ex
-4.1 runs on simulated ranks and under mpiexec, the checker's own servers on the last ranks; 4.2 in one process.
+4.1 runs on simulated ranks and under mpiexec, the checker's own servers on the
+last ranks; 4.2 in one process.
 """
 
 import argparse
@@ -55,7 +59,7 @@ import tempfile
 import numpy as np
 from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
 
-from dtrain import checkpoint
+from dtrain import checkpoint, terminal
 from dtrain.comm import mpi, usable_cores
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.parameter_server import DONE, END, PULL, PUSH, WEIGHTS, ParameterServer
@@ -120,8 +124,9 @@ def pushes(metrics) -> list:
             if role == "worker"]  # fmt: skip
 
 
-def arrow(src: int, dst: int, text: str, columns: int, width: int = 22) -> str:
-    """One line of a sequence diagram: a lifeline "|" per rank, an arrow from src's to dst's with text on it."""
+def arrow(src: int, dst: int, columns: int, width: int) -> str:
+    """One line of a sequence diagram, ``columns * width`` characters: a lifeline "|" per rank, in the middle of its
+    ``width`` characters, and an arrow from src's to dst's."""
     cells = [" "] * (columns * width)
     for c in range(columns):
         cells[c * width + width // 2] = "|"
@@ -129,11 +134,17 @@ def arrow(src: int, dst: int, text: str, columns: int, width: int = 22) -> str:
     lo, hi = min(a, b), max(a, b)
     cells[lo + 1 : hi] = "-" * (hi - lo - 1)
     cells[hi - 1 if b > a else lo + 1] = ">" if b > a else "<"
-    label = f" {text} "
-    if len(label) <= hi - lo - 3:
-        start = lo + 2 + (hi - lo - 3 - len(label)) // 2
-        cells[start : start + len(label)] = label
-    return "".join(cells).rstrip()
+    return "".join(cells)
+
+
+def heading(text: str) -> None:
+    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
+    mpi.print0(terminal.paragraph(text, hanging="   "))
+
+
+def show(header: list, rows: list, **how) -> None:
+    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, indent="   ", **how))
 
 
 mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); global batch {B} digits\n")
@@ -143,7 +154,7 @@ mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); 
 # worker order) and takes one optimizer step. The average of the slice gradients is the whole batch's gradient
 # (lesson 3), so ps-sync must follow one process training on the whole global batch, to rounding: in float64, ~1e-16.
 # The oracle: dtrain's driver with --paradigm single, on a one-rank simulated world, on rank 0 alone.
-mpi.print0("1. Roles and the protocol: ps-sync (float64, 1 epoch) against one process on the whole global batch")
+heading("1. Roles and the protocol: ps-sync (float64, 1 epoch) against one process on the whole global batch")
 SYNC64 = dict(paradigm="ps-sync", dtype="float64", epochs=1)
 folders = {s: shared_folder() for s in SERVERS}
 trace_path = os.path.join(folders[1], "trace.json")
@@ -179,16 +190,29 @@ if rank == 0:
     messages = [{"t_ms": e["ts"] / 1e3, "src": e["pid"], "dst": e["args"]["peer"], "tag": TAGS[e["args"]["tag"]],
                  "bytes": e["args"].get("bytes_sent", 0)} for e in sends]  # fmt: skip
     results["protocol"]["messages"] = messages
-    print(f"\n   the one-server run as it happened on the real ranks (its trace: each rank's sends by start time;"
-          f" {len(messages)} messages in all)")  # fmt: skip
-    print("   " + "".join(f"{f'rank {r} ' + ('server' if r == W else 'worker'):^22s}" for r in range(p)).rstrip())
+    print()
+    say(f"the one-server run as it happened on the real ranks (its trace: each rank's sends by start time;"
+        f" {len(messages)} messages in all)")  # fmt: skip
     first, last = 4 * W, 3 * W  # the pulls and the first step; the last step and the DONEs
     shown = messages if len(messages) <= first + last else [*messages[:first], None, *messages[-last:]]
-    for m in shown:
-        if m is None:
-            print("   " + (" " * 11 + ":" + " " * 10) * p + "   ... every step ...")
-        else:
-            print("   " + arrow(m["src"], m["dst"], f"{m['tag']} {m['bytes']:,} B", p) + f"   {m['t_ms']:9.3f} ms")
+    # A lifeline per rank, each as wide as the terminal leaves beside each message's words and time (22 at most)
+    labels = [f"{m['tag']} {m['bytes']:,} B" if m else "... every step ..." for m in shown]
+    times = [f"{m['t_ms']:.3f} ms" if m else "" for m in shown]
+    beside = 2 + max(map(len, labels)) + 2 + max(map(len, times))
+    room = (terminal.columns() or 100) - 3 - beside  # for the lifelines: each rank's in the middle of its width
+    width = next((w for w in range(22, 3, -1) if (p - 1) * w + w // 2 + 1 <= room), 3)
+    span = (p - 1) * width + width // 2 + 1  # up to the last lifeline
+    names = [(f"rank {r}", "server" if r == W else "worker") if width >= 8 else (str(r), "s" if r == W else "w")
+             for r in range(p)]  # fmt: skip
+    for line in range(2):
+        print(("   " + "".join(f"{name[line]:^{width}s}" for name in names)).rstrip())
+    for m, label, time_ in zip(shown, labels, times):
+        drawing = (" " * (width // 2) + ":" + " " * (width - width // 2 - 1)) * p if m is None else arrow(
+            m["src"], m["dst"], p, width)  # fmt: skip
+        drawing = drawing[:span]
+        print(f"   {drawing}  {label:{max(map(len, labels))}s}  {time_:>{max(map(len, times))}s}".rstrip())
+    if width < 8:
+        say("(w: a worker, s: the server)")
     say(
         "Each worker PULLs the first weights (0 bytes asked, n bytes back); each step it PUSHes its gradient (n bytes)"
         " and waits. ps-sync: the server answers once all W pushes are in, WEIGHTS to every worker (END instead at"
@@ -199,7 +223,7 @@ if rank == 0:
         final = checkpoint.load(folders[s])["params"]
         difference = relative(final, reference)
         results["protocol"]["relative_difference"][s] = difference
-        print(f"   --servers {s}: final weights against one process, largest relative difference {difference:.1e}")
+        say(f"--servers {s}: final weights against one process, largest relative difference {difference:.1e}")
         protocol_ok = protocol_ok and difference < 1e-12
 for folder in folders.values():
     if rank == 0:
@@ -211,7 +235,8 @@ checks.ok("ps-sync's weights are one process's on the whole global batch", proto
 # once: nobody waits for anybody, but a worker's gradient was computed on weights that other pushes have changed
 # since. An epoch is a budget of W x steps pushes shared by the workers. --staleness K: a worker more than K steps
 # ahead of the slowest is not answered until the slowest catches up (stale-synchronous parallel).
-mpi.print0(f"\n2. Synchronous against asynchronous: 64-32-10 on digits, {args.epochs} epoch(s), {W} workers + 1 server")
+mpi.print0()
+heading(f"2. Synchronous against asynchronous: 64-32-10 on digits, {args.epochs} epoch(s), {W} workers + 1 server")
 RUNS = {  # name: overrides
     "ps-sync": dict(paradigm="ps-sync"),
     "ps-async": dict(paradigm="ps-async"),
@@ -232,24 +257,23 @@ if rank == 0:
         | {"samples_per_s": m["samples_per_s"]}
         for name, m in curves.items()
     }
-    print("   train loss (the global batch's, averaged over the epoch) and test accuracy after each epoch:")
-    print(f"   {'epoch':>9s}" + "".join(f"{name:>26s}" for name in curves))
-    for e in range(args.epochs):
-        print(f"   {e + 1:9d}" + "".join(
-            f"{m['epochs'][e]['train_loss']:17.4f} {100 * m['epochs'][e]['test_accuracy']:7.2f}%"
-            for m in curves.values()))  # fmt: skip
-    print(f"   {'samples/s':>9s}" + "".join(f"{m['samples_per_s']:17,.0f}         " for m in curves.values()))
+    say("train loss (the global batch's, averaged over the epoch) and test accuracy after each epoch:")
+    show(["epoch", *(f"{name} loss" for name in curves), *(f"{name} accuracy" for name in curves)],
+         [[str(e + 1), *(f"{m['epochs'][e]['train_loss']:.4f}" for m in curves.values()),
+           *(f"{100 * m['epochs'][e]['test_accuracy']:.2f}%" for m in curves.values())] for e in range(args.epochs)],
+         left=(), groups=(1, 1 + len(curves)))  # fmt: skip
+    say("samples/s: " + ", ".join(f"{name} {m['samples_per_s']:,.0f}" for name, m in curves.items()))
     accuracy = {name: curves[name]["final"]["test_accuracy"] for name in curves}
     gap = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(curves["ps-sync"]["epochs"],
                                                                        curves["ddp"]["epochs"]))  # fmt: skip
-    print(f"   ps-sync against ddp: loss curves within {gap:.1e} (the same global batch, float32 rounding)")
+    say(f"ps-sync against ddp: loss curves within {gap:.1e} (the same global batch, float32 rounding)")
     asynchronous_ok = all(accuracy[name] >= 0.90 for name in ("ps-async", "ps-async K=2"))
     checks.ok_here("ps-async reaches 90% test accuracy (with and without a bound)", asynchronous_ok,
                    f" ({100 * accuracy['ps-async']:.2f}%, {100 * accuracy['ps-async K=2']:.2f}%)")  # fmt: skip
     checks.ok_here("ps-sync's loss curve is ddp's", gap < 1e-5)
     equal = relative(checkpoint.load(folders["ps-async K=0"])["params"], checkpoint.load(folders["ps-sync"])["params"])
     results["lockstep_relative_difference"] = equal
-    print(f"   ps-async --staleness 0 against ps-sync, no momentum, float64: largest relative difference {equal:.1e}")
+    say(f"ps-async --staleness 0 against ps-sync, no momentum, float64: largest relative difference {equal:.1e}")
     checks.ok_here("with bound 0 and plain SGD, ps-async is ps-sync", equal < 1e-12)
     say(
         "Why bound 0 is synchronous: no worker may be a step ahead of another, so each round every worker pushes"
@@ -266,7 +290,8 @@ if rank == 0:
 # w's next push arrives (u is then K + 1 ahead of w, and waits). So at most 2K + 1 pushes of each of the W - 1
 # others land in between: staleness <= (W - 1)(2K + 1). ps-sync: every gradient is applied to the weights it was
 # computed on, staleness 0.
-mpi.print0(f"\n3. Staleness: updates between a worker's weights and its gradient's arrival ({W} workers)")
+mpi.print0()
+heading(f"3. Staleness: updates between a worker's weights and its gradient's arrival ({W} workers)")
 staleness_ok = True
 if rank == 0:
     results["staleness"] = {}
@@ -282,12 +307,13 @@ if rank == 0:
         staleness_ok = staleness_ok and ok
         results["staleness"][name] = {"histogram": histogram, "mean": st["mean"], "max": st["max"], "bound": limit,
                                       "pushes": counted, "ok": ok}  # fmt: skip
-        print(f"   {name}: {counted:,} pushes, mean staleness {st['mean']:.2f}, max {st['max']}"
-              + (f" (bound (W-1)(2K+1) = {limit})" if limit is not None and name != "ps-sync" else ""))  # fmt: skip
+        say(f"{name}: {counted:,} pushes, mean staleness {st['mean']:.2f}, max {st['max']}"
+            + (f" (bound (W-1)(2K+1) = {limit})" if limit is not None and name != "ps-sync" else ""))  # fmt: skip
         widest = max(histogram.values())
+        longest = max(8, min(50, (terminal.columns() or 100) - 17))  # the bars fit the terminal, 50 at most
         for k in range(max(histogram) + 1):
             count = histogram.get(k, 0)
-            print(f"      {k:3d} {count:6,d} {'#' * math.ceil(50 * count / widest) if count else ''}")
+            print(f"      {k:3d} {count:6,d} {'#' * math.ceil(longest * count / widest) if count else ''}".rstrip())
     say(
         "Without a bound, staleness is set by the scheduler: with more ranks than cores a worker that has lost its"
         " core lets the others push many times. The bound caps it, at the price of making the fast workers wait."
@@ -299,7 +325,8 @@ checks.ok("every push is in the histogram once, and within the bound", staleness
 # for its slowest worker; in ps-async the others go on, and take more of the epoch's pushes.
 SYNTHETIC = dict(dataset="synthetic", samples=24000, batch_size=1500, hidden=(256,), epochs=1 if args.quick else 2)
 SLOW, FACTOR = 1, 3.0
-mpi.print0(f"\n4. A straggler: worker {SLOW} takes {FACTOR:g}x its compute time per step; samples/s (higher is faster)")
+mpi.print0()
+heading(f"4. A straggler: worker {SLOW} takes {FACTOR:g}x its compute time per step; samples/s (higher is faster)")
 workloads = {
     "synthetic": (SYNTHETIC, f"784-256-10 on {SYNTHETIC['samples']:,} synthetic samples, global batch 1500"),
     "digits": (dict(epochs=1 if args.quick else 2), f"64-32-10 on the digits, global batch {B}"),
@@ -314,10 +341,8 @@ for workload, (overrides, _) in workloads.items():
 if rank == 0:
     results["straggler"] = {}
     for workload, (_, description) in workloads.items():
-        print(f"   {description}:")
-        print(f"   {'':17s} {'samples/s':>10s} {'pushes per worker':>18s} {'staleness':>15s}"
-              f" {'worker 0: ms/step':>18s} {'waiting':>8s}")  # fmt: skip
-        rows = []
+        say(f"{description}:")
+        rows, cells = [], []
         for paradigm, factor, bound in VARIANTS:
             m = straggler[workload, paradigm, factor, bound]
             st, steps = figures(m)["staleness"], pushes(m)[0]
@@ -327,15 +352,22 @@ if rank == 0:
                    "step_ms": 1e3 * m["communication"]["per_rank"][0]["train_time_s"] / steps,
                    "wait_ms": 1e3 * figures(m)["worker_wait_s"][0] / steps}  # fmt: skip
             rows.append(row)
-            name = f"{paradigm}{f' K={bound}' if bound is not None else ''}, x{factor:g}"
-            staleness = f"mean {st['mean']:.1f} max {st['max']}" if paradigm == "ps-async" else "0"
-            print(f"   {name:17s} {m['samples_per_s']:10,.0f} {pushes(m)!s:>18s} {staleness:>15s}"
-                  f" {row['step_ms']:18.2f} {row['wait_ms']:8.2f}")  # fmt: skip
+            name = f"{paradigm}{f' K={bound}' if bound is not None else ''}"
+            staleness = f"{st['mean']:.1f}, {st['max']}" if paradigm == "ps-async" else "0"
+            cells.append([name, f"{factor:g}x" if factor != 1 else "none", f"{m['samples_per_s']:,.0f}",
+                          str(pushes(m)), staleness, f"{row['step_ms']:.2f}", f"{row['wait_ms']:.2f}"])  # fmt: skip
+        show(["run", "straggler", "samples/s", "pushes per worker", "staleness mean, max", "worker 0 ms per step",
+              "of which waiting"], cells, keys=2)  # fmt: skip
         find = {(r["paradigm"], r["slow_factor"], r["staleness_bound"]): r for r in rows}
         ratio = find["ps-async", FACTOR, None]["samples_per_s"] / find["ps-sync", FACTOR, None]["samples_per_s"]
         kept = find["ps-sync", FACTOR, None]["samples_per_s"] / find["ps-sync", 1.0, None]["samples_per_s"]
-        print(f"   with the straggler, ps-async ran {ratio:.2f}x as fast as ps-sync, and ps-sync at {kept:.2f}x its"
-              " own speed without one\n")  # fmt: skip
+        # (samples/s are speeds: the time for a sample is their inverse)
+        faster = terminal.speed(1 / find["ps-async", FACTOR, None]["samples_per_s"],
+                                1 / find["ps-sync", FACTOR, None]["samples_per_s"], "ps-sync")  # fmt: skip
+        kept_words = terminal.speed(1 / find["ps-sync", FACTOR, None]["samples_per_s"],
+                                    1 / find["ps-sync", 1.0, None]["samples_per_s"], "without one")  # fmt: skip
+        say(f"with the straggler, ps-async ran {faster}, and ps-sync {kept_words}")
+        print()
         results["straggler"][workload] = {"description": description, "runs": rows, "async_over_sync": ratio,
                                           "sync_with_over_without": kept}  # fmt: skip
     synthetic, digits = results["straggler"]["synthetic"]["runs"][0], results["straggler"]["digits"]["runs"][0]
@@ -362,13 +394,13 @@ if rank == 0:
 # sends W copies of the weights: W n each way through one link. A ring all-reduce sends 2(p-1)/p n per rank, under 2n
 # whatever p. With S servers each owns n/S of the parameters, so each link carries W n / S.
 n = sync64[1]["model"]["parameters"] * 8  # float64
-mpi.print0(f"\n5. The server's link: bytes sent per step, from the tracer (n = {n:,} bytes of float64 parameters)")
+mpi.print0()
+heading(f"5. The server's link: bytes sent per step, from the tracer (n = {n:,} bytes of float64 parameters)")
 ddp64 = run(paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64", epochs=1)
 link_ok = True
 if rank == 0:
     results["link"] = {"n": n, "runs": {}}
-    print(f"   {'run':14s} {'rank':>4s} {'role':>7s} {'sent (tracer)':>14s} {'costs()':>10s} {'/ n':>6s}"
-          f" {'received':>10s}   expected")  # fmt: skip
+    cells = []
     for label, m in [*((f"ps-sync S={s}", sync64[s]) for s in SERVERS), ("ddp (ring)", ddp64)]:
         per_rank, predicted = m["communication"]["per_rank"], m["costs"]["sent_per_step"]
         if label.startswith("ps"):
@@ -381,15 +413,14 @@ if rank == 0:
         else:
             roles, steps = ["-"] * p, per_rank[0]["operations"]["allreduce/ring"]["calls"]  # one bucket per step
             sent = [r["operations"]["allreduce/ring"]["bytes_sent"] // steps for r in per_rank]
-            expected = {"-": f"2(p-1)/p n = {2 * (p - 1) / p:.2f} n"}
+            expected = {"-": "2(p-1)/p n"}
         received = [  # a worker's weights arrive inside its push; a server receives nothing but pushes (and 0 bytes)
             (r["operations"].get("ps/push") or r["operations"].get("allreduce/ring") or r["totals"])["bytes_received"]
             // steps
             for r in per_rank
         ]
-        for r in range(p):
-            print(f"   {label if r == 0 else '':14s} {r:4d} {roles[r]:>7s} {sent[r]:14,d} {predicted[r]:10,d}"
-                  f" {sent[r] / n:6.2f} {received[r]:10,d}   {expected[roles[r]]}")  # fmt: skip
+        cells += [[label if r == 0 else "", str(r), roles[r], f"{sent[r]:,d}", f"{predicted[r]:,d}",
+                   f"{sent[r] / n:.2f}", f"{received[r]:,d}", expected[roles[r]]] for r in range(p)]  # fmt: skip
         exact = sent == predicted
         if label.startswith("ps"):
             shares = sum(s for s, role in zip(sent, roles) if role == "server")
@@ -400,20 +431,21 @@ if rank == 0:
                 paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64"))["sent_per_step"]  # fmt: skip
         link_ok = link_ok and exact
         results["link"]["runs"][label] = {"roles": roles, "sent": sent, "costs": predicted, "received": received}
+    show(["run", "rank", "role", "sent", "costs()", "/ n", "received", "expected"], cells, left=(0, 2, 7), keys=2)
     busiest = {label: max(v["sent"]) / n for label, v in results["link"]["runs"].items()}
-    print("   the busiest link, per step: " + ", ".join(f"{label} {b:.2f} n" for label, b in busiest.items()))
+    say("the busiest link, per step: " + ", ".join(f"{label} {b:.2f} n" for label, b in busiest.items())
+        + f" (2(p-1)/p n = {2 * (p - 1) / p:.2f} n)")  # fmt: skip
 
     # The same from costs() alone, without running anything: the server's link grows with W, the ring's does not
     sizes, ps = sync64[1]["model"]["sizes"], [4, 8, 16, 64, 256]
-    print("\n   the same from the cost functions alone, for more ranks: bytes sent per step by the busiest rank / n")
-    print(f"   {'p =':>20s}" + "".join(f"{q:7d}" for q in ps))
+    print()
+    say("the same from the cost functions alone, for more ranks: bytes sent per step by the busiest rank / n")
     projection = {}
     for label, servers in (("one server", lambda q: 1), ("S = p/4 servers", lambda q: q // 4)):
         projection[label] = [max(ParameterServer.costs(sizes, q, TrainConfig(paradigm="ps-sync", servers=servers(q),
                              dtype="float64"))["sent_per_step"]) / n for q in ps]  # fmt: skip
     projection["ring all-reduce"] = [2 * (q - 1) / q for q in ps]
-    for label, row in projection.items():
-        print(f"   {label:>20s}" + "".join(f"{v:7.2f}" for v in row))
+    show(["p =", *map(str, ps)], [[label, *(f"{v:.2f}" for v in row)] for label, row in projection.items()])
     results["link"]["projection"] = {"p": ps, **projection}
     say(
         "Every push and every reply goes through the server: its link carries W times a worker's bytes each way,"
@@ -430,7 +462,8 @@ checks.ok("bytes per step match the cost functions on every rank, and the server
 # TensorFlow's CentralStorageStrategy (dtrain/parallel/central_storage.py): no rank is set aside to serve. Every rank
 # computes on its slice; the gradients are reduced to rank 0 (a binomial tree), which alone holds the optimizer state
 # and updates; the new weights are broadcast (a tree again). Like ps-sync it follows one process on the global batch.
-mpi.print0("\n6. Central storage: every rank computes, rank 0 alone holds the optimizer and updates (float64, 1 epoch)")
+mpi.print0()
+heading("6. Central storage: every rank computes, rank 0 alone holds the optimizer and updates (float64, 1 epoch)")
 storage_folder = shared_folder()
 central = run(paradigm="central-storage", dtype="float64", epochs=1, checkpoint_dir=storage_folder)
 storage_ok = True
@@ -440,14 +473,15 @@ if rank == 0:
     per_rank, costs = central["communication"]["per_rank"], central["costs"]
     steps = per_rank[0]["operations"]["reduce/tree"]["calls"]
     held = central["communication"]["per_rank"][0]["paradigm"]["held_bytes"]
-    print(f"   final weights against one process, largest relative difference {difference:.1e}")
-    print(f"   {'rank':>6s} {'sent per step (tracer)':>23s} {'costs()':>9s} {'optimizer state held':>21s}")
+    say(f"final weights against one process, largest relative difference {difference:.1e}")
     sent = []
-    for r, mine in enumerate(per_rank):
+    for mine in per_rank:
         ops = mine["operations"]
         first_broadcast = ops["broadcast/tree"]["bytes_sent"] // (steps + 1)  # the build's, then one per step
         sent.append((ops["reduce/tree"]["bytes_sent"] + ops["broadcast/tree"]["bytes_sent"] - first_broadcast) // steps)
-        print(f"   {r:6d} {sent[r]:23,d} {costs['sent_per_step'][r]:9,d} {held[r]['optimizer']:21,d}")
+    show(["rank", "sent per step (tracer)", "costs()", "optimizer state held"],
+         [[str(r), f"{sent[r]:,d}", f"{costs['sent_per_step'][r]:,d}", f"{held[r]['optimizer']:,d}"] for r in range(p)],
+         left=())  # fmt: skip
     storage_ok = difference < 1e-12 and sent == costs["sent_per_step"]
     storage_ok = storage_ok and [h["optimizer"] for h in held] == costs["optimizer"]
     results["central_storage"] = {"relative_difference": difference, "sent": sent, "held": held}

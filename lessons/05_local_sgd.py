@@ -31,10 +31,12 @@ Things to try:
   * dtrain train --paradigm local-sgd --sync-every 8 --average-via master: see metrics.json's per-rank bytes.
 
 Exercises (`dtrain exercises init ex` once copies the stubs into ex/):
-  5.1  local SGD's averaging step, local_sgd_step(comm, flat, step, sync_every) in ex/local_sgd.py: average the
-       weights over the ranks every sync_every-th local step, send nothing otherwise:
+  5.1  local SGD's averaging step, local_sgd_step(comm, flat, step, sync_every)
+       in ex/local_sgd.py: average the weights over the ranks every
+       sync_every-th local step, send nothing otherwise:
        dtrain exercises check 5.1 --path ex
-It is checked on simulated ranks and under mpiexec against the mean over ranks, step by step.
+It is checked on simulated ranks and under mpiexec against the mean over ranks,
+step by step.
 """
 
 import argparse
@@ -44,7 +46,7 @@ import statistics
 import numpy as np
 from lesson_util import Checks, add_device_flag, conclude, everywhere, lesson_xp, parse_and_start, say, whole_numbers
 
-from dtrain import parallel
+from dtrain import parallel, terminal
 from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
@@ -158,10 +160,20 @@ def mean_over_ranks(a: np.ndarray) -> np.ndarray:
     return total / p
 
 
-mpi.print0(
+def heading(text: str) -> None:
+    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
+    mpi.print0(terminal.paragraph(text, hanging="   "))
+
+
+def show(header: list, rows: list, **how) -> None:
+    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, indent="   ", **how))
+
+
+mpi.print0(terminal.paragraph(
     f"Lesson 5: local SGD on {p} ranks; {'-'.join(map(str, SIZES))} on digits, global batch {B} ({B // p} per rank), "
-    f"{PER_EPOCH} steps per epoch\n"
-)
+    f"{PER_EPOCH} steps per epoch"
+) + "\n")  # fmt: skip
 
 # ------------------------------------------------------------------------------------------- 1. H = 1 is ddp
 # SGD's update is linear in the gradient. With momentum mu and weight decay wd, rank r's step from the common weights
@@ -170,7 +182,7 @@ mpi.print0(
 # mean(g_r). So averaging the weights after every step (H = 1) gives ddp's weights, although each rank's own v_r is
 # not ddp's v: only their mean is. Adam divides by the square root of its second moment, which is not linear.
 STEPS_1 = min(STEPS, 2 * PER_EPOCH)
-mpi.print0(f"1. H = 1 against ddp: {STEPS_1} steps in float64, SGD with momentum 0.9 and weight decay 1e-3")
+heading(f"1. H = 1 against ddp: {STEPS_1} steps in float64, SGD with momentum 0.9 and weight decay 1e-3")
 sgd = dict(dtype="float64", momentum=0.9, weight_decay=1e-3)
 ddp = run_to_end(config(paradigm="ddp", **sgd), STEPS_1)
 ddp_weights, ddp_velocity = ddp.model.flat_params.copy(), ddp.optimizer_state()["velocity"]
@@ -188,11 +200,10 @@ for via in ("allreduce", "master"):
     }
     local.finish()
     equality[via] = row
-    mpi.print0(
-        f"   --average-via {via:9s}: weights off ddp's by {row['weights']:.1e} (relative) after {row['averages']} "
-        f"averages; each rank's momentum buffer off ddp's by up to {row['own_velocity']:.2f}, their mean by "
-        f"{row['mean_velocity']:.1e}"
-    )
+say(f"How far from ddp's after {STEPS_1} steps (the largest relative difference):")
+show(["--average-via", "averages", "weights", "each rank's momentum buffer, up to", "their mean"],
+     [[via, str(row["averages"]), f"{row['weights']:.1e}", f"{row['own_velocity']:.2f}", f"{row['mean_velocity']:.1e}"]
+      for via, row in equality.items()])  # fmt: skip
 adam = {}
 for paradigm in ("ddp", "local-sgd"):
     extra = {"sync_every": 1} if paradigm == "local-sgd" else {}
@@ -200,7 +211,7 @@ for paradigm in ("ddp", "local-sgd"):
     adam[paradigm] = run.model.flat_params.copy()
     run.finish()
 adam_difference = relative(adam["local-sgd"], adam["ddp"])
-mpi.print0(f"   Adam, H = 1: weights off ddp's by {adam_difference:.1e} (relative): not rounding, another algorithm")
+say(f"Adam, H = 1: weights off ddp's by {adam_difference:.1e} (relative): not rounding, another algorithm")
 results["equality"] = {**equality, "steps": STEPS_1, "adam": adam_difference}
 checks.ok(
     "with SGD (momentum, weight decay) H = 1 equals ddp to < 1e-12, and so does the mean of the local momentum buffers",
@@ -214,7 +225,8 @@ checks.ok("with Adam H = 1 is not ddp (difference > 1e-6, far above rounding)", 
 # 2(p-1)/p n per rank per all-reduce. Counted by the tracer under "allreduce/ring" (master: "reduce/naive" and
 # "broadcast/naive"); not training traffic, and left out: the initial broadcast of rank 0's weights
 # ("broadcast/tree", the same in every run) and the average evaluated at each epoch's end ("evaluation").
-mpi.print0(f"\n2. Bytes each rank sent in {STEPS} steps ({args.epochs} epochs), n = {N:,} bytes of weights, ring")
+mpi.print0()
+heading(f"2. Bytes each rank sent in {STEPS} steps ({args.epochs} epochs), n = {N:,} bytes of weights, ring")
 runs = {}  # seed 0's runs, name -> (config, metrics); section 4 adds the other seeds
 VARIANTS = {"ddp": dict(paradigm="ddp"), **{f"H={h}": dict(sync_every=h) for h in HS},
             f"post-local W={W} H={H_MAX}": dict(sync_every=H_MAX, warmup_sync_steps=W)}  # fmt: skip
@@ -249,9 +261,7 @@ def predicted(cfg) -> tuple:
 
 bytes_ok, results["bytes"] = True, {}
 others = "rank 1" if p == 2 else f"ranks 1-{p - 1}"
-mpi.print0(
-    f"   {'run':>22s} {'averages':>8s} {'bytes sent: rank 0':>19s} {others:>23s} {'= costs()':>9s} {'ddp / this':>10s}"
-)
+cells = []
 ddp_bytes = traced(runs["ddp"][1], averaging_labels(runs["ddp"][0]))
 for name, (cfg, metrics) in runs.items():
     measured = traced(metrics, averaging_labels(cfg))
@@ -261,9 +271,9 @@ for name, (cfg, metrics) in runs.items():
     bytes_ok &= right
     rest = f"{measured[1]:,}" if len(set(measured[1:])) == 1 else f"{min(measured[1:]):,}-{max(measured[1:]):,}"
     ratios = [a / b for a, b in zip(ddp_bytes, measured)]
-    mpi.print0(f"   {name:>22s} {counted:8d} {measured[0]:19,d} {rest:>23s} {'yes' if right else 'NO':>9s}"
-               f" {ratios[0]:10.2f}")  # fmt: skip
+    cells.append([name, str(counted), f"{measured[0]:,d}", rest, "yes" if right else "NO", f"{ratios[0]:.2f}"])
     results["bytes"][name] = {"measured": measured, "costs": expected, "averages": counted, "ratio_to_ddp": ratios}
+show(["run", "averages", "bytes sent: rank 0", others, "= costs()", "ddp / this"], cells)
 initial = traced(runs["ddp"][1], ("broadcast/tree",))
 evaluation = traced(runs[f"H={H_MAX}"][1], ("evaluation",))
 results["bytes"]["initial_broadcast"], results["bytes"]["evaluation"] = initial, evaluation
@@ -282,7 +292,8 @@ for h in HS:
     ratios = results["bytes"][f"H={h}"]["ratio_to_ddp"]
     ratio_ok &= all(abs(r - expected_ratio) < 1e-12 for r in ratios)
     how = "H exactly" if STEPS % h == 0 else f"{STEPS} / ceil({STEPS} / {h}), not {h}: H does not divide {STEPS}"
-    mpi.print0(f"   H = {h:3d}: ddp sends {ratios[0]:.2f} times the bytes of local SGD, on every rank ({how})")
+    mpi.print0(terminal.paragraph(f"H = {h}: ddp sends {ratios[0]:.2f} times the bytes of local SGD, on every rank"
+                                  f" ({how})", "   ", "      "))  # fmt: skip
 master = results["bytes"][f"H={H_MASTER} master"]["measured"]
 averages = results["bytes"][f"H={H_MASTER} master"]["averages"]
 say(
@@ -301,7 +312,8 @@ checks.ok("through rank 0: (p-1) n per average from rank 0, n from every other r
 # point. The consensus distance, the mean over ranks of ||w_r - w_avg|| / ||w_avg||, computed here after every step
 # from the weights themselves (their average in float64 with MPI's own all-reduce), on the very runs of section 2.
 DRIFT_HS = [h for h in HS if h in (1, 4, 16)] or HS
-mpi.print0(f"\n3. Drift: distance of the replicas from their average after every step, H = {DRIFT_HS}")
+mpi.print0()
+heading(f"3. Drift: distance of the replicas from their average after every step, H = {', '.join(map(str, DRIFT_HS))}")
 
 
 def consensus(flat) -> float:
@@ -312,9 +324,9 @@ def consensus(flat) -> float:
 
 drift, drift_ok = {}, True
 RAMP = " .:-=+*#%@"  # low to high
-mpi.print0(
-    f"   one character per step: '{RAMP[0]}' zero (right after an average), '{RAMP[-1]}' the run's largest distance"
-)
+SHOWN = min(96, STEPS, max(16, (terminal.columns() or 100) - 24))  # the steps drawn: as many as fit, 96 at most
+say(f"one character per step, the first {SHOWN} steps: '{RAMP[0]}' zero (right after an average), '{RAMP[-1]}' the"
+    " run's largest distance (given after each line)")  # fmt: skip
 for h in DRIFT_HS:
     cfg, metrics = runs[f"H={h}"]
     distances = []
@@ -329,20 +341,22 @@ for h in DRIFT_HS:
     agree = all(abs(a - b) <= 1e-6 + 1e-3 * b for a, b in zip(driver, mine))
     drift_ok &= same_run and agree and all(d == 0.0 for d in at_average) and all(d > 0 for d in between)
     top = max(distances)
-    line = "".join(RAMP[math.ceil(d / top * (len(RAMP) - 1))] if top else RAMP[0] for d in distances[:96])
-    scale = f"'{RAMP[-1]}' = {top:.4f}" if top else "all exactly 0"
-    mpi.print0(f"   H = {h:2d}, first {min(96, STEPS)} steps |{line}|  ({scale})")
+    line = "".join(RAMP[math.ceil(d / top * (len(RAMP) - 1))] if top else RAMP[0] for d in distances[:SHOWN])
+    scale = f"{top:.4f}" if top else "all 0"
+    mpi.print0(f"   H = {h:2d} |{line}| {scale}")
     drift[h] = {"per_step": distances, "driver_per_epoch": driver, "mine_per_epoch": mine, "same_run": same_run}
 if rank == 0:
-    print(f"   {'epoch':>5s}" + "".join(f"{f'H={h}: mean, max, at end':>30s}" for h in DRIFT_HS)
-          + "   (driver's figure at the end)")  # fmt: skip
+    say("Each epoch's distances: their mean, their largest, the last (at the epoch's end), and the driver's figure"
+        " at the end:")  # fmt: skip
+    cells = []
     for e in range(args.epochs):
-        cells = []
+        cells.append([str(e + 1)])
         for h in DRIFT_HS:
             epoch = drift[h]["per_step"][e * PER_EPOCH : (e + 1) * PER_EPOCH]
-            cells.append(f"{statistics.mean(epoch):10.4f}{max(epoch):10.4f}{epoch[-1]:10.4f}")
-        ends = ", ".join(f"{drift[h]['driver_per_epoch'][e]:.4f}" for h in DRIFT_HS)
-        print(f"   {e + 1:5d}" + "".join(cells) + f"   ({ends})")
+            ends = (statistics.mean(epoch), max(epoch), epoch[-1], drift[h]["driver_per_epoch"][e])
+            cells[-1] += [f"{v:.4f}" for v in ends]
+    show(["epoch", *(f"H={h} {what}" for h in DRIFT_HS for what in ("mean", "max", "at end", "driver's"))], cells,
+         left=(), groups=tuple(range(1, 1 + 4 * len(DRIFT_HS), 4)))  # fmt: skip
     means = [statistics.mean(drift[h]["per_step"]) for h in DRIFT_HS]
     say(
         "Mean distance over all steps: "
@@ -362,7 +376,9 @@ checks.ok(
 # What the saved bytes cost: each variant trained with --seeds seeds (seed 0's runs are section 2's), the test
 # accuracy of the final model (the replicas' average) after the same epochs as ddp.
 SEEDS = list(range(args.seeds))
-mpi.print0(f"\n4. Accuracy against bytes: {args.epochs} epochs, test accuracy of the final model, seeds {SEEDS}")
+mpi.print0()
+heading(f"4. Accuracy against bytes: {args.epochs} epochs, test accuracy of the final model, seeds"
+        f" {', '.join(map(str, SEEDS))}")  # fmt: skip
 accuracy = {}
 for name, overrides in VARIANTS.items():
     rows = [runs[name][1]] + [trained(config(seed=s, **overrides)) for s in SEEDS[1:]]
@@ -374,15 +390,16 @@ for name, overrides in VARIANTS.items():
     }
 if rank == 0:
     reference = statistics.mean(accuracy["ddp"]["test_accuracy"])
-    print(f"   {'run':>22s} {'bytes per rank':>14s} {'of ddp':>7s} {'test accuracy':>14s} {'vs ddp':>8s}"
-          f" {'range over seeds':>17s} {'train loss':>10s} {'train s':>8s}")  # fmt: skip
+    cells = []
     for name, row in accuracy.items():
         mean = statistics.mean(row["test_accuracy"])
         row["difference"] = mean - reference
         spread = f"{min(row['test_accuracy']):.2f}-{max(row['test_accuracy']):.2f}"
-        print(f"   {name:>22s} {row['bytes']:14,d} {row['bytes'] / accuracy['ddp']['bytes']:7.1%} {mean:13.2f}%"
-              f" {row['difference']:+8.2f} {spread:>17s} {statistics.mean(row['train_loss']):10.4f}"
-              f" {statistics.mean(row['train_time_s']):8.2f}")  # fmt: skip
+        cells.append([name, f"{row['bytes']:,d}", f"{row['bytes'] / accuracy['ddp']['bytes']:.1%}", f"{mean:.2f}%",
+                      f"{row['difference']:+.2f}", spread, f"{statistics.mean(row['train_loss']):.4f}",
+                      f"{statistics.mean(row['train_time_s']):.2f}"])  # fmt: skip
+    show(["run", "bytes per rank", "of ddp", "test accuracy", "vs ddp", "range over seeds", "train loss", "train s"],
+         cells, groups=(3,))  # fmt: skip
     say(
         f"(test accuracy: the mean over the seeds, in %, on {len(digits['float32'].y_test)} test images, so one image"
         f" is {100 / len(digits['float32'].y_test):.2f} points; vs ddp: points; train loss: the ranks' own losses"
@@ -391,9 +408,9 @@ if rank == 0:
     if 8 in HS:
         d = accuracy["H=8"]["difference"]
         met = "met" if abs(d) <= 1.5 else "NOT met"
-        print(f"   H = 8 on {p} ranks: {d:+.2f} points from ddp's accuracy, sending"
-              f" {results['bytes']['H=8']['ratio_to_ddp'][0]:.1f} times fewer bytes"
-              f" (target: within 1.5 points: {met})")  # fmt: skip
+        say(f"H = 8 on {p} ranks: {d:+.2f} points from ddp's accuracy, sending"
+            f" {results['bytes']['H=8']['ratio_to_ddp'][0]:.1f} times fewer bytes (target: within 1.5 points:"
+            f" {met})")  # fmt: skip
     say(
         "On the digits local SGD gives up next to nothing for these H: the replicas start from the same weights,"
         f" drift at most {100 * max(max(d['per_step']) for d in drift.values()):.0f}% of their norm away from their"

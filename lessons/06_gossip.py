@@ -32,10 +32,12 @@ Things to try:
   * dtrain train --paradigm gossip --topology ring --out run: metrics.json's consensus_distance and spectral_gap.
 
 Exercises (`dtrain exercises init ex` once copies the stubs into ex/):
-  6.1  one gossip round, gossip_step(comm, flat, neighbours) in ex/gossip.py: exchange the weights with each
-       neighbour and keep 1/(d + 1) of each:   dtrain exercises check 6.1 --path ex
-It is checked against the mixing matrix applied to all ranks' weights (ring, torus, exponential graph, random
-pairings), the mean over ranks kept, and messages only to neighbours.
+  6.1  one gossip round, gossip_step(comm, flat, neighbours) in ex/gossip.py:
+       exchange the weights with each neighbour and keep 1/(d + 1) of each:
+       dtrain exercises check 6.1 --path ex
+It is checked against the mixing matrix applied to all ranks' weights (ring,
+torus, exponential graph, random pairings), the mean over ranks kept, and
+messages only to neighbours.
 """
 
 import argparse
@@ -46,6 +48,7 @@ from fractions import Fraction
 import numpy as np
 from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say
 
+from dtrain import terminal
 from dtrain.autograd import Tensor, no_grad
 from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
@@ -114,28 +117,38 @@ def config(**overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
-mpi.print0(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}\n")
+def heading(text: str) -> None:
+    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
+    mpi.print0(terminal.paragraph(text, hanging="   "))
+
+
+def show(header: list, rows: list, indent: str = "   ", **how) -> None:
+    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, indent=indent, **how))
+
+
+mpi.print0(terminal.paragraph(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}") + "\n")
 if args.device == "gpu":
-    mpi.print0("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of sections 1-2 on the CPU)\n")
+    mpi.print0(terminal.paragraph("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of"
+                                  " sections 1-2 on the CPU)") + "\n")  # fmt: skip
 
 # ---------------------------------------------------------------------------------------- 1. graphs and matrices
 # Rank r gives weight 1/(d+1) to itself and to each of its d neighbours: W[r, j] = 1/(d+1) for j = r and j a
 # neighbour, else 0. Every rank has the same d (the graphs are regular) and "j is a neighbour of r" is symmetric, so
 # W is symmetric and every row and every column sums to 1 (doubly stochastic): a round is a weighted average that
 # keeps the average of all the replicas where it is.
-mpi.print0(f"1. Who averages with whom, and the mixing matrix W of one round, on {p} ranks")
+heading(f"1. Who averages with whom, and the mixing matrix W of one round, on {p} ranks")
 if rank == 0:
-    for topology in TOPOLOGIES:
-        steps = (0, 1) if topology == "random" else (0,)
-        for step in steps:
-            when = f", step {step}" if topology == "random" else ""
-            listing = "  ".join(f"{r}: {neighbours(topology, p, r, step)}" for r in range(p))
-            print(f"   {topology}{when}: {listing}")
+    graphs = [(t, step) for t in TOPOLOGIES for step in ((0, 1) if t == "random" else (0,))]
+    say("Each rank's neighbours:")
+    show(["rank", *(f"{t}, step {step}" if t == "random" else t for t, step in graphs)],
+         [[str(r), *(", ".join(map(str, neighbours(t, p, r, step))) for t, step in graphs)] for r in range(p)],
+         left=range(1, 1 + len(graphs)), wrap=())  # fmt: skip
     for topology in ("ring", "exponential"):
         w = mixing_matrix(topology, p)
-        print(f"   W, {topology} ('.' is 0):")
-        for row in w:
-            print("      " + " ".join(f"{str(Fraction(v).limit_denominator(64)) if v else '.':>4s}" for v in row))
+        say(f"W, {topology} ('.' is 0), row r: what rank r keeps of each rank's weights:")
+        fractions = [[str(Fraction(v).limit_denominator(64)) if v else "." for v in row] for row in w]
+        show(["r", *map(str, range(p))], [[str(r), *row] for r, row in enumerate(fractions)], indent="      ", left=())
 matrix_ok = True
 for topology in TOPOLOGIES:
     for step in range(4 if topology == "random" else 1):
@@ -162,7 +175,8 @@ checks.ok("every W is symmetric, non-negative, doubly stochastic, and non-zero e
 # matrix are the Fourier transform of its first row: lambda_k = sum_j W[0, j] cos(2 pi j k / p). For the ring that
 # is (1 + 2 cos(2 pi k / p)) / 3, the largest below 1 at k = 1: gap ~ 4 pi^2 / (3 p^2), a quarter when p doubles.
 WORLDS = sorted({4, 5, 6, 8, 12, 16, 32, 64, p})
-mpi.print0("\n2. Spectral gap 1 - |lambda_2(W)| (eigvalsh), and the rounds that shrink the spread 1000-fold")
+mpi.print0()
+heading("2. Spectral gap 1 - |lambda_2(W)| (eigvalsh), and the rounds that shrink the spread 1000-fold")
 
 
 def circulant_moduli(topology: str, k: int) -> list:
@@ -175,9 +189,7 @@ def rounds_for(gap: float, factor: float = 1e-3) -> str:
     return "1" if gap >= 1 - 1e-12 else f"{math.ceil(math.log(factor) / math.log(1 - gap))}"
 
 
-gaps, gap_ok = {}, True
-mpi.print0(f"   {'ranks':>5s} {'ring':>8s} {'closed form':>11s} {'exponential':>11s} {'degree':>6s} {'torus':>8s}"
-           f" {'random*':>8s}   rounds for 1/1000: ring, exponential")  # fmt: skip
+gaps, gap_ok, cells = {}, True, []
 for k in WORLDS:
     row = {t: spectral_gap(expected_mixing_matrix(t, k)) for t in ("ring", "exponential", "torus", "random")
            if valid(t, k)}  # fmt: skip
@@ -185,10 +197,11 @@ for k in WORLDS:
     gap_ok &= abs(row["ring"] - closed) < 1e-12 and row["exponential"] >= row["ring"] - 1e-12
     gap_ok &= all(abs(row[t] - (1 - circulant_moduli(t, k)[1])) < 1e-12 for t in ("ring", "exponential"))
     gaps[k] = {**row, "ring_closed_form": closed}
-    torus = f"{row['torus']:8.4f}" if "torus" in row else f"{'-':>8s}"
-    mpi.print0(f"   {k:5d} {row['ring']:8.4f} {closed:11.4f} {row['exponential']:11.4f}"
-               f" {len(neighbours('exponential', k, 0)):6d} {torus} {row['random']:8.4f}"
-               f"   {rounds_for(row['ring']):>5s}, {rounds_for(row['exponential'])}")  # fmt: skip
+    cells.append([str(k), f"{row['ring']:.4f}", f"{closed:.4f}", f"{row['exponential']:.4f}",
+                  str(len(neighbours("exponential", k, 0))), f"{row['torus']:.4f}" if "torus" in row else "-",
+                  f"{row['random']:.4f}", f"{rounds_for(row['ring'])}, {rounds_for(row['exponential'])}"])  # fmt: skip
+show(["ranks", "ring", "closed form", "exponential", "degree", "torus", "random*",
+      "rounds for 1/1000: ring, exponential"], cells, left=())  # fmt: skip
 say(
     "(* random: the gap of the expected W over 256 pairings, what a round does on average; one pairing alone splits"
     " the ranks into pairs and has no gap at all.) The ring's gap falls as 1/p^2: on 64 ranks a round removes"
@@ -206,7 +219,8 @@ checks.ok(
 # ---------------------------------------------------------------------------------------- 3. one round, for real
 # Gossip.mix() on these ranks: Isend my weights to each neighbour, Irecv theirs, average. Random weights on every
 # rank (a model of 2,410 float64 parameters), so the rows of X are far apart; the oracle is NumPy: X' = W X.
-mpi.print0(f"\n3. Gossip rounds on these {p} ranks, from random weights (float64)")
+mpi.print0()
+heading(f"3. Gossip rounds on these {p} ranks, from random weights (float64)")
 
 
 def gossiper(topology: str) -> Gossip:
@@ -246,14 +260,15 @@ for topology in TOPOLOGIES:
         round_ok &= all(s <= (envelope**t + 1e-12) * history[0] for t, s in enumerate(history))
 if rank == 0:
     shown = [t for t in range(args.rounds + 1) if t <= 4 or t % 4 == 0 or t == args.rounds]
-    print(f"   spread after t rounds, relative to the start (|lambda_2|^t in brackets):\n   {'t':>3s}"
-          + "".join(f"{t:>22s}" for t in TOPOLOGIES))  # fmt: skip
+    say("The spread after t rounds, relative to the start, and |lambda_2|^t, which it stays under:")
+    cells = []
     for t in shown:
-        cells = "".join(
-            f"{rounds[top]['spread'][t] / rounds[top]['spread'][0]:10.2e} ({rounds[top]['lambda2'] ** t:8.1e})"
-            for top in TOPOLOGIES
-        )
-        print(f"   {t:3d}{cells}")
+        cells.append([str(t)])
+        for top in TOPOLOGIES:
+            spreads = rounds[top]["spread"]
+            cells[-1] += [f"{spreads[t] / spreads[0]:.2e}", f"{rounds[top]['lambda2'] ** t:.1e}"]
+    show(["t", *(f"{top}{what}" for top in TOPOLOGIES for what in ("", " |lambda_2|^t"))], cells, left=(),
+         groups=tuple(range(1, 1 + 2 * len(TOPOLOGIES), 2)))  # fmt: skip
     say(
         "A round is an exact weighted average, so the mean of the replicas moves only by rounding; the spread"
         " shrinks by |lambda_2| or more per round (more where the starting point has little of the slowest"
@@ -271,7 +286,8 @@ checks.ok(
 # The driver, train(config), on the digits, against ddp; then each gossip run again step by step with the driver's
 # loop, to measure the replicas' distance from their average after every step (the mean over ranks of
 # ||x_r - x_avg|| / ||x_avg||, computed here with MPI's own all-reduce in float64) and to evaluate the final model.
-mpi.print0(f"\n4. Training 64-32-10 on digits, global batch {B}, {args.epochs} epochs ({STEPS} steps)")
+mpi.print0()
+heading(f"4. Training 64-32-10 on digits, global batch {B}, {args.epochs} epochs ({STEPS} steps)")
 
 
 def trained(cfg: TrainConfig) -> dict:
@@ -322,24 +338,26 @@ for topology in ("ring", "exponential"):
                           "before_final_average": driver["consensus_before_final_average"],
                           "spectral_gap": driver["spectral_gap"], "test_accuracy": accuracy}  # fmt: skip
 if rank == 0:
-    print("   consensus distance (mean over ranks of ||x_r - x_avg|| / ||x_avg||), ring against exponential:")
-    print(f"   {'epoch':>5s} {'ring: mean':>11s} {'at end':>9s} {'exponential: mean':>18s} {'at end':>9s}")
+    say("consensus distance (mean over ranks of ||x_r - x_avg|| / ||x_avg||), ring against exponential, the mean"
+        " over each epoch's steps and the driver's figure at its end:")  # fmt: skip
+    cells = []
     for e in range(args.epochs):
-        cells = ""
-        for topology, width in (("ring", 11), ("exponential", 18)):
+        cells.append([str(e + 1)])
+        for topology in ("ring", "exponential"):
             epoch = training[topology]["per_step"][e * PER_EPOCH : (e + 1) * PER_EPOCH]
-            cells += f" {statistics.mean(epoch):{width}.2e} {training[topology]['driver_per_epoch'][e]:9.2e}"
-        print(f"   {e + 1:5d}{cells}")
-    print(f"\n   {'run':>12s} {'spectral gap':>12s} {'distance before the final average':>34s} {'test accuracy':>14s}"
-          f" {'vs ddp':>7s}")  # fmt: skip
+            cells[-1] += [f"{statistics.mean(epoch):.2e}", f"{training[topology]['driver_per_epoch'][e]:.2e}"]
+    show(["epoch", "ring: mean", "at end", "exponential: mean", "at end"], cells, left=(), groups=(1, 3))
+    print()
     reference = 100 * runs["ddp"][1]["final"]["test_accuracy"]
+    cells = []
     for name, (_, metrics) in runs.items():
         figures = metrics["communication"]["per_rank"][0]["paradigm"]
-        gap = f"{figures['spectral_gap']:12.4f}" if figures.get("spectral_gap") is not None else f"{'-':>12s}"
-        before = f"{figures['consensus_before_final_average']:34.2e}" if name != "ddp" else f"{'0 (identical)':>34s}"
+        gap = f"{figures['spectral_gap']:.4f}" if figures.get("spectral_gap") is not None else "-"
+        before = f"{figures['consensus_before_final_average']:.2e}" if name != "ddp" else "0 (identical)"
         accuracy = 100 * metrics["final"]["test_accuracy"]
-        print(f"   {name:>12s} {gap} {before} {accuracy:13.2f}% {accuracy - reference:+7.2f}")
+        cells.append([name, gap, before, f"{accuracy:.2f}%", f"{accuracy - reference:+.2f}"])
         training.setdefault(name, {})["driver_test_accuracy"] = metrics["final"]["test_accuracy"]
+    show(["run", "spectral gap", "distance before the final average", "test accuracy", "vs ddp"], cells)
     ring, exponential = (statistics.mean(training[t]["per_step"]) for t in ("ring", "exponential"))
     say(
         f"Averaged over the {STEPS} steps, the replicas sit {ring:.1e} (ring) and {exponential:.1e} (exponential) of"
@@ -357,7 +375,8 @@ checks.ok(
 # ----------------------------------------------------------------------------------------------- 5. bytes
 # Per step each rank sends its n bytes of weights to each of its d neighbours (d messages, posted at once, one
 # latency); the ring all-reduce of ddp sends 2(p-1)/p n in 2(p-1) messages, each waiting for the one before.
-mpi.print0(f"\n5. Bytes and messages each rank sends per step, n = {N:,} bytes of weights")
+mpi.print0()
+heading(f"5. Bytes and messages each rank sends per step, n = {N:,} bytes of weights")
 
 
 def operation(metrics, label: str, key: str) -> list:
@@ -370,10 +389,8 @@ ddp_bytes = operation(ddp_metrics, "allreduce/ring", "bytes_sent")
 ddp_messages = operation(ddp_metrics, "allreduce/ring", "messages_sent")
 bytes_ok &= ddp_bytes == [STEPS * b for b in DataParallel.costs(SIZES, p, runs["ddp"][0])["sent_per_step"]]
 bytes_ok &= ddp_messages == [STEPS * 2 * (p - 1)] * p
-mpi.print0(f"   {'run':>12s} {'degree':>6s} {'bytes/step (rank 0)':>19s} {'/ n':>6s} {'messages/step':>13s}"
-           f" {'= costs()':>9s} {'final all-reduce':>16s}")  # fmt: skip
-mpi.print0(f"   {'ddp (ring)':>12s} {'-':>6s} {ddp_bytes[0] / STEPS:19,.0f} {ddp_bytes[0] / STEPS / N:6.2f}"
-           f" {ddp_messages[0] / STEPS:13.0f} {'yes' if bytes_ok else 'NO':>9s} {'-':>16s}")  # fmt: skip
+cells = [["ddp (ring)", "-", f"{ddp_bytes[0] / STEPS:,.0f}", f"{ddp_bytes[0] / STEPS / N:.2f}",
+          f"{ddp_messages[0] / STEPS:.0f}", "yes" if bytes_ok else "NO", "-"]]  # fmt: skip
 for topology in TOPOLOGIES:
     cfg, metrics = runs[topology]
     measured = operation(metrics, f"gossip/{topology}", "bytes_sent")
@@ -391,8 +408,9 @@ for topology in TOPOLOGIES:
     bytes_ok &= right
     sent[topology] = {"measured": measured, "messages": messages, "final_allreduce": final}
     degree = "1" if topology == "random" else str(degrees[topology])
-    mpi.print0(f"   {topology:>12s} {degree:>6s} {measured[0] / STEPS:19,.0f} {measured[0] / STEPS / N:6.2f}"
-               f" {messages[0] / STEPS:13.1f} {'yes' if right else 'NO':>9s} {final[0]:16,d}")  # fmt: skip
+    cells.append([topology, degree, f"{measured[0] / STEPS:,.0f}", f"{measured[0] / STEPS / N:.2f}",
+                  f"{messages[0] / STEPS:.1f}", "yes" if right else "NO", f"{final[0]:,d}"])  # fmt: skip
+show(["run", "degree", "bytes per step (rank 0)", "/ n", "messages per step", "= costs()", "final all-reduce"], cells)
 sent["ddp"] = {"measured": ddp_bytes, "messages": ddp_messages}
 ring_allreduce = 2 * (p - 1) / p
 say(

@@ -10,22 +10,36 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_util import LESSONS, run_lesson, run_mpi
+from mpi_util import COLUMNS, LESSONS, assert_fits, run_lesson, run_mpi
 
 from dtrain.collectives import ALGORITHMS
+
+
+@pytest.fixture
+def short_tmp():
+    """A fresh folder with a short path, for the files a lesson writes: its last lines name its --json file (printed
+    whole on one line by lesson_util.conclude, as a path cannot be wrapped), and pytest's tmp_path, named after the
+    test, makes that line longer than the COLUMNS it must fit."""
+    folder = Path(tempfile.mkdtemp(prefix="dtrain-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_lesson_01_single_device_trains():
     result = subprocess.run(
         [sys.executable, str(LESSONS / "01_single_device.py"), "--epochs", "2"],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, env={**os.environ, "COLUMNS": str(COLUMNS)},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    assert_fits(result.stdout, COLUMNS)
     accuracy = re.search(r"final test accuracy ([\d.]+)%", result.stdout)
     assert accuracy, result.stdout
     assert float(accuracy.group(1)) > 80, result.stdout  # two epochs on digits already reach ~95%
@@ -52,7 +66,8 @@ def test_lesson_02_allreduce_every_algorithm_agrees_with_mpi(nranks):
     args = [str(LESSONS / "02_allreduce.py"), "--size-mib", "0.05", "--repeats", "2"]
     if nranks == 4:
         args += ["--ranks-per-node", "2"]  # the hierarchical algorithms across two emulated nodes
-    out = run_mpi(nranks, args, timeout=180).stdout
+    out = run_mpi(nranks, args, timeout=180, env={**os.environ, "COLUMNS": str(COLUMNS)}).stdout
+    assert_fits(out, COLUMNS)
     assert "all algorithms agree with MPI_Allreduce: yes" in out, out
     assert "bytes sent match costmodel.bytes_sent on every rank: yes" in out, out
     for algorithm in ALGORITHMS:  # one row per algorithm, and each says ok
@@ -69,13 +84,13 @@ def test_lesson_02_exits_nonzero_on_bad_arguments(nranks):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 2, 4])
-def test_lesson_03_data_parallel_checks_its_claims(nranks, tmp_path):
+def test_lesson_03_data_parallel_checks_its_claims(nranks, short_tmp):
     """Lesson 3 checks the gradient average, the loss curves and every rank's bytes; here its measurements file says
     so, and its trace holds each rank's backward and bucket spans."""
-    trace = tmp_path / "trace.json"
+    trace = short_tmp / "trace.json"
     ranks = [k for k in (1, 2, 4) if k <= nranks]
     flags = ["--epochs", "2", "--steps", "8", "--big-batch", "192", "--trace", str(trace)]
-    results, out = run_lesson(nranks, "03_data_parallel.py", flags, tmp_path, claims=(
+    results, out = run_lesson(nranks, "03_data_parallel.py", flags, short_tmp, claims=(
         "the average of the slice gradients is the whole batch's gradient",
         f"the loss curves on {ranks} ranks agree",
         "bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank",
@@ -108,11 +123,11 @@ def test_lesson_03_exits_nonzero_on_bad_arguments():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [3, 4])
-def test_lesson_04_parameter_server_checks_its_claims(nranks, tmp_path):
+def test_lesson_04_parameter_server_checks_its_claims(nranks, short_tmp):
     """Lesson 4 checks ps-sync against one process, bound 0 against ps-sync, the staleness histograms against the
     tracer's pushes and the bound, and every rank's bytes against the cost functions; its measurements file says
     so."""
-    results, _ = run_lesson(nranks, "04_parameter_server.py", ["--epochs", "2", "--quick"], tmp_path, claims=(
+    results, _ = run_lesson(nranks, "04_parameter_server.py", ["--epochs", "2", "--quick"], short_tmp, claims=(
         "ps-sync's weights are one process's on the whole global batch",
         "ps-async reaches 90% test accuracy (with and without a bound)",
         "ps-sync's loss curve is ddp's",
