@@ -85,15 +85,17 @@ def command(words: list[str], indent: str = "", width: int | str | None = "auto"
     return "\n".join([*lines, line])
 
 
-def speed(ours: float, theirs: float, whose: str) -> str:
+def speed(ours: float, theirs: float, whose: str | None = None) -> str:
     """How a time ``ours`` compares with a time ``theirs``, in words that say which way: "1.50x faster than
-    single", "1.16x slower than ddp", "as fast as ddp" (within half a percent). The one way dtrain says it."""
+    single", "1.16x slower than ddp", "as fast as ddp" (within half a percent); without ``whose`` (a table's cell
+    under a header that names the other): "1.50x faster". The one way dtrain says it."""
+    than = f" than {whose}" if whose else ""
     if not (ours > 0 and theirs > 0):
-        return f"not comparable with {whose}"
+        return "-" if whose is None else f"not comparable with {whose}"
     ratio = theirs / ours
     if abs(ratio - 1) < 0.005:
-        return f"as fast as {whose}"
-    return f"{ratio:.2f}x faster than {whose}" if ratio > 1 else f"{1 / ratio:.2f}x slower than {whose}"
+        return "as fast" + (f" as {whose}" if whose else "")
+    return f"{ratio:.2f}x faster{than}" if ratio > 1 else f"{1 / ratio:.2f}x slower{than}"
 
 
 def table(header: list[str], rows: list[list[str]], *, left=(0,), wrap=None, keys: int = 1, notes: int | None = None,

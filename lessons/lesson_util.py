@@ -178,7 +178,7 @@ def conclude(json_path: str | None, results: dict, checks: Checks) -> None:
     if json_path and comm.Get_rank() == 0:
         with open(json_path, "w") as f:
             json.dump({**results, "checks": checks.verdicts}, f, indent=1)
-        print(f"\nmeasurements written to {json_path}")
+        print(f"\nmeasurements written to\n  {json_path}")  # (a path cannot wrap: a line of its own)
     mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
     if not passed:
         comm.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)

@@ -99,6 +99,8 @@ def test_speed_says_which_way():
     assert terminal.speed(1.0, 1.5, "single") == "1.50x faster than single"
     assert terminal.speed(1.5, 1.0, "single") == "1.50x slower than single"
     assert terminal.speed(1.0, 1.001, "ddp") == "as fast as ddp"
+    assert (terminal.speed(2.0, 1.0), terminal.speed(1.0, 3.0), terminal.speed(0.0, 1.0)) == (
+        "2.00x slower", "3.00x faster", "-")  # fmt: skip
 
 
 def test_dash_writes_to_standard_output_itself(tmp_path):
