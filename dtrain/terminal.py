@@ -64,6 +64,16 @@ def paragraph(text: str, indent: str = "", hanging: str | None = None, width: in
                          subsequent_indent=indent if hanging is None else hanging, break_on_hyphens=False)  # fmt: skip
 
 
+def wrapped(text: str, width: int | str | None = "auto") -> str:
+    """Each line of ``text`` wrapped as a :func:`paragraph` of its own, its later lines standing in two further than
+    its own indentation (a description of several indented lines keeps its shape)."""
+    out = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        out.append(paragraph(line.strip(), indent, indent + "  ", width) if line.strip() else "")
+    return "\n".join(out)
+
+
 def command(words: list[str], indent: str = "", width: int | str | None = "auto") -> str:
     """A shell command a person can copy, broken into lines of ``width`` (see :func:`prose_width`) with the shell's
     own continuation (a backslash ending a line), the later lines standing in by four; an option stays on the line

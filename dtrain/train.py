@@ -188,11 +188,10 @@ def train(config: TrainConfig, comm=None) -> dict:
     if config.batch_size is None:
         config = replace(config, batch_size=default_batch(kind, config, world))
         if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:
-            print(
+            print(terminal.paragraph(
                 f"--batch-size {config.batch_size}: the size nearest the default {DEFAULT_BATCH} that --paradigm "
                 f"{config.paradigm} splits evenly on {world} ranks (give --batch-size to choose another)",
-                flush=True,
-            )
+                hanging="  "), flush=True)  # fmt: skip
     kind.check(config, world)  # the paradigm's own flags, before any rank talks to another
     check_same_config(comm, config)
     gpu = select_rank_gpu(comm) if config.device == "gpu" else None  # (before the first array is made on it)
@@ -486,14 +485,13 @@ def resume(paradigm, comm, config, identity: dict) -> Position:
     flat = backend.to_device(state["params"], backend.get_xp(config.device))
     paradigm.load(flat, {**state["optimizer"], "lr": config.lr})
     if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
-        print(
+        print(terminal.paragraph(
             f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "
             f"is the same, but it is split differently across ranks, so results will not be bit-identical to an "
-            f"uninterrupted run on {meta['world_size']}",
-            flush=True,
-        )
+            f"uninterrupted run on {meta['world_size']}", hanging="  "), flush=True)  # fmt: skip
     if meta["paradigm"] != config.paradigm and comm.Get_rank() == 0:
-        print(f"resuming a checkpoint written by --paradigm {meta['paradigm']} with {config.paradigm}", flush=True)
+        print(terminal.paragraph(f"resuming a checkpoint written by --paradigm {meta['paradigm']} with "
+                                 f"{config.paradigm}", hanging="  "), flush=True)  # fmt: skip
     if meta["seed"] != config.seed and comm.Get_rank() == 0:
         print("resuming with another --seed: the data order from here on changes", flush=True)
     return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["done"], meta["done_loss"],

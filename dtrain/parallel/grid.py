@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dtrain import terminal
 from dtrain.errors import ConfigError
 from dtrain.parallel.flags import Flag
 
@@ -84,15 +85,15 @@ class Shape:
         """The printed map: every rank's coordinates, and which ranks share each group."""
         axes = [a for a in AXES if getattr(self, a) > 1] or ["dp"]
         ranks = range(self.size)
-        width = max(2, len(str(self.size - 1)))
         lines = [f"rank grid: {self.size} rank(s) = " + " x ".join(f"{a} {getattr(self, a)}" for a in AXES)
                  + " (tp varies fastest, then dp, then pp)"]  # fmt: skip
-        lines.append("  rank " + " ".join(f"{r:>{width}d}" for r in ranks))
-        for axis in AXES:
-            lines.append(f"  {axis:4s} " + " ".join(f"{self.coordinates(r)[axis]:>{width}d}" for r in ranks))
+        coordinates = [[axis, *(str(self.coordinates(r)[axis]) for r in ranks)] for axis in AXES]
+        lines.append(terminal.table(["rank", *map(str, ranks)], coordinates, indent="  "))  # (many ranks: in pieces)
         for axis in axes:
-            groups = " ".join("[" + " ".join(map(str, g)) + "]" for g in self.groups(axis))
-            lines.append(f"  {axis} groups ({ROLES[axis]}): {groups}")
+            groups = " ".join("[" + "\xa0".join(map(str, g)) + "]" for g in self.groups(axis))  # (a group: unbroken)
+            lines.append(
+                terminal.paragraph(f"{axis} groups ({ROLES[axis]}): {groups}", "  ", "    ").replace("\xa0", " ")
+            )
         return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain import collectives, kernels
+from dtrain import collectives, kernels, terminal
 from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
@@ -64,7 +64,7 @@ class ModelParallel(Paradigm):
         self.shape = self.shape_of(config, self.world)
         self.grid = grid.Grid(comm, self.shape)
         if self.rank == 0 and not config.quiet:
-            print(self.shape.describe(), flush=True)
+            print(terminal.wrapped(self.shape.describe()), flush=True)
         self.tracer = getattr(comm, "tracer", None)
         self.gathered = None  # the whole model, gathered once training is over
         self.regions = ()  # pipeline: (pp rank, start, stop) of each stage's part of the whole flat buffer

@@ -81,6 +81,7 @@ import collections
 
 import numpy as np
 
+from dtrain import terminal
 from dtrain.backend import weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm.trace import EVALUATION
@@ -162,7 +163,7 @@ class ParameterServer(Paradigm):
         self.side: Worker | Server | None = None  # this rank's side of the protocol (build makes it)
         self.gathered_params = self.gathered_optimizer = None
         if self.rank == 0 and not config.quiet:
-            print(self.describe_roles(), flush=True)
+            print(terminal.wrapped(self.describe_roles()), flush=True)
 
     def describe_roles(self) -> str:
         mode = self.name if self.config.staleness is None else f"{self.name}, staleness bound {self.config.staleness}"

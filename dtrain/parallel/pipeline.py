@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from dtrain import collectives
+from dtrain import collectives, terminal
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.backend import array_module, host_or_device_loss, is_device_array
 from dtrain.comm import waitall, watchdog
@@ -169,7 +169,7 @@ class Pipeline(ModelParallel):
         self.held = self.peak = 0  # activation bytes kept for backward: now, and the most at once
         self.timeline, self.busy_s, self.step_s = [], 0.0, 0.0
         if self.rank == 0 and not config.quiet:
-            print(self.describe(), flush=True)
+            print(terminal.wrapped(self.describe()), flush=True)
 
     def describe(self) -> str:
         parts = []

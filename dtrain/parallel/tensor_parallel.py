@@ -47,7 +47,7 @@ rank: :meth:`TensorParallel.costs` (the cost model's bytes for whatever ``--allr
 
 from __future__ import annotations
 
-from dtrain import collectives
+from dtrain import collectives, terminal
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, resolve_dtype
 from dtrain.collectives import costmodel
@@ -256,7 +256,7 @@ class TensorParallel(ModelParallel):
         self.sizes = list(whole.sizes)
         self.adopt(flattened(modules, whole), pieces, whole.flat_params.size, make_optimizer)
         if self.rank == 0 and not self.config.quiet:
-            print(self.describe(), flush=True)
+            print(terminal.wrapped(self.describe()), flush=True)
 
     def describe(self) -> str:
         """How each Linear layer is split over the tensor group, and what one rank holds of it."""
