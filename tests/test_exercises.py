@@ -5,6 +5,9 @@ overwrites, and every kind of bad input is one clear message."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,12 @@ from dtrain.exercises import checker
 
 BUGS = Path(__file__).resolve().parent / "exercise_bugs"
 ALL = exercises.catalogue()
+
+
+def flat(text: str) -> str:
+    """``text`` with its lines joined and its runs of spaces made one: the checker wraps what it prints to the
+    terminal's width, so a message is looked for in this."""
+    return " ".join(text.split())
 
 
 def dtrain_command(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -79,11 +88,13 @@ def test_untouched_stubs_fail_every_exercise(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("bug", "exercise_id", "file", "expected"), planted_bugs())
-def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expected, tmp_path, capsys):
+def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     (tmp_path / file).write_text(bug.read_text())
     assert checker.check(exercise_id, tmp_path, mpi=False) == 1
     out = capsys.readouterr().out
-    assert ("FAIL" in out or "DEADLOCK" in out) and expected in out, out  # (lesson 10's bugs hang)
+    assert ("FAIL" in out or "DEADLOCK" in out) and flat(expected) in flat(out), out  # (lesson 10's bugs hang)
+    assert max(map(len, out.splitlines())) <= 80, out
 
 
 def test_every_subject_has_a_planted_bug():
@@ -99,6 +110,138 @@ def test_another_correct_way_passes(exercise_id, tmp_path, capsys):
     assert checker.check(exercise_id, tmp_path, mpi=False) == 0, capsys.readouterr().out
 
 
+# --- the checker's words: the case (K of N) and the algorithm's step, a note only when it is the diagnosis ---------
+FORGETS_TO_ADD = (
+    "rank 0, case 1 of 8 (2 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): buf after the call "
+    "(the sum over all ranks): element 0 is 1.0, expected 102.0 (1 of 1 elements wrong) "
+    "ring step 0 of the reduce-scatter: rank 1 received chunk 0 from rank 0, to add into its own (buf[0:1] += the "
+    "chunk received); it wrote the chunk over its own values instead of adding it: at ring step 0 of the all-gather "
+    "it sent element 0 as 1.0, expected 102.0 = 1.0 received + 101.0 its own"
+)
+OWN_VALUES = "still holds this rank's own values"
+
+
+def run_ring(source: str, folder: Path, capsys, monkeypatch) -> str:
+    """``source`` as ex/ring.py, checked on simulated ranks at 80 columns: what the checker printed (every line of
+    which fits)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    (folder / "ring.py").write_text(source)
+    assert checker.check("2.1", folder, mpi=False) == 1
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 80, out
+    return out
+
+
+def test_a_ring_that_forgets_to_add_names_the_case_and_the_ring_step(tmp_path, capsys, monkeypatch):
+    """Issue 41: rank 0's buf (1.0) happens to equal its own value, but the ring wrote into it: no "own values"
+    note; the case is the checker's (K of N, what it is), the ring step the algorithm's, and the rank that went
+    wrong is named with what it received and what it sent on."""
+    out = run_ring((BUGS / "ring_forgets_to_add.py").read_text(), tmp_path, capsys, monkeypatch)
+    assert FORGETS_TO_ADD in flat(out), out
+    assert OWN_VALUES not in out and "step 1 (" not in out, out
+
+
+def test_a_ring_that_does_not_add_the_received_chunk_is_told_so(tmp_path, capsys, monkeypatch):
+    source = (BUGS / "ring_forgets_to_add.py").read_text()
+    source = source.replace("recvbuf=buf[c:d], source=left)  # the bug", "recvbuf=buf[c:d].copy(), source=left)  #", 1)
+    out = run_ring(source, tmp_path, capsys, monkeypatch)
+    assert (
+        "ring step 0 of the reduce-scatter: rank 1 received chunk 0 from rank 0, to add into its own (buf[0:1] += the "
+        "chunk received); it did not add the chunk: it passed its own values on: at ring step 0 of the all-gather it "
+        "sent element 0 as 101.0, expected 102.0 = 1.0 received + 101.0 its own"
+    ) in flat(out), out
+    assert OWN_VALUES not in out, out
+
+
+@pytest.mark.parametrize(
+    ("source", "note"),
+    [
+        (
+            "def ring_allreduce(comm, buf):\n    pass\n",
+            "buf still holds this rank's own values, on every rank: the function wrote nothing into it; the result "
+            "must be written into buf itself, in place (buf[a:b] += ..., comm.Recv(buf[a:b], ...)), not into a new "
+            "array",
+        ),
+        (
+            "from dtrain.collectives import ring\n\n\ndef ring_allreduce(comm, buf):\n    out = buf.copy()\n"
+            "    ring.allreduce(comm, out)\n    return out\n",
+            "buf still holds this rank's own values and the function returned the result as a new array: the caller "
+            "sees only buf: write the result into buf itself, in place (buf[a:b] += ..., comm.Recv(buf[a:b], ...))",
+        ),
+    ],
+    ids=["untouched", "returned"],
+)
+def test_a_ring_that_leaves_buf_untouched_is_told_so(source, note, tmp_path, capsys, monkeypatch):
+    out = run_ring(source, tmp_path, capsys, monkeypatch)
+    assert (
+        "rank 0, case 1 of 8 (2 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): buf after the "
+        "call (the sum over all ranks): element 0 is 1.0, expected 102.0 (1 of 1 elements wrong) " + note
+    ) in flat(out), out
+    assert "ring step" not in out, out  # (no message of the ring's, no step of it to name)
+
+
+RING_INTO = """import numpy as np
+
+
+def ring_allreduce(comm, buf):
+    p, r = comm.Get_size(), comm.Get_rank()
+    bounds = [(c[0], c[-1] + 1) if len(c) else (0, 0) for c in np.array_split(np.arange(buf.size), p)]
+    right, left = (r + 1) % p, (r - 1) % p
+    scratch = np.empty(SCRATCH, dtype=buf.dtype)
+    for s in range(p - 1):
+        a, b = bounds[(r - s) % p]
+        c, d = bounds[(r - s - 1) % p]
+        comm.Sendrecv(buf[a:b], dest=right, recvbuf=scratch[: d - c], source=left)
+        buf[c:d] += scratch[: d - c]
+    for s in range(p - 1):
+        a, b = bounds[(r - s + 1) % p]
+        c, d = bounds[(r - s) % p]
+        comm.Sendrecv(buf[a:b], dest=right, recvbuf=GATHERED, source=left)
+"""
+TOO_SMALL = {  # the receive too small: in the reduce-scatter (a scratch of n // p), in the all-gather (one short)
+    "reduce-scatter": RING_INTO.replace("SCRATCH", "buf.size // p").replace("GATHERED", "buf[c:d]"),
+    "all-gather": RING_INTO.replace("SCRATCH", "buf.size").replace("GATHERED", "buf[c : d - 1]"),
+}
+
+
+@pytest.mark.parametrize(
+    ("phase", "expected"),
+    [
+        (
+            "reduce-scatter",
+            "rank 1, case 1 of 8 (2 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...); ring step 0 "
+            "of the reduce-scatter: raised SimCommError: message truncated (MPI_ERR_TRUNCATE): rank 1 received from "
+            "rank 0 (tag 0, world): 1 elements (8 bytes) into a buffer of 0 elements (ring.py line 12, in "
+            "ring_allreduce: `comm.Sendrecv(buf[a:b], dest=right, recvbuf=scratch[: d - c], source=left)`) a message "
+            "larger than the buffer that receives it: a receive's buffer must hold the whole message",
+        ),
+        (
+            "all-gather",
+            "rank 0, case 1 of 8 (2 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...); ring step 0 "
+            "of the all-gather: raised SimCommError: message truncated (MPI_ERR_TRUNCATE): rank 0 received from rank "
+            "1 (tag 0, world): 1 elements (8 bytes) into a buffer of 0 elements (ring.py line 17, in ring_allreduce: "
+            "`comm.Sendrecv(buf[a:b], dest=right, recvbuf=buf[c : d - 1], source=left)`)",
+        ),
+    ],
+)
+def test_a_receive_into_a_buffer_too_small_names_rank_case_and_ring_step(phase, expected, tmp_path, capsys,
+                                                                          monkeypatch):  # fmt: skip
+    out = run_ring(TOO_SMALL[phase], tmp_path, capsys, monkeypatch)
+    assert "ERROR on 2 ranks" in out and expected in flat(out), out
+
+
+def test_a_deadlock_names_the_case_and_every_ranks_ring_step(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    (tmp_path / "allgather.py").write_text((BUGS / "allgather_sends_before_receiving.py").read_text())
+    assert checker.check("10.1", tmp_path, mpi=False) == 1
+    out = capsys.readouterr().out
+    assert (
+        "DEADLOCK on 2 ranks in case 5 of 7 (2 ranks, 40003 float64 elements; rank r's chunk r holds its values, the "
+        "rest -1; this rank's chunk: 160,016 bytes); every rank in ring step 0 of the all-gather: deadlock:"
+    ) in flat(out), out
+    assert max(map(len, out.splitlines())) <= 80, out
+
+
 def test_init_never_overwrites(tmp_path, capsys):
     mine = tmp_path / "ring.py"
     mine.write_text("# my work\n")
@@ -108,18 +251,118 @@ def test_init_never_overwrites(tmp_path, capsys):
     assert all((tmp_path / e.file).is_file() for e in ALL)
 
 
+def list_rows(folder: Path, capsys) -> dict:
+    """``exercises list``'s rows, printed at any width (one line a row), by exercise: the status cell."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("COLUMNS", raising=False)
+        checker.show_list(folder)
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("exercise "))
+    starts = [lines[header].index(word) for word in ("status", "what")]
+    return {line.split()[0]: line[starts[0] : starts[1]].strip() for line in lines[header + 2 :] if line.strip()}
+
+
 def test_list_shows_each_status(tmp_path, capsys):
     checker.init(tmp_path)
     reference_folder(tmp_path / "ref")
     (tmp_path / "ring.py").write_text((tmp_path / "ref" / "ring.py").read_text())
     checker.check("2.1", tmp_path, mpi=False)
     capsys.readouterr()
-    checker.show_list(tmp_path)
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert "passing on simulated ranks" in rows["2.1"]
+    rows = list_rows(tmp_path, capsys)
+    assert rows["2.1"] == "passing on simulated ranks" and rows["2.2"] == "not started", rows
     (tmp_path / "ring.py").write_text("def ring_allreduce(comm, buf):\n    pass\n")
-    checker.show_list(tmp_path)
-    assert "not checked since it changed" in capsys.readouterr().out
+    assert list_rows(tmp_path, capsys)["2.1"] == "not checked since it changed"
+
+
+SCHEDULES = """from dtrain.parallel.schedules import gpipe_order
+from dtrain.parallel.schedules import one_f_one_b_order
+
+
+def one_f_one_b(stages, microbatches):
+    return one_f_one_b_order(stages, microbatches)
+
+
+def gpipe(stages, microbatches):
+    return gpipe_order(stages, microbatches)
+"""
+
+
+def test_list_tracks_each_exercise_by_its_own_function(tmp_path, capsys):
+    """8.1 and 8.2 share schedules.py: each one's status follows its own function and what it uses (helpers,
+    imports), not the file."""
+    checker.init(tmp_path)
+    schedules = tmp_path / "schedules.py"
+    schedules.write_text(SCHEDULES)
+    assert checker.check("8.1", tmp_path, mpi=False) == 0
+    capsys.readouterr()
+    rows = list_rows(tmp_path, capsys)
+    assert (rows["8.1"], rows["8.2"]) == ("passing", "not checked yet"), rows  # 8.2 was never checked
+    assert checker.check("8.2", tmp_path, mpi=False) == 0
+    capsys.readouterr()
+    mine = SCHEDULES.replace(
+        "return gpipe_order(stages, microbatches)", "return list(gpipe_order(stages, microbatches))"
+    )
+    schedules.write_text(mine)  # 8.2's function edited
+    rows = list_rows(tmp_path, capsys)
+    assert (rows["8.1"], rows["8.2"]) == ("passing", "not checked since it changed"), rows
+    assert checker.check("8.2", tmp_path, mpi=False) == 0
+    capsys.readouterr()
+    schedules.write_text(
+        "# comments and blank lines do not count\n\n" + mine.replace("    return one_f", "\n    return one_f")
+    )
+    rows = list_rows(tmp_path, capsys)
+    assert (rows["8.1"], rows["8.2"]) == ("passing", "passing"), rows
+    schedules.write_text(mine.replace("import one_f_one_b_order", "import gpipe_order as one_f_one_b_order"))
+    rows = list_rows(tmp_path, capsys)  # what 8.1 uses (an import) changed: 8.1 did, 8.2 did not
+    assert (rows["8.1"], rows["8.2"]) == ("not checked since it changed", "passing"), rows
+
+
+def test_list_reads_an_older_progress_file(tmp_path, capsys):
+    """A progress file an older dtrain wrote (a digest of the whole file per exercise) is read, never a crash: its
+    status holds while the file is as it was, and is unknown once it changed; an unreadable one is no progress."""
+    checker.init(tmp_path)
+    schedules = tmp_path / "schedules.py"
+    schedules.write_text(SCHEDULES)
+    old = {"8.1": {"status": "passing", "sha256": checker.digest(schedules)}, "8.2": "not a record"}
+    (tmp_path / checker.PROGRESS).write_text(json.dumps(old))
+    rows = list_rows(tmp_path, capsys)
+    assert (rows["8.1"], rows["8.2"]) == ("passing", "not checked yet"), rows
+    schedules.write_text(SCHEDULES + "\n# edited\n")
+    assert list_rows(tmp_path, capsys)["8.1"] == "not checked since its file changed"
+    for broken in ("[1, 2]", "{not json", '{"8.1": {"status": 3}}'):
+        (tmp_path / checker.PROGRESS).write_text(broken)
+        assert list_rows(tmp_path, capsys)["8.1"] == "not checked yet"
+
+
+def test_a_folder_made_by_an_older_init_still_works(tmp_path, capsys):
+    """Files copied by an earlier ``init`` (the stubs' words were different then): an untouched function is still
+    "not started", for ``list`` and for ``check``."""
+    checker.init(tmp_path)
+    ring = tmp_path / "ring.py"
+    ring.write_text(ring.read_text().replace("--path ex", "--path .").replace("ex/ring.py:", "ring.py:"))
+    assert list_rows(tmp_path, capsys)["2.1"] == "not started"
+    assert checker.check("2.1", tmp_path, mpi=False) == 1
+    assert "not started" in capsys.readouterr().out
+
+
+def test_list_fits_80_columns(tmp_path):
+    checker.init(tmp_path)
+    (tmp_path / checker.PROGRESS).write_text(json.dumps({"4.2": {"status": "passing", "sha256": "0"}}))
+    (tmp_path / "parameter_server.py").write_text("def stale_synchronous_ready(waiting, clock, running, bound):\n"
+                                                  "    return []\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "dtrain", "exercises", "list", "--path", str(tmp_path)],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert max(map(len, done.stdout.splitlines())) <= 80, done.stdout
+    assert "not checked since its file changed" in flat(done.stdout) and "2.1" in done.stdout, done.stdout
+
+
+def test_the_stubs_and_the_checker_spell_commands_as_the_readme_does():
+    """One spelling: ``--path ex`` and ``ex/ring.py:ring_allreduce`` (the README's), never ``--path .``."""
+    texts = [path.read_text() for path in sorted(checker.STUBS.glob("*.py"))]
+    assert all("--path ex" in text and "--path ." not in text for text in texts)
+    assert "--allreduce ex/ring.py:ring_allreduce" in (checker.STUBS / "ring.py").read_text()
+    assert not any(re.search(r"--allreduce [a-z_]+\.py:", text) for text in texts)
 
 
 # --- bad input: one clear message each, never dtrain's traceback, never a hang --------------------------------------
@@ -140,7 +383,8 @@ def test_unknown_exercise_and_missing_file_are_one_line(tmp_path):
         (
             "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 1:\n        raise ValueError('only me')\n"
             "    comm.Barrier()\n",
-            "rank 1 raised ValueError: only me (ring.py line 3",
+            "rank 1, case 1 of 8 (2 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): raised "
+            "ValueError: only me (ring.py line 3",
         ),
         ("def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 0:\n        comm.Recv(buf, source=1)\n", "rank 0"),
     ],
@@ -150,7 +394,7 @@ def test_a_broken_file_is_one_clear_message(source, expected, tmp_path, capsys):
     (tmp_path / "ring.py").write_text(source)
     assert checker.check("2.1", tmp_path, mpi=False) == 1
     out = capsys.readouterr().out
-    assert expected in out and "Traceback" not in out, out
+    assert flat(expected) in flat(out) and "Traceback" not in out, out
 
 
 @pytest.mark.mpi
@@ -160,14 +404,21 @@ def test_a_broken_file_is_one_clear_message(source, expected, tmp_path, capsys):
         (
             "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 1:\n        raise ValueError('only me')\n"
             "    comm.Barrier()\n",
-            "rank 1 raised ValueError: only me (ring.py line 3",
+            "rank 1, case 1 of 10 (3 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): raised "
+            "ValueError: only me (ring.py line 3",
         ),
         (
             "def ring_allreduce(comm, buf):\n    if comm.Get_rank() == 0:\n        comm.Recv(buf, source=1)\n",
-            "a deadlock",
+            "in case 1 of 10 (3 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): a rank waited more "
+            "than 3 s for the others: a deadlock",
+        ),
+        (
+            TOO_SMALL["reduce-scatter"],
+            "rank 1, case 1 of 10 (3 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...); ring step 0 "
+            "of the reduce-scatter: raised Exception:",  # (then MPI's own words: MPICH's, Open MPI's)
         ),
     ],
-    ids=["raises-on-one-rank", "hangs-on-one-rank"],
+    ids=["raises-on-one-rank", "hangs-on-one-rank", "receives-into-too-small-a-buffer"],
 )
 def test_under_mpiexec_a_rank_that_raises_or_hangs_is_reported_in_time(source, expected, tmp_path, capsys,
                                                                        monkeypatch):  # fmt: skip

@@ -13,14 +13,16 @@ Each stub raises ``NotImplementedError("exercise 2.1: ...")`` and its docstring 
 each rank holds before and after, and a hint. ``check`` runs the exercise's check, the very function that
 tests/test_exercises.py runs on the reference: first on simulated ranks (fast; a deadlock is reported with what every
 rank waits for), then under ``mpiexec`` with several rank counts, a non-power-of-two among them, each with a time
-limit so that a wrong exercise can never hang the checker. A failure names the rank, the step, and the first wrong
-element with its expected and actual values.
+limit so that a wrong exercise can never hang the checker. A failure names the rank, the checker's case ("case 2 of
+8", and what the case is), where the check knows them the algorithm's own step ("ring step 0 of the
+reduce-scatter"), and the first wrong element with its expected and actual values.
 
 Which file does what::
 
     __init__.py   the catalogue (this file): every exercise of every subject, in the course's order
     grading.py    what an exercise is (its lesson, file, function, reference, check), and what checks are made
-                  of: numbered steps, comparisons that name the first wrong element, the traffic an algorithm sends
+                  of: numbered cases, comparisons that name the first wrong element, the traffic an algorithm
+                  sends, the log that names an algorithm's steps
     checks/       one module per subject: its exercises (EXERCISES) and the checks that grade them (the
                   reference's tests too)
     stubs/        the files ``init`` copies for the learner

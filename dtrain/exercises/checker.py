@@ -2,12 +2,15 @@
 
 ``check`` runs an exercise's parts in order, each in a process of its own with a time limit (:mod:`.run`): the
 simulated ranks first, then ``mpiexec -n P`` for each rank count; the first part that fails ends the check, with its
-message and the exercise's hint. What each check found is kept in ``DIR/.dtrain-progress.json`` (with the file's
-hash), which is how ``list`` knows an exercise's status without running anything.
+message and the exercise's hint. What each check found is kept in ``DIR/.dtrain-progress.json``, with a digest of
+the exercise's own function (its definition and the top-level definitions it uses: helpers, imports, constants), which
+is how ``list`` knows an exercise's status without running anything: editing 8.1's function in schedules.py leaves
+8.2's status as it was. Every line printed fits the terminal (``$COLUMNS``; :mod:`dtrain.terminal`).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -17,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dtrain import exercises
+from dtrain import exercises, terminal
 from dtrain.errors import UserError
 
 STUBS = Path(__file__).parent / "stubs"
@@ -26,6 +29,7 @@ SIM_LIMIT_S = 120.0  # the whole simulated part (every world size) of one exerci
 MPI_LIMIT_S = 90.0  # one mpiexec run, start-up included
 WAIT_LIMIT_S = 20.0  # the watchdog's: one wait of one rank under mpiexec
 STATUS_WIDTH = 44
+INDENT, HANGING = "    ", "      "  # a part's message under it; the message's wrapped lines
 
 
 # --- init ----------------------------------------------------------------------------------------------------------
@@ -44,34 +48,48 @@ def init(folder) -> int:
             shutil.copyfile(STUBS / name, target)
             copied.append(name)
     if copied:
-        print(f"copied {len(copied)} exercise files into {folder}/: {', '.join(copied)}")
+        say(f"copied {len(copied)} exercise files into {folder}/: {', '.join(copied)}")
     if kept:
-        print(f"kept your {len(kept)} existing files (never overwritten): {', '.join(kept)}")
-    print(f"next: dtrain exercises list --path {folder}    then: dtrain exercises check 2.1 --path {folder}")
+        say(f"kept your {len(kept)} existing files (never overwritten): {', '.join(kept)}")
+    print("next:")
+    print(terminal.command(["dtrain", "exercises", "list", "--path", str(folder)], "  "))
+    print(terminal.command(["dtrain", "exercises", "check", "2.1", "--path", str(folder)], "  "))
     return 0
+
+
+def say(text: str, indent: str = "", hanging: str | None = None) -> None:
+    """Print ``text``, each of its lines wrapped to the terminal (:func:`dtrain.terminal.paragraph`)."""
+    for line in text.splitlines() or [""]:
+        print(terminal.paragraph(line, indent, indent + "  " if hanging is None else hanging), flush=True)
 
 
 # --- list ----------------------------------------------------------------------------------------------------------
 def status_of(exercise, folder: Path, progress: dict) -> str:
+    """What ``list`` says of ``exercise``: from its own function in the learner's file, against the stub's and against
+    what the last check of it recorded (``progress``)."""
     path = folder / exercise.file
     if not path.is_file():
         return "no file (dtrain exercises init)"
-    if path.read_bytes() == (STUBS / exercise.file).read_bytes():
+    now = function_digest(path, exercise.function)
+    if now == function_digest(STUBS / exercise.file, exercise.function):
         return "not started"
     seen = progress.get(exercise.id)
-    if seen is None or seen["sha256"] != digest(path):
-        return "not checked since it changed" if seen else "not checked yet"
-    return seen["status"]
+    if not isinstance(seen, dict) or not isinstance(seen.get("status"), str):
+        return "not checked yet"
+    if "function" in seen:
+        return seen["status"] if seen["function"] == now else "not checked since it changed"
+    # recorded by an older dtrain, with a digest of the whole file: still so only if the file is as it was then
+    return seen["status"] if seen.get("sha256") == digest(path) else "not checked since its file changed"
 
 
 def show_list(folder) -> int:
     folder = Path(folder)
     progress = read_progress(folder)
-    width = max(len(e.file) + len(e.function) + 1 for e in exercises.catalogue())
-    print(f"{'exercise':9s} {'lesson script':32s} {'file:function':{width}s} status")
-    for e in exercises.catalogue():
-        print(f"{e.id:9s} {e.lesson_script:32s} {e.file + ':' + e.function:{width}s} {status_of(e, folder, progress)}"
-              f"  ({e.title})")  # fmt: skip
+    rows = [[e.id, e.file, e.function, status_of(e, folder, progress), f"{e.title} ({e.lesson_script})"]
+            for e in exercises.catalogue()]  # fmt: skip
+    say(f"your exercises in {folder}/ (check one: dtrain exercises check ID --path {folder})")
+    print(terminal.table(["exercise", "file", "function", "status", "what (lesson script)"], rows, left=range(5),
+                         wrap=(3, 4), notes=4))  # fmt: skip
     return 0
 
 
@@ -100,8 +118,8 @@ def check(which: str, folder, mpi: bool = True) -> int:
 
 def check_one(exercise, folder: Path, mpi: bool) -> str:
     path = (folder / exercise.file).resolve()
-    print(f"exercise {exercise.id} (lesson {exercise.lesson}): {exercise.title} — {folder / exercise.file}:"
-          f"{exercise.function}", flush=True)  # fmt: skip
+    say(f"exercise {exercise.id} (lesson {exercise.lesson}): {exercise.title} — {folder / exercise.file}:"
+        f"{exercise.function}")  # fmt: skip
     if not path.is_file():
         say_part("your file", {"status": "error", "message": f"{path} does not exist: dtrain exercises init"})
         return "no file"
@@ -116,9 +134,10 @@ def check_one(exercise, folder: Path, mpi: bool) -> str:
         if found["status"] != "pass":
             status = "not started" if found["status"] == "not started" else "failing"
             if found["status"] == "not started":
-                print(f"    its docstring says the task, the signature and a hint; lesson: {exercise.lesson_script}")
+                say(f"its docstring says the task, the signature and a hint; lesson: {exercise.lesson_script}", INDENT,
+                    HANGING)  # fmt: skip
             elif exercise.hint:
-                print(f"    hint: {exercise.hint}")
+                say(f"hint: {exercise.hint}", INDENT, HANGING)
             rest = parts[number + 1 :]
             if rest:
                 print(f"  {'the other parts':{STATUS_WIDTH}s} skipped (fix this one first)")
@@ -127,8 +146,9 @@ def check_one(exercise, folder: Path, mpi: bool) -> str:
         status = "passing on simulated ranks"
     record_progress(folder, exercise, path, status)
     if status == "passing" and exercise.id == "2.1":
-        print(f"  train the MLP with it: dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce "
-              f"{folder / exercise.file}:{exercise.function}")  # fmt: skip
+        print("  train the MLP with it:")
+        print(terminal.command(["dtrain", "launch", "-n", "4", "-m", "dtrain", "train", "--paradigm", "ddp",
+                                "--allreduce", f"{folder / exercise.file}:{exercise.function}"], INDENT))  # fmt: skip
     return status
 
 
@@ -142,8 +162,7 @@ def say_part(name: str, found: dict) -> None:
     )
     print(f"  {name:{STATUS_WIDTH}s} {words[found['status']]}{where}", flush=True)
     if found["status"] != "pass" and found.get("message"):
-        for line in found["message"].splitlines():
-            print(f"    {line}")
+        say(found["message"], INDENT, HANGING)
 
 
 def run_sim(exercise, path: Path) -> dict:
@@ -171,7 +190,8 @@ def run_mpi(exercise, path: Path, ranks: int) -> dict:
         try:
             done = launcher.launch(ranks, target, timeout=MPI_LIMIT_S, capture=True, env=env)
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "message": f"mpiexec -n {ranks} did not end within {MPI_LIMIT_S:g} s"}
+            return {"status": "timeout", "message": f"{in_case(scratch)}mpiexec -n {ranks} did not end within "
+                    f"{MPI_LIMIT_S:g} s"}  # fmt: skip
         raised = sorted(Path(scratch).glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
         if raised:
             return json.loads(raised[0].read_text())
@@ -180,10 +200,21 @@ def run_mpi(exercise, path: Path, ranks: int) -> dict:
             return json.loads(result.read_text())
         stuck = [line for line in done.stderr.splitlines() if line.startswith("dtrain watchdog")]
         if stuck:
-            said = (f"a rank waited more than {WAIT_LIMIT_S:g} s for the others: a deadlock (a receive that no rank "
-                    "sends to, or a rank that skipped a call); the watchdog's report:")  # fmt: skip
+            said = (f"{in_case(scratch)}a rank waited more than {WAIT_LIMIT_S:g} s for the others: a deadlock "
+                    "(a receive that no rank sends to, or a rank that skipped a call); the watchdog's "
+                    "report:")  # fmt: skip
             return {"status": "deadlock", "message": "\n".join([said, *stuck[:3]])}
         return {"status": "error", "message": last_lines(done.stderr) or f"mpiexec ended with {done.returncode}"}
+
+
+def in_case(scratch) -> str:
+    """``"in case 5 of 7 (what it is): "``, the case rank 0 had started when a job under mpiexec stopped ("" if it
+    had started none, or did not say)."""
+    try:
+        where = json.loads((Path(scratch) / "case.json").read_text())["where"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f"in {where}" if where else ""
 
 
 def child_env() -> dict:
@@ -200,19 +231,69 @@ def last_lines(text: str, count: int = 6) -> str:
 
 # --- progress ------------------------------------------------------------------------------------------------------
 def digest(path: Path) -> str:
+    """The whole file's sha256 (what an older dtrain recorded, and what a file that cannot be parsed is known by)."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def read_progress(folder: Path) -> dict:
+def function_digest(path: Path, function: str) -> str:
+    """A digest of what ``function`` is in the file ``path``: its own top-level definition and, by name and in turn,
+    the top-level definitions it uses (helpers, imports, constants), as parsed (comments and blank lines do not
+    count); the whole file's (:func:`digest`) if it cannot be parsed or binds no ``function`` at its top level."""
+    text = path.read_bytes()
     try:
-        return json.loads((folder / PROGRESS).read_text())
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return "file:" + digest(path)
+    bindings: dict[str, list[ast.stmt]] = {}
+    for node in tree.body:
+        for name in bound(node):
+            bindings.setdefault(name, []).append(node)
+    if function not in bindings:
+        return "file:" + digest(path)
+    used, todo, nodes = set(), [function], []
+    while todo:
+        name = todo.pop()
+        if name in used or name not in bindings:
+            continue
+        used.add(name)
+        for node in bindings[name]:
+            if node not in nodes:
+                nodes.append(node)
+                todo += [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    nodes.sort(key=lambda node: node.lineno)
+    return hashlib.sha256("\n".join(ast.dump(node) for node in nodes).encode()).hexdigest()
+
+
+def bound(node: ast.stmt) -> set[str]:
+    """The names a top-level statement binds: a definition's name, an import's names, an assignment's targets (and,
+    for an ``if``/``try``/``with``, everything bound inside it)."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return {node.name}
+    names = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
+            names.add(inner.id)
+        elif isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(inner.name)
+        elif isinstance(inner, ast.Import | ast.ImportFrom):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in inner.names}
+    return names
+
+
+def read_progress(folder: Path) -> dict:
+    """``{exercise id: {"status", "function", "sha256"}}`` from the folder's progress file; {} if there is none or it
+    cannot be read (an entry an older dtrain wrote has no "function": :func:`status_of` reads it as such)."""
+    try:
+        found = json.loads((folder / PROGRESS).read_text())
     except (OSError, ValueError):
         return {}
+    return found if isinstance(found, dict) else {}
 
 
 def record_progress(folder: Path, exercise, path: Path, status: str) -> None:
     if not path.is_file():
         return
     progress = read_progress(folder)
-    progress[exercise.id] = {"status": status, "sha256": digest(path)}
+    progress[exercise.id] = {"status": status, "function": function_digest(path, exercise.function),
+                             "sha256": digest(path)}  # fmt: skip
     (folder / PROGRESS).write_text(json.dumps(progress, indent=1, sort_keys=True))

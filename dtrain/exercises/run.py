@@ -10,7 +10,8 @@ endless loop, a receive that nothing matches) can hang it:
   watched (a wait longer than ``$DTRAIN_TIMEOUT`` ends the job with a report).
 
 Each writes what happened as JSON to RESULT (``mpi``: RESULT is a folder; rank 0 writes ``result.json``, and a rank
-whose call of the learner's function raised writes ``rank-R.json`` before the job ends).
+whose call of the learner's function raised writes ``rank-R.json`` before the job ends; rank 0 keeps the case in
+progress in ``case.json``, for the report of a job that hangs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from dtrain import exercises
 from dtrain.errors import UserError
-from dtrain.exercises.grading import Grade, Wrong
+from dtrain.exercises.grading import Grade, Wrong, place
 from dtrain.loading import load_function, where
 
 SIM_TIMEOUT_S = 30.0  # a simulated world that runs this long is looping, not computing
@@ -35,13 +36,18 @@ def load(exercise, path: Path):
     return load_function(path, exercise.function, exercise.parameters, who=f"exercise {exercise.id}: ")
 
 
-def raised(exercise, exc: BaseException, path: Path, rank: int | None) -> dict:
-    """What an exception from the learner's function means: the stub not yet replaced, or a bug, said with the line
-    of the learner's file it came from."""
-    who = f"rank {rank} " if rank is not None else ""
+def raised(exercise, exc: BaseException, path: Path, rank: int | None, grade: Grade | None = None) -> dict:
+    """What an exception from the learner's function means: the stub not yet replaced, or a bug, said with the rank,
+    the case and the algorithm's step it came in (where known, from ``grade``) and the line of the learner's file."""
     if isinstance(exc, NotImplementedError) and str(exc).startswith(f"exercise {exercise.id}"):
         return outcome("not started", f"{exercise.function} still raises NotImplementedError: write it in {path}")
-    return outcome("error", f"{who}raised {type(exc).__name__}: {exc}{where(exc, path)}", rank=rank)
+    who = f"rank {rank}" if rank is not None else ""
+    at = grade.where() if grade is not None else ""
+    lead = f"{who}, {at}" if who and at else f"{who} " if who else at
+    text = f"{lead}raised {type(exc).__name__}: {exc}{where(exc, path)}"
+    if "truncat" in str(exc).lower():  # (MPI_ERR_TRUNCATE, the simulator's and MPICH's words)
+        text += "\na message larger than the buffer that receives it: a receive's buffer must hold the whole message"
+    return outcome("error", text, rank=rank)
 
 
 def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
@@ -51,15 +57,16 @@ def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
     fn = load(exercise, path)
     check = exercise.load_check()
     if not sizes:  # one process, no ranks
+        grade = Grade(None)
         try:
-            check(fn, None, Grade(None))
+            check(fn, None, grade)
         except Wrong as wrong:
             return outcome("fail", wrong.describe())
         except Exception as exc:
-            return raised(exercise, exc, path, None)
+            return raised(exercise, exc, path, None, grade)
         return outcome("pass")
 
-    grades = {}  # rank -> its Grade, which knows the step in progress (for a deadlock's report)
+    grades = {}  # rank -> its Grade, which knows the case and the algorithm's step in progress (for a report)
 
     def rank_main(comm):
         traced = TracedComm(comm, Tracer(comm.Get_rank(), keep_events=False))
@@ -73,7 +80,7 @@ def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
         except sim.SimRankError as failed:
             if isinstance(failed.exception, Wrong):
                 return outcome("fail", failed.exception.describe(), ranks=p)
-            return {**raised(exercise, failed.exception, path, failed.rank), "ranks": p}
+            return {**raised(exercise, failed.exception, path, failed.rank, grades.get(failed.rank)), "ranks": p}
         except sim.SimDeadlock as deadlock:
             return outcome("deadlock", during(grades) + str(deadlock), ranks=p)
         except sim.SimTimeout as timeout:
@@ -82,12 +89,22 @@ def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
 
 
 def during(grades: dict) -> str:
-    """``"in step 3 (what it does): "``, the step rank 0 was in when the run stopped ("" before the first step)."""
+    """``"in case 3 of 8 (what it is): "``, the case rank 0 was in when the run stopped ("" before the first case),
+    then each rank's algorithm step where known (``"; every rank in ring step 0 of the all-gather"``, ``"; the
+    algorithm's steps: rank 0 in ring step 0 of the reduce-scatter, rank 1 in none"``)."""
     grade = grades.get(0)
-    number, about = grade.current if grade is not None else (None, "")
-    if number is None:
+    case, about, cases = grade.current if grade is not None else (None, "", None)
+    if case is None:
         return ""
-    return f"in step {number}" + (f" ({about})" if about else "") + ": "
+    said = place(None, case, cases, about)[:-2]
+    phases = {rank: g.phase() for rank, g in sorted(grades.items())}
+    if any(phases.values()):
+        if len(set(phases.values())) == 1:
+            said += f"; every rank in {phases[0]}"
+        else:
+            said += "; the algorithm's steps: " + ", ".join(f"rank {rank} in {phase or 'none'}"
+                                                            for rank, phase in phases.items())  # fmt: skip
+    return f"in {said}:\n"
 
 
 def run_mpi(exercise, path: Path, folder: Path) -> None:
@@ -103,14 +120,16 @@ def run_mpi(exercise, path: Path, folder: Path) -> None:
             write(folder / "result.json", outcome("error", str(exc)))
         return
     comm = prepare(world)  # traced, and watched when $DTRAIN_TIMEOUT is set
+    # rank 0 notes each case as it starts: if the job hangs and is ended, the checker can say in which case
+    grade = Grade(comm, started=(lambda g: write(folder / "case.json", {"where": g.where()})) if rank == 0 else None)
     try:
-        exercise.load_check()(fn, comm, Grade(comm))
-    except Wrong as wrong:  # every rank raises it, at the same step
+        exercise.load_check()(fn, comm, grade)
+    except Wrong as wrong:  # every rank raises it, at the same case
         if rank == 0:
             write(folder / "result.json", outcome("fail", wrong.describe()))
         return
     except Exception as exc:  # this rank alone, maybe: say so, then end the job (the others may be waiting for us)
-        write(folder / f"rank-{rank}.json", raised(exercise, exc, path, rank))
+        write(folder / f"rank-{rank}.json", raised(exercise, exc, path, rank, grade))
         raise
     if rank == 0:
         write(folder / "result.json", outcome("pass"))

@@ -87,10 +87,10 @@ def matmul_backward(fn, comm, grade) -> None:
     """``fn(grad, a, b)`` returns (dL/dA, dL/dB) of ``L = sum(grad * (a @ b))``, of the shapes of ``a`` and ``b``,
     equal to the finite differences of L."""
     rng = np.random.default_rng(11)
-    for step, ((m, k, n), about) in enumerate(MATMUL_SHAPES, 1):
+    for number, ((m, k, n), about) in enumerate(MATMUL_SHAPES, 1):
         a, b, grad = rng.normal(size=(m, k)), rng.normal(size=(k, n)), rng.normal(size=(m, n))
         before = {"a": a.copy(), "b": b.copy(), "grad": grad.copy()}
-        with grade.step(step, f"{about}, float64, grad = dL/dC of shape ({m}, {n})"):
+        with grade.step(number, f"{about}, float64, grad = dL/dC of shape ({m}, {n})", len(MATMUL_SHAPES)):
             result = returned(grade, fn(grad, a, b), ("grad_a", "grad_b"))
             unchanged(grade, {"a": a, "b": b, "grad": grad}, before)
             if result is not None:
@@ -126,11 +126,12 @@ def linear_backward(fn, comm, grade) -> None:
     finite differences of L and to the autograd engine's gradients of a Linear layer."""
     rng = np.random.default_rng(12)
     names = ("grad_x", "grad_weight", "grad_bias")
-    for step, ((batch, n_in, n_out), about) in enumerate(LINEAR_SHAPES, 1):
+    for number, ((batch, n_in, n_out), about) in enumerate(LINEAR_SHAPES, 1):
         x, weight, bias = rng.normal(size=(batch, n_in)), rng.normal(size=(n_in, n_out)), rng.normal(size=n_out)
         grad_out = rng.normal(size=(batch, n_out))
         before = {"x": x.copy(), "weight": weight.copy(), "grad_out": grad_out.copy()}
-        with grade.step(step, f"{about}: x {x.shape}, weight {weight.shape}, grad_out {grad_out.shape}, float64"):
+        with grade.step(number, f"{about}: x {x.shape}, weight {weight.shape}, grad_out {grad_out.shape}, float64",
+                        len(LINEAR_SHAPES)):  # fmt: skip
             result = returned(grade, fn(grad_out, x, weight), names)
             unchanged(grade, {"x": x, "weight": weight, "grad_out": grad_out}, before)
             if result is None:

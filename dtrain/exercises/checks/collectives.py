@@ -15,7 +15,7 @@ import numpy as np
 
 from dtrain.collectives import hierarchical
 from dtrain.comm.wrapper import CommWrapper, forward
-from dtrain.exercises.grading import MPI, RINGS, Exercise
+from dtrain.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
 
 EXERCISES = (
     Exercise("2.1", "ring all-reduce", "ring.py", "ring_allreduce", ("comm", "buf"),
@@ -56,35 +56,144 @@ def sizes(p: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys((1, max(p - 1, 1), p, 7 * p + 3, 1000)))
 
 
-def unchanged(grade, buf, before, what: str) -> None:
-    """A note for a failing step whose buffer is still what the rank started with: the result goes into ``buf``."""
-    if np.array_equal(buf, before):
-        grade.note(f"{what} still holds this rank's own values: the result must be written into it, in place "
-                   "(buf[a:b] += ..., comm.Recv(buf[a:b], ...)), not returned as a new array")  # fmt: skip
+def elements(n: int, dtype) -> str:
+    """``"1 float64 element"``, ``"5 float32 elements"``."""
+    return f"{n} {np.dtype(dtype).name} element{'' if n == 1 else 's'}"
 
 
-def summed(call, comm, grade, lengths, first: int = 1, about: str = ""):
-    """One step per dtype and length (numbered from ``first``): rank r's own values in ``buf``, ``call(buf)``, then
-    ``buf`` must hold the sum over all ranks. Yields ``buf`` inside each step, for the caller's traffic comparisons."""
+UNTOUCHED = "still holds this rank's own values"
+
+
+def untouched(comm, grade, buf, before, expected, returned=None, what: str = "buf", everywhere: bool = True) -> None:
+    """Every rank calls it after the call (``everywhere``: an object all-gather). A note for a failing case, only
+    when it is the diagnosis: the function returned the result as a new array and left ``buf`` as it was; or ``buf``
+    holds what it held before the call on every rank (``everywhere``; else on this rank), so that the function wrote
+    nothing into it. (One rank's ``buf`` may hold its own values again after a wrong algorithm put them back: on its
+    own, that says nothing.)"""
+    same = bool(np.array_equal(buf, before))
+    everyone = comm.allgather(same) if everywhere else [same]
+    if not grade.problems or not same:
+        return
+    place = f"{what} itself, in place (buf[a:b] += ..., comm.Recv(buf[a:b], ...))"
+    if isinstance(returned, np.ndarray) and returned.shape == np.shape(expected) and np.allclose(returned, expected):
+        grade.note(f"{what} {UNTOUCHED} and the function returned the result as a new array: the caller sees only "
+                   f"{what}: write the result into {place}")  # fmt: skip
+    elif all(everyone):
+        grade.note(f"{what} {UNTOUCHED}{', on every rank' if everywhere else ''}: the function wrote nothing into it; "
+                   f"the result must be written into {place}, not into a new array")  # fmt: skip
+
+
+def summed(call, comm, grade, lengths, first: int = 1, about: str = "", cases: int | None = None):
+    """One case per dtype and length (numbered from ``first``, of ``cases``): rank r's own values in ``buf``,
+    ``call(buf)``, then ``buf`` must hold the sum over all ranks. Yields ``buf`` inside each case, for the caller's
+    traffic comparisons."""
     p, r = comm.Get_size(), comm.Get_rank()
-    for step, (dtype, n) in enumerate([(dtype, n) for dtype in DTYPES for n in lengths], first):
+    ranks = plural(p, "rank")
+    every = [(dtype, n) for dtype in DTYPES for n in lengths]
+    cases = len(every) if cases is None else cases
+    for number, (dtype, n) in enumerate(every, first):
         buf = rank_values(r, n, dtype)
-        with grade.step(step, f"{p} ranks{about}, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, 100 r "
-                        "+ 2, ..."):  # fmt: skip
-            call(buf)
-            if not grade.same(buf, sum(rank_values(q, n, dtype) for q in range(p)), "buf after the call (the sum "
-                              "over all ranks)"):  # fmt: skip
-                unchanged(grade, buf, rank_values(r, n, dtype), "buf")
+        expected = sum(rank_values(q, n, dtype) for q in range(p))
+        with grade.step(number, f"{ranks}{about}, {elements(n, dtype)}; rank r holds 100 r + 1, 100 r + 2, ...",
+                        cases):  # fmt: skip
+            returned = call(buf)
+            grade.same(buf, expected, "buf after the call (the sum over all ranks)")
+            untouched(comm, grade, buf, rank_values(r, n, dtype), expected, returned)
             yield buf
 
 
 def ring_allreduce(fn, comm, grade) -> None:
     """``fn(comm, buf)`` leaves the sum over all ranks in every rank's ``buf``, sending 2(p - 1) messages per rank and
-    2(p - 1) n elements over all ranks (each chunk once around the ring to be reduced, once to be shared)."""
+    2(p - 1) n elements over all ranks (each chunk once around the ring to be reduced, once to be shared). The
+    function gets a :class:`~dtrain.exercises.grading.StepLog`: a failure names the ring's step it happened in."""
     p = comm.Get_size()
-    for buf in summed(lambda buf: fn(comm, buf), comm, grade, sizes(p)):
+    log = grade.log(comm, ring_steps(p), keep=True)
+    for buf in summed(lambda buf: fn(log, buf), comm, grade, sizes(p)):
         # (with empty chunks a ring may rightly skip their messages: then the count only explains a failure)
         grade.traffic(2 * (p - 1), 2 * (p - 1) * buf.nbytes, "a ring all-reduce", strict=buf.size >= p)
+        everyone = comm.allgather(log.sent)  # (an object all-gather: uncounted)
+        if grade.problems:
+            # (when buf was left as it was, a note says so already: the end of the ring has nothing to add)
+            said = ring_went_wrong(everyone, comm.Get_rank(), buf, not any(UNTOUCHED in n for n in grade.notes))
+            if said:
+                grade.note(said)
+
+
+def ring_went_wrong(everyone, rank: int, buf, at_the_end: bool = True) -> str | None:
+    """The ring step that first went wrong, from every rank's messages (``everyone[q]``: rank q's ``(dest, data)``,
+    in order) held against the exercise's ring, and (``at_the_end``) from this rank's ``buf`` at the end; None where
+    the messages do not say (not the ring's 2 (p - 1) messages to the right, or not its chunk order from step 0 on).
+
+    At reduce-scatter step s rank q sends chunk (q - s) % p, the sum of ranks q - s .. q; at all-gather step s chunk
+    (q - s + 1) % p, the whole sum. A message is made from the one received the step before: so the first wrong
+    message (earliest step, then lowest rank) names the step whose receive-and-add (or receive) went wrong."""
+    p, n, dtype = len(everyone), buf.size, buf.dtype
+    if p < 2:
+        return None
+    bounds = [(int(c[0]), int(c[-1]) + 1) if len(c) else (0, 0) for c in np.array_split(np.arange(n), p)]
+    own = [rank_values(q, n, dtype) for q in range(p)]
+    total = sum(own)
+
+    def ring(q: int, k: int) -> tuple[int, np.ndarray]:
+        """Chunk and contents of rank q's k-th message in the exercise's ring."""
+        if k < p - 1:
+            c = (q - k) % p
+            return c, sum(own[(q - j) % p] for j in range(k + 1))[slice(*bounds[c])]
+        c = (q - (k - p + 1) + 1) % p
+        return c, total[slice(*bounds[c])]
+
+    def right(q: int, k: int) -> bool:
+        data, want = everyone[q][k][1], ring(q, k)[1]
+        return data.shape == want.shape and bool(np.array_equal(data, want))
+
+    for q, sent in enumerate(everyone):
+        if len(sent) != 2 * (p - 1) or any(dest != (q + 1) % p or data is None for dest, data in sent):
+            return None
+    if not all(right(q, 0) for q in range(p)):
+        return None
+    show = lambda x: repr(x.item())  # noqa: E731
+    for k in range(1, 2 * (p - 1)):
+        for q in range(p):
+            if right(q, k):
+                continue
+            left, (c, want), data = (q - 1) % p, ring(q, k), everyone[q][k][1]
+            a, b = bounds[c]
+            seen = f"ring step {k} of the reduce-scatter" if k < p - 1 else f"ring step {k - p + 1} of the all-gather"
+            if data.shape != want.shape:
+                return (f"{seen}: rank {q} sent {data.size} elements; the ring sends chunk {c} there (buf[{a}:{b}], "
+                        f"{b - a} elements)")  # fmt: skip
+            i = int(np.flatnonzero(data != want)[0])
+            if k <= p - 1:  # the chunk was made by the add of the reduce-scatter's step k - 1
+                got, mine = everyone[left][k - 1][1], own[q][a:b]
+                how = ("it wrote the chunk over its own values instead of adding it" if np.array_equal(data, got)
+                       else "it did not add the chunk: it passed its own values on" if np.array_equal(data, mine)
+                       else "what it made of the two is not their sum")  # fmt: skip
+                return (f"ring step {k - 1} of the reduce-scatter: rank {q} received chunk {c} from rank {left}, to "
+                        f"add into its own (buf[{a}:{b}] += the chunk received); {how}: at {seen} it sent element "
+                        f"{a + i} as {show(data[i])}, expected {show(want[i])} = {show(got[i])} received + "
+                        f"{show(mine[i])} its own")  # fmt: skip
+            s = k - p  # an all-gather step s + 1 passes on the chunk received at step s
+            why = (": its own values went on (receive the chunk straight into buf[a:b])"
+                   if np.array_equal(data, own[q][a:b]) else "")  # fmt: skip
+            return (f"ring step {s} of the all-gather: rank {q} received the finished chunk {c} from rank {left} "
+                    f"but did not pass it on: at {seen} it sent element {a + i} as {show(data[i])}, expected "
+                    f"{show(want[i])}{why}")  # fmt: skip
+    if not at_the_end or buf.shape != total.shape:
+        return None
+    wrong = np.flatnonzero(buf != total)
+    if not wrong.size:
+        return None
+    e = int(wrong[0])
+    c = next(q for q, (a, b) in enumerate(bounds) if a <= e < b)
+    a, b = bounds[c]
+    at = f"element {e} is {show(buf[e])}, expected {show(total[e])}"
+    if c == (rank + 1) % p:
+        return (f"ring step {p - 2} of the reduce-scatter: rank {rank} made chunk {c}'s sum and passed it on at ring "
+                f"step 0 of the all-gather, but its own buf[{a}:{b}] does not hold it at the end ({at}): add into buf "
+                "itself")  # fmt: skip
+    return (f"ring step {(rank - c) % p} of the all-gather: rank {rank} received the finished chunk {c} from rank "
+            f"{(rank - 1) % p}, but buf[{a}:{b}] does not hold it at the end ({at}): receive it straight into "
+            f"buf[{a}:{b}]")  # fmt: skip
 
 
 # --- who sent to whom -----------------------------------------------------------------------------------------------
@@ -128,7 +237,7 @@ def tree_parents(p: int, root: int) -> dict[int, int]:
 
 
 def tree_traffic(sent, p: int, root: int, nbytes: int, upward: bool, what: str) -> str | None:
-    """``sent`` (every message of the step) against the binomial tree rooted at ``root``: each edge once, the whole
+    """``sent`` (every message of the case) against the binomial tree rooted at ``root``: each edge once, the whole
     buffer each time, child to parent (``upward``, a reduce) or parent to child (a broadcast). Returns what is wrong,
     or None."""
     parents = tree_parents(p, root)
@@ -158,16 +267,17 @@ def tree_traffic(sent, p: int, root: int, nbytes: int, upward: bool, what: str) 
 
 
 def tree_calls(fn, comm, grade):
-    """Call ``fn(comm, buf, root)`` for roots 0, p - 1 and p // 2 and a few buffers, each in a step of its own;
-    yields ``(root, buf, every message of the step)`` inside the step, for the caller's comparisons."""
+    """Call ``fn(comm, buf, root)`` for roots 0, p - 1 and p // 2 and a few buffers, each in a case of its own;
+    yields ``(root, buf, every message of the case)`` inside the case, for the caller's comparisons."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     recorder = Recorder(comm)
     cases = [(root, dtype, n) for root in dict.fromkeys((0, p - 1, p // 2))
              for dtype, n in ((np.float64, 1), (np.float64, 1000), (np.float32, 7 * p + 3))]  # fmt: skip
-    for step, (root, dtype, n) in enumerate(cases, 1):
+    for number, (root, dtype, n) in enumerate(cases, 1):
         buf = rank_values(r, n, dtype)
-        with grade.step(step, f"{p} ranks, root {root}, {n} {np.dtype(dtype).name} elements, rank r holds 100 r + 1, "
-                        "100 r + 2, ..."):  # fmt: skip
+        with grade.step(number, f"{ranks}, root {root}, {elements(n, dtype)}; rank r holds 100 r + 1, 100 r + 2, ...",
+                        len(cases)):  # fmt: skip
             recorder.take()
             fn(recorder, buf, root)
             yield root, buf, messages(comm, recorder)
@@ -198,8 +308,9 @@ def tree_reduce(fn, comm, grade) -> None:
         wrong = tree_traffic(sent, p, root, buf.nbytes, True, "a binomial-tree reduce")
         if wrong:
             grade.fail(wrong)
-        elif not right:
-            unchanged(grade, buf, rank_values(r, buf.size, buf.dtype), "the root's buf")
+        elif not right:  # (only the root's buf counts: the others may be used as scratch)
+            untouched(comm, grade, buf, rank_values(r, buf.size, buf.dtype), expected, what="the root's buf",
+                      everywhere=False)  # fmt: skip
 
 
 def doubling_partners(p: int, rank: int) -> list[int]:
@@ -223,7 +334,7 @@ def doubling_allreduce(fn, comm, grade) -> None:
     p, r = comm.Get_size(), comm.Get_rank()
     recorder = Recorder(comm)
     partners = doubling_partners(p, r)
-    for buf in summed(lambda buf: fn(recorder, buf), comm, grade, dict.fromkeys((1, p, 7 * p + 3, 1000))):
+    for buf in summed(lambda buf: fn(recorder, buf), comm, grade, tuple(dict.fromkeys((1, p, 7 * p + 3, 1000)))):
         sent = recorder.take()
         dests = [dest for dest, _ in sent]
         if dests != partners:
@@ -239,13 +350,17 @@ def doubling_allreduce(fn, comm, grade) -> None:
                        "doubling under new numbers, and the folded ranks get the result back at the end")  # fmt: skip
 
 
+NODE_SIZES = (2, 3)  # ranks per emulated node in the hierarchical all-reduce's cases
+NODE_LENGTHS = (1, 10, 1000)
+
+
 def hierarchical_allreduce(fn, comm, grade) -> None:
     """``fn(topology, buf)`` leaves the sum over all ranks in every rank's ``buf`` (nodes of k = 2 and 3 ranks,
     emulated, the last one possibly smaller), and the traffic per level is the algorithm's: across nodes only the m
     leaders send, 2 (m - 1) n elements in all (a ring among them); inside a node of s ranks 2 (s - 1) n elements (a
     tree reduce, then a tree broadcast). Every message is placed by the world ranks of its two ends."""
     first = 1
-    for k in (2, 3):
+    for k in NODE_SIZES:
         first = in_nodes(fn, comm, grade, k, first)
 
 
@@ -256,17 +371,18 @@ def world_rank(level: str, dest: int, rank: int, k: int) -> int:
 
 
 def in_nodes(fn, comm, grade, k: int, first: int) -> int:
-    """The steps of :func:`hierarchical_allreduce` with nodes of k ranks, numbered from ``first``; returns the next
-    step's number."""
+    """The cases of :func:`hierarchical_allreduce` with nodes of k ranks, numbered from ``first``; returns the next
+    case's number."""
     p, r = comm.Get_size(), comm.Get_rank()
     topo = hierarchical.topology(comm, ranks_per_node=k)
     node = r // k
     subs = {"comm": comm, "node": topo.node, "leaders": topo.leaders, "cross": topo.cross}
     recorders = {level: Recorder(sub) for level, sub in subs.items() if sub is not None}
     theirs = dataclasses.replace(topo, **{**recorders, "leaders": recorders.get("leaders")})
-    lengths = (1, 10, 1000)
+    lengths = NODE_LENGTHS
     about = f" in {-(-p // k)} node(s) of {k} (node = rank // {k}; leaders: local rank 0)"
-    for buf in summed(lambda buf: fn(theirs, buf), comm, grade, lengths, first, about):
+    cases = len(NODE_SIZES) * len(DTYPES) * len(lengths)
+    for buf in summed(lambda buf: fn(theirs, buf), comm, grade, lengths, first, about, cases):
         sent = [
             (world_rank(level, dest, r, k), nbytes) for level, rec in recorders.items() for dest, nbytes in rec.take()
         ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.grading import MPI, RINGS, Exercise
+from dtrain.exercises.grading import MPI, RINGS, Exercise, plural
 
 EXERCISES = (
     Exercise("13.1", "the top-k step with error feedback", "compression.py", "topk_step",
@@ -51,12 +51,12 @@ def allreduce_bytes(p: int, count: int) -> int:
 
 
 def sent_in_all(comm, grade, expected: int, algorithm: str, more: str = "") -> None:
-    """All ranks together sent ``expected`` bytes in this step (counted by the tracer under ``comm``); else a problem
+    """All ranks together sent ``expected`` bytes in this case (counted by the tracer under ``comm``); else a problem
     that names the algorithm."""
     mine = grade.counts()[1] - grade.sent[1]
     everyone = sum(comm.allgather(mine))
     if everyone != expected and grade.rank == 0:
-        text = f"all ranks together sent {everyone} bytes in this step; {algorithm} sends {expected}{more}"
+        text = f"all ranks together sent {everyone} bytes in this case; {algorithm} sends {expected}{more}"
         if everyone == 0 and expected:
             text += (" (nothing was counted: the checker counts dtrain's collectives and comm's Send/Recv/Sendrecv, "
                      "not mpi4py's object methods such as comm.allgather, nor MPI's own Allgather)")  # fmt: skip
@@ -103,6 +103,7 @@ def topk_step(fn, comm, grade) -> None:
     returns, the average left in ``flat`` (the same bits on every rank), the residual's invariant and the bytes of a
     ring all-gather of the p x 2k pairs."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     number = 0
     for n, k in TOPK_CASES:
         # what earlier steps did not send: small, different on every rank, nonzero from the first step
@@ -121,9 +122,9 @@ def topk_step(fn, comm, grade) -> None:
             for m, i in zip(left, index):
                 m[i] = 0
             flat, residual = flats[r].copy(), residuals[r].copy()
-            about = (f"{p} ranks, n = {n}, k = {k}, step {step}; rank r's flat: normal numbers of its own, its "
+            about = (f"{ranks}, n = {n}, k = {k}, step {step}; rank r's flat: normal numbers of its own, its "
                      "residual: what earlier steps did not send")  # fmt: skip
-            with grade.step(number, about):
+            with grade.step(number, about, len(TOPK_CASES) * TOPK_STEPS):
                 returned = fn(comm, flat, residual, k)
                 pairs = judge_pairs(grade, returned, index[r], values[r], flats[r], n, k)
                 if pairs is not None:  # error feedback's invariant, with the pairs this rank said it sent
@@ -217,6 +218,7 @@ def powersgd_step(fn, comm, grade) -> None:
     each matrix (the oracle's, the same bits on every rank), P orthonormal, Q Q^T, each error M - P Q^T, and the bytes
     of ring all-reduces of the P's and the Q's."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     number = 0
     for case, (shapes, rank) in enumerate(zip(POWERSGD_CASES, POWERSGD_RANKS)):
         qs = [np.random.default_rng([2019, case, i]).standard_normal((b, rank)) for i, (_, b) in enumerate(shapes)]
@@ -238,9 +240,9 @@ def powersgd_step(fn, comm, grade) -> None:
             matrices = [g.copy() for g in grads[r]]
             mine = [e.copy() for e in errors[r]]
             sides = ", ".join(f"{a}x{b}" for a, b in shapes)
-            about = (f"{p} ranks, matrices {sides}, r = {rank}, step {step}; rank r's gradients and errors: normal "
+            about = (f"{ranks}, matrices {sides}, r = {rank}, step {step}; rank r's gradients and errors: normal "
                      "numbers of its own; Q: the same on every rank")  # fmt: skip
-            with grade.step(number, about):
+            with grade.step(number, about, len(POWERSGD_CASES) * POWERSGD_STEPS):
                 returned = fn(comm, matrices, mine, [q.copy() for q in qs])
                 got = judge_qs(grade, returned, shapes, rank)
                 for i in range(len(shapes)):

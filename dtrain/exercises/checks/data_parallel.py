@@ -99,13 +99,15 @@ def buckets_to_start(fn, comm, grade) -> None:
         ("3 buckets, the last bucket complete first", [2, 1, 2], [3, 4, 2, 0, 1]),
         ("4 buckets of 1, ready in reverse", [1, 1, 1, 1], [3, 2, 1, 0]),
     )
-    for step, (about, sizes, order) in enumerate(hand, 1):
-        with grade.step(step, about):
+    randoms = ((3, 2), (5, 3), (8, 4))
+    cases = len(hand) + len(randoms)
+    for number, (about, sizes, order) in enumerate(hand, 1):
+        with grade.step(number, about, cases):
             replay(fn, grade, sizes, order)
     rng = np.random.default_rng(31)
-    for step, (buckets, params) in enumerate(((3, 2), (5, 3), (8, 4)), len(hand) + 1):
-        with grade.step(step, f"200 random plans of up to {buckets} buckets of up to {params} parameters, random "
-                        "readiness orders"):  # fmt: skip
+    for number, (buckets, params) in enumerate(randoms, len(hand) + 1):
+        with grade.step(number, f"200 random plans of up to {buckets} buckets of up to {params} parameters, random "
+                        "readiness orders", cases):  # fmt: skip
             for _ in range(200):
                 sizes = [int(n) for n in rng.integers(1, params + 1, size=int(rng.integers(1, buckets + 1)))]
                 replay(fn, grade, sizes, [int(i) for i in rng.permutation(sum(sizes))])
@@ -181,8 +183,10 @@ def plan_buckets(fn, comm, grade) -> None:
         (mlp, 10**9, [(0, 9610, [3, 2, 1, 0])], "the same, buckets larger than the model: one bucket"),
         (layout([3, 5, 2], 8), 40, [(3, 10, [2, 1]), (0, 3, [0])], "3 float64 parameters, 40-byte buckets"),
     )  # fmt: skip
-    for step, (parameters, bucket_bytes, expected, about) in enumerate(hand, 1):
-        with grade.step(step, f"{about}: parameters (offset, size, itemsize) = {parameters}"):
+    itemsizes = (4, 8, 2)
+    cases = len(hand) + len(itemsizes)
+    for number, (parameters, bucket_bytes, expected, about) in enumerate(hand, 1):
+        with grade.step(number, f"{about}: parameters (offset, size, itemsize) = {parameters}", cases):
             plan = normalized(grade, fn(parameters, bucket_bytes))
             if plan is not None:
                 properties(grade, plan, parameters, bucket_bytes)
@@ -191,8 +195,9 @@ def plan_buckets(fn, comm, grade) -> None:
                 else:
                     grade.equal(plan, expected, f"plan_buckets(parameters, {bucket_bytes})")
     rng = np.random.default_rng(32)
-    for step, itemsize in enumerate((4, 8, 2), len(hand) + 1):
-        with grade.step(step, f"100 random layouts of 1 to 8 parameters, itemsize {itemsize}, random bucket_bytes"):
+    for number, itemsize in enumerate(itemsizes, len(hand) + 1):
+        with grade.step(number, f"100 random layouts of 1 to 8 parameters, itemsize {itemsize}, random bucket_bytes",
+                        cases):  # fmt: skip
             for _ in range(100):
                 parameters = layout([int(s) for s in rng.integers(1, 50, size=int(rng.integers(1, 9)))], itemsize)
                 bucket_bytes = int(rng.choice([0, 1, *rng.integers(2, 60 * itemsize, size=3)]))

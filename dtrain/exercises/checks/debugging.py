@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.collectives import chunk_bounds
-from dtrain.exercises.checks.collectives import rank_values, unchanged
-from dtrain.exercises.grading import MPI, RINGS, Exercise
+from dtrain.exercises.checks.collectives import elements, rank_values
+from dtrain.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
 
 EXERCISES = (
     Exercise("10.1", "find the deadlock in a ring all-gather", "allgather.py", "ring_allgather", ("comm", "buf"),
@@ -48,23 +48,25 @@ def ring_allgather(fn, comm, grade) -> None:
     chunk to every other rank once). The last buffers' chunks are above the eager limit: there a Send waits for its
     receive."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     lengths = (1, p, 7 * p + 3, 1000, LARGE * p + 3)
     cases = [(np.float64, n) for n in lengths] + [(np.float32, 7 * p + 3), (np.float32, LARGE * p + 1)]
-    for step, (dtype, n) in enumerate(cases, 1):
+    log = grade.log(comm, ring_steps(p, ("all-gather",)))  # (a deadlock or a raise names the ring's step)
+    for number, (dtype, n) in enumerate(cases, 1):
         expected = gathered(p, n, dtype)
         a, b = chunk_bounds(n, p)[r]
         buf = np.full(n, -1, dtype=dtype)
         buf[a:b] = expected[a:b]
         chunk_bytes = (b - a) * np.dtype(dtype).itemsize
-        with grade.step(step, f"{p} ranks, {n} {np.dtype(dtype).name} elements, rank r's chunk r holds its values, "
-                        f"the rest -1; this rank's chunk: {chunk_bytes:,} bytes"):  # fmt: skip
-            fn(comm, buf)
+        with grade.step(number, f"{ranks}, {elements(n, dtype)}; rank r's chunk r holds its values, the rest -1; "
+                        f"this rank's chunk: {chunk_bytes:,} bytes", len(cases)):  # fmt: skip
+            fn(log, buf)
             if not grade.same(buf, expected, "buf after the call (chunk q of rank q, for every q)"):
                 cut = chunk_bounds(n, p)
                 wrong = [q for q, (c, d) in enumerate(cut) if not np.array_equal(buf[c:d], expected[c:d])]
-                grade.note(f"rank {r}'s chunks {wrong} are not those ranks' chunks (chunk q comes from rank q: at step "
-                           "s rank r sends chunk (r - s) % p to the right and receives chunk (r - s - 1) % p from "
-                           "the left)")  # fmt: skip
+                grade.note(f"rank {r}'s chunks {wrong} are not those ranks' chunks (chunk q comes from rank q: at "
+                           "ring step s rank r sends chunk (r - s) % p to the right and receives chunk (r - s - 1) % p "
+                           "from the left)")  # fmt: skip
             grade.traffic(p - 1, (p - 1) * buf.nbytes, "a ring all-gather", strict=n >= p)
 
 
@@ -73,21 +75,26 @@ def average_weights(fn, comm, grade) -> None:
     learner's function gets a communicator of its own (a duplicate), so that a collective only some ranks make can
     never be matched by the check's own comparisons: it hangs, and the simulator says so."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     mine = comm.Dup()
-    for step, n in enumerate((1, 10, 1000, LARGE), 1):
+    lengths = (1, 10, 1000, LARGE)
+    for number, n in enumerate(lengths, 1):
         values = [rank_values(q, n) for q in range(p)]
         mean = sum(values) / p
         flat = values[r].copy()
-        with grade.step(step, f"{p} ranks, {n} float64 elements, rank r's flat holds 100 r + 1, 100 r + 2, ..."):
+        with grade.step(number, f"{ranks}, {elements(n, np.float64)}; rank r's flat holds 100 r + 1, 100 r + 2, ...",
+                        len(lengths)):  # fmt: skip
             fn(mine, flat)
             right = grade.same(flat, mean, "flat after the call (the mean over all ranks)")
-            everyone = comm.allgather(right)
+            everyone = comm.allgather((right, bool(np.array_equal(flat, values[r]))))
             if not right:
-                if everyone[0] and r != 0:
+                if everyone[0][0] and r != 0:
                     grade.note(f"rank 0 holds the mean and rank {r} does not: did every rank take part in sending "
                                "it back? A collective is a call that every rank makes")  # fmt: skip
                 elif np.allclose(flat, p * mean):
                     grade.note(f"flat holds the sum over ranks, not the mean: divide by p = {p}")
-                else:
-                    unchanged(grade, flat, values[r], "flat")
+                elif all(kept for _, kept in everyone):
+                    grade.note("flat still holds this rank's own values, on every rank: the function wrote nothing "
+                               "into it; the mean must be written into flat itself, in place (flat[...] = ..., "
+                               "collectives.broadcast(comm, flat, root=0)), not into a new array")  # fmt: skip
     mine.Free()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.checks.collectives import Recorder, rank_values, unchanged
-from dtrain.exercises.grading import MPI, Exercise
+from dtrain.exercises.checks.collectives import Recorder, rank_values
+from dtrain.exercises.grading import MPI, Exercise, plural
 from dtrain.parallel import gossip
 
 EXERCISES = (
@@ -42,17 +42,19 @@ def gossip_step(fn, comm, grade) -> None:
     stacked; W: the topology's mixing matrix), keeps the mean over ranks, and sends ``flat`` once to each neighbour
     and to no one else."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     recorder = Recorder(comm)
-    step = 0
+    number, lengths = 0, (1, 100)
+    cases = len(topologies(p)) * len(lengths)
     for topology, round_ in topologies(p):
-        for n in (1, 100):
-            step += 1
+        for n in lengths:
+            number += 1
             x = np.stack([np.concatenate([np.eye(p)[q], rank_values(q, n)]) for q in range(p)])
             w = gossip.mixing_matrix(topology, p, round_)
             around = gossip.neighbours(topology, p, r, round_)
             flat = x[r].copy()
-            with grade.step(step, f"{p} ranks, topology {topology} (round {round_}); rank r's flat: one-hot e_r "
-                            f"(p elements), then {n} values 100 r + 1, 100 r + 2, ..."):  # fmt: skip
+            with grade.step(number, f"{ranks}, topology {topology} (round {round_}); rank r's flat: one-hot e_r "
+                            f"(p elements), then {plural(n, 'value')} 100 r + 1, 100 r + 2, ...", cases):  # fmt: skip
                 grade.note(f"rank {r}'s neighbours: {around}")
                 fn(recorder, flat, around)
                 sent = recorder.take()
@@ -87,6 +89,9 @@ def applied(grade, used: np.ndarray, w: np.ndarray) -> None:
                f"its d neighbours. Applied: {words}")  # fmt: skip
 
 
+SYNC_EVERY = (1, 3, 4)
+
+
 def local_update(rank: int, step: int, n: int) -> np.ndarray:
     """What rank ``rank``'s own optimizer step ``step`` adds to its weights in the check (different on every rank)."""
     return (rank + 1) * step + np.arange(n) % 5 - 2.0
@@ -97,8 +102,10 @@ def local_sgd_step(fn, comm, grade) -> None:
     sync_every)``: at steps with step % sync_every == 0 every rank's ``flat`` must become the mean over ranks and fn
     return True; at the others ``flat`` must stay as it is, fn return False, and nothing be sent."""
     p, r = comm.Get_size(), comm.Get_rank()
+    ranks = plural(p, "rank")
     n, number = 23, 0
-    for sync_every in (1, 3, 4):
+    cases = sum(2 * sync_every + 1 for sync_every in SYNC_EVERY)
+    for sync_every in SYNC_EVERY:
         weights = np.stack([rank_values(q, n) for q in range(p)])  # every rank's flat, as the check expects it
         flat = weights[r].copy()
         for step in range(1, 2 * sync_every + 2):
@@ -106,8 +113,8 @@ def local_sgd_step(fn, comm, grade) -> None:
             weights += np.stack([local_update(q, step, n) for q in range(p)])
             flat += local_update(r, step, n)
             due = step % sync_every == 0
-            with grade.step(number, f"{p} ranks, sync_every {sync_every}, after local step {step} (rank-specific "
-                            "weights)"):  # fmt: skip
+            with grade.step(number, f"{ranks}, sync_every {sync_every}, after local step {step} (rank-specific "
+                            "weights)", cases):  # fmt: skip
                 before = flat.copy()
                 returned = fn(comm, flat, step, sync_every)
                 if due:
@@ -115,20 +122,24 @@ def local_sgd_step(fn, comm, grade) -> None:
                     what = f"flat after step {step} (a multiple of sync_every: the mean over ranks)"
                 else:
                     what = f"flat after step {step} (not a multiple of sync_every: unchanged)"
+                kept = comm.allgather(bool(np.array_equal(flat, before)))  # (every rank: an object all-gather)
                 if not grade.same(flat, weights[r], what):
-                    explain(grade, flat, before, weights[r], p, due)
+                    explain(grade, flat, before, weights[r], p, due, all(kept))
                 grade.equal(returned, due, f"what local_sgd_step returned after step {step}")
                 if not due:
                     grade.traffic(0, 0, "a local step (no average)")
             flat[...] = weights[r]  # (after a failure, go on from what it should have been)
 
 
-def explain(grade, flat, before, mean, p: int, due: bool) -> None:
-    """A note that names the likely mistake: the sum instead of the mean, an average on the wrong step, none."""
+def explain(grade, flat, before, mean, p: int, due: bool, kept_everywhere: bool) -> None:
+    """A note that names the mistake where it is known: the sum instead of the mean, no average on a step that is
+    due (flat as it was, on every rank), an average on a step that is not."""
     if due and np.allclose(flat, p * mean):
         grade.note(f"flat holds the sum over ranks, not the mean: divide by p = {p}")
-    elif due:
-        unchanged(grade, flat, before, "flat")
-    elif np.allclose(flat, mean) or not np.array_equal(flat, before):
+    elif due and kept_everywhere:
+        grade.note("flat still holds this rank's own weights, on every rank: nothing was averaged, though step % "
+                   "sync_every == 0 here; the mean must be written into flat itself, in place (flat[...] = ..., "
+                   "flat /= p), not into a new array")  # fmt: skip
+    elif not due and not np.array_equal(flat, before):
         grade.note("flat changed on a step that is not a multiple of sync_every: average only when "
                    "step % sync_every == 0 (step counts from 1)")  # fmt: skip

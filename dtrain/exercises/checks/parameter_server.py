@@ -72,7 +72,7 @@ def stale_synchronous_ready(fn, comm, grade) -> None:
     cases += [(*case, gate_oracle(*case), "random clocks") for case in random_gate_cases(500)]
     for number, (waiting, clock, running, bound, expected, about) in enumerate(cases, 1):
         call = f"stale_synchronous_ready(waiting={waiting}, clock={clock}, running={running}, bound={bound})"
-        with grade.step(number, about):
+        with grade.step(number, about, len(cases)):
             arguments = (list(waiting), list(clock), list(running), bound)
             got = fn(*arguments)
             got = list(got) if isinstance(got, (list, tuple)) else got
@@ -103,16 +103,16 @@ def push_and_pull(fn, comm, grade) -> None:
     """``fn(comm, params, grads, servers)`` on the first W ranks, with S = 1 .. p - 1 servers played by the last S
     ranks, on shards of a few elements each and of 1000 in all."""
     p, r = comm.Get_size(), comm.Get_rank()
-    step = 0
+    number, cases = 0, 2 * (p - 1)
     for s in range(1, p):
         w = p - s  # workers 0 .. w-1; servers w .. p-1
         for n in (3 * s + 1, 1000):
-            step += 1
+            number += 1
             bounds = shards(n, s)
             served = [(w + k, bounds[k]) for k in range(s)]
             servers_only = comm.Split(1 if r >= w else 0, r)  # the servers wait for one another before answering
             about = f"{w} worker(s), {s} server(s) (ranks {w}..{p - 1}), {n} float64 elements; servers = {served}"
-            with grade.step(step, about):
+            with grade.step(number, about, cases):
                 if r < w:
                     worker_side(fn, comm, grade, n, served)
                 else:

@@ -119,10 +119,10 @@ def same_bubble(grade, timelines, stages: int, microbatches: int) -> None:
 
 
 def schedule_check(fn, grade, limit, what: str) -> None:
-    """The common steps: for each (P, M), the stage rules, the messages and the simulation, the bubble, and each
+    """The common cases: for each (P, M), the stage rules, the messages and the simulation, the bubble, and each
     stage's activations in flight against ``limit(P, M, s)``."""
-    for step, (stages, microbatches) in enumerate(SIZES, 1):
-        with grade.step(step, f"{stages} stage(s), {microbatches} micro-batch(es)"):
+    for number, (stages, microbatches) in enumerate(SIZES, 1):
+        with grade.step(number, f"{stages} stage(s), {microbatches} micro-batch(es)", len(SIZES)):
             programs = orders(grade, fn(stages, microbatches), stages)
             if programs is None or not stage_rules(grade, programs, microbatches):
                 continue

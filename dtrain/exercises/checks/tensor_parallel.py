@@ -26,6 +26,7 @@ EXERCISES = (
              "Tensor._make(summed, (x,), lambda grad: (grad,)) where summed = group.allreduce(x.data.copy(), label): "
              "the sum happens once, in forward; the backward sends nothing"),
 )  # fmt: skip
+CASES = 3  # forward, backward, the block
 M, K, N, O = 5, 3, 12, 4  # the block: X is M x K, A is K x N (split by columns), B is N x O (split by rows)
 
 
@@ -61,20 +62,22 @@ def check_f(fn, comm, grade) -> None:
     group, p, r = TensorGroup(comm), comm.Get_size(), comm.Get_rank()
     x = Tensor(values(r, (M, K)), requires_grad=True)
     out = None
-    with grade.step(1, "forward: x = rank r's own 5 x 3 values (100 r + 1, ...), out = f(x, group)"):
+    with grade.step(1, "forward: x = rank r's own 5 x 3 values (100 r + 1, ...), out = f(x, group)", CASES):
         before = grade.counts()
         out = fn(x, group)
         silent(grade, before, "f's forward", "f is the identity forward (X goes to every rank as it is); its "
                "all-reduce belongs in backward")  # fmt: skip
         if is_tensor(grade, out, "f"):
             grade.same(out.data, values(r, (M, K)), "f(x).data (x itself, unchanged)")
-    with grade.step(2, "backward: out.backward(rank r's own values 1000 r + ...), then x.grad"):
+    with grade.step(2, "backward: out.backward(rank r's own values 1000 r + ...), then x.grad", CASES):
         if isinstance(out, Tensor) and out.requires_grad:
             out.backward(values(10 * r, (M, K)))
             expected = sum(values(10 * q, (M, K)) for q in range(p))
-            if not grade.same(x.grad, expected, "x.grad (the sum over the ranks of the gradients given to f(x))"):
-                if x.grad is not None and np.array_equal(x.grad, values(10 * r, (M, K))):
-                    grade.note("x.grad is this rank's own gradient: f's backward must all-reduce (sum) it")
+            grade.same(x.grad, expected, "x.grad (the sum over the ranks of the gradients given to f(x))")
+        own = x.grad is not None and np.array_equal(x.grad, values(10 * r, (M, K)))
+        if all(comm.allgather(own)) and grade.problems:  # (every rank: an object all-gather)
+            grade.note("x.grad is this rank's own gradient, on every rank: f's backward passed it through; it must "
+                       "all-reduce (sum) it over the group")  # fmt: skip
     block(fn, tensor_parallel.g, group, grade, 3, "f")
 
 
@@ -83,14 +86,17 @@ def check_g(fn, comm, grade) -> None:
     group, p, r = TensorGroup(comm), comm.Get_size(), comm.Get_rank()
     x = Tensor(values(r, (M, O)), requires_grad=True)
     out = None
-    with grade.step(1, "forward: x = rank r's own 5 x 4 values (100 r + 1, ...), out = g(x, group)"):
+    with grade.step(1, "forward: x = rank r's own 5 x 4 values (100 r + 1, ...), out = g(x, group)", CASES):
         out = fn(x, group)
+        own = False
         if is_tensor(grade, out, "g"):
             expected = sum(values(q, (M, O)) for q in range(p))
-            if not grade.same(out.data, expected, "g(x).data (the sum of x over the ranks)") and p > 1:
-                if np.array_equal(out.data, values(r, (M, O))):
-                    grade.note("g(x).data is this rank's own x: g's forward must all-reduce (sum) it")
-    with grade.step(2, "backward: out.backward(rank r's own values 1000 r + ...), then x.grad"):
+            grade.same(out.data, expected, "g(x).data (the sum of x over the ranks)")
+            own = bool(np.array_equal(out.data, values(r, (M, O))))
+        if all(comm.allgather(own)) and grade.problems:  # (every rank: an object all-gather)
+            grade.note("g(x).data is this rank's own x, on every rank: g's forward passed it through; it must "
+                       "all-reduce (sum) it over the group")  # fmt: skip
+    with grade.step(2, "backward: out.backward(rank r's own values 1000 r + ...), then x.grad", CASES):
         if isinstance(out, Tensor) and out.requires_grad:
             before = grade.counts()
             out.backward(values(10 * r, (M, O)))
@@ -124,7 +130,7 @@ def block(f, g, group, grade, number: int, yours: str) -> None:
     held = {name: Tensor(array.copy(), requires_grad=True) for name, array in mine.items()}
     about = (f"a column-then-row block with your {yours}: Z = g(relu(f(X) A_t + a_t) B_t) + b, A {K} x {n} split by "
              f"columns, B {n} x {O} by rows, against the unsharded layers")  # fmt: skip
-    with grade.step(number, about):
+    with grade.step(number, about, CASES):
         z = g((f(x, group) @ held["dA"] + held["da"]).relu() @ held["dB"], group) + held["db"]
         if grade.same(z.data, whole["Z"], "Z on this rank (the whole block's output)", rtol=1e-10, atol=1e-10):
             z.backward(dZ)

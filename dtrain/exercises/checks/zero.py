@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.collectives import costmodel
-from dtrain.exercises.grading import MPI, RINGS, Exercise
+from dtrain.exercises.grading import MPI, RINGS, Exercise, plural
 
 EXERCISES = (
     Exercise("9.1", "the ZeRO step (reduce-scatter, update a chunk, all-gather)", "zero.py", "zero_step",
@@ -47,7 +47,9 @@ def zero_step(fn, comm, grade) -> None:
     the average in this rank's chunk of ``grads``, one call of ``optimizer_step`` after the reduce-scatter, and the
     traffic of a reduce-scatter and an all-gather."""
     p, r = comm.Get_size(), comm.Get_rank()
-    for step, n in enumerate(dict.fromkeys((p, 7 * p + 3, 1000)), 1):
+    ranks = plural(p, "rank")
+    lengths = tuple(dict.fromkeys((p, 7 * p + 3, 1000)))
+    for number, n in enumerate(lengths, 1):
         lo, hi = (lambda c: (int(c[0]), int(c[-1]) + 1))(np.array_split(np.arange(n), p)[r])
         average = sum(gradient(q, n) for q in range(p)) / p
         params, grads = weights(n), gradient(r, n)
@@ -58,8 +60,9 @@ def zero_step(fn, comm, grade) -> None:
             calls.append(np.allclose(grads[lo:hi], average[lo:hi], rtol=1e-12, atol=1e-12))
             params[lo:hi] -= LR * grads[lo:hi]
 
-        about = f"{p} ranks, {n} float64 elements; rank r's chunk is np.array_split(range({n}), {p})[r]; SGD, lr {LR}"
-        with grade.step(step, about):
+        about = (f"{ranks}, {plural(n, 'float64 element')}; rank r's chunk is np.array_split(range({n}), {p})[r]; SGD, "
+                 f"lr {LR}")  # fmt: skip
+        with grade.step(number, about, len(lengths)):
             before = grade.counts()
             fn(comm, params, grads, optimizer_step)
             messages, sent = (now - then for now, then in zip(grade.counts(), before))

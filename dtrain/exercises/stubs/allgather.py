@@ -1,6 +1,7 @@
 """Exercise 10.1 (lesson 10): find the bug in a ring all-gather.
 
-Check it:   dtrain exercises check 10.1 --path .
+Check it:   dtrain exercises check 10.1 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np

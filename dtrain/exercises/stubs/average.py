@@ -1,6 +1,7 @@
 """Exercise 10.2 (lesson 10): find the bug in an average through rank 0.
 
-Check it:   dtrain exercises check 10.2 --path .
+Check it:   dtrain exercises check 10.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 from dtrain import collectives

@@ -1,7 +1,8 @@
 """Exercises 1.1 and 1.2 (lesson 1): backward rules, the chain rule of one operation at a time.
 
-Check them:  dtrain exercises check 1.1 --path .
-             dtrain exercises check 1.2 --path .
+Check them:  dtrain exercises check 1.1 --path ex
+             dtrain exercises check 1.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 No ranks here: each check runs in one process, against finite differences (and, for 1.2, the autograd engine's own
 gradients of dtrain.nn.Linear).
 """

@@ -1,7 +1,8 @@
 """Exercises 3.1 and 3.2 (lesson 3): DDP's gradient buckets, the decisions of PyTorch's reducer.
 
-Check them:  dtrain exercises check 3.1 --path .
-             dtrain exercises check 3.2 --path .
+Check them:  dtrain exercises check 3.1 --path ex
+             dtrain exercises check 3.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 Both run in one process: they are the decisions every rank takes alike (dtrain/parallel/buckets.py takes them).
 """
 

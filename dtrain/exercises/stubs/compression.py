@@ -1,7 +1,8 @@
 """Exercises 13.1 and 13.2 (lesson 13): gradient compression with error feedback: top-k, and one PowerSGD step.
 
-Check them:  dtrain exercises check 13.1 --path .
-             dtrain exercises check 13.2 --path .
+Check them:  dtrain exercises check 13.1 --path ex
+             dtrain exercises check 13.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

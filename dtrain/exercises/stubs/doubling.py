@@ -1,8 +1,9 @@
 """Exercise 2.4 (lesson 2): recursive-doubling all-reduce, for any number of ranks.
 
-Check it:   dtrain exercises check 2.4 --path .
+Check it:   dtrain exercises check 2.4 --path ex
 Train with it, once it passes:
-            dtrain launch -n 3 -m dtrain train --paradigm ddp --allreduce doubling.py:doubling_allreduce
+            dtrain launch -n 3 -m dtrain train --paradigm ddp --allreduce ex/doubling.py:doubling_allreduce
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

@@ -1,6 +1,7 @@
 """Exercise 6.1 (lesson 6): one gossip round.
 
-Check it:   dtrain exercises check 6.1 --path .
+Check it:   dtrain exercises check 6.1 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

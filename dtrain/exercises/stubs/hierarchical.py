@@ -1,6 +1,7 @@
 """Exercise 2.5 (lesson 2): hierarchical (two-level) all-reduce.
 
-Check it:   dtrain exercises check 2.5 --path .
+Check it:   dtrain exercises check 2.5 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 from dtrain.collectives import ring, tree  # noqa: F401  (building blocks you may use: see below)

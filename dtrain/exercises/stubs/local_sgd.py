@@ -1,6 +1,7 @@
 """Exercise 5.1 (lesson 5): local SGD's averaging step.
 
-Check it:   dtrain exercises check 5.1 --path .
+Check it:   dtrain exercises check 5.1 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

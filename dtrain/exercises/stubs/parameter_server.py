@@ -1,8 +1,9 @@
 """Exercises 4.1 and 4.2 (lesson 4, parameter servers): a worker's push and pull, and a server's stale-synchronous
 gate.
 
-Check them: dtrain exercises check 4.1 --path .
-            dtrain exercises check 4.2 --path .
+Check them: dtrain exercises check 4.1 --path ex
+            dtrain exercises check 4.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 from dtrain.comm import waitall  # noqa: F401  (waitall(requests) waits for a list of requests, on any communicator)

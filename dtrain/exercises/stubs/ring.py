@@ -1,8 +1,9 @@
 """Exercise 2.1 (lesson 2): ring all-reduce.
 
-Check it:   dtrain exercises check 2.1 --path .
+Check it:   dtrain exercises check 2.1 --path ex
 Train with it, once it passes:
-            dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce ring.py:ring_allreduce
+            dtrain launch -n 4 -m dtrain train --paradigm ddp --allreduce ex/ring.py:ring_allreduce
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

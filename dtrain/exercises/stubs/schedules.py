@@ -1,7 +1,8 @@
 """Exercises 8.1 and 8.2 (lesson 8): pipeline schedules, as data.
 
-Check them:  dtrain exercises check 8.1 --path .
-             dtrain exercises check 8.2 --path .
+Check them:  dtrain exercises check 8.1 --path ex
+             dtrain exercises check 8.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 No ranks here: the checker adds each computation's sends and receives itself, then holds your schedule to the rules
 (dtrain.parallel.schedules.check), runs it on a simulated clock (schedules.simulate: no deadlock), and measures its
 bubble and the activations each stage keeps.

@@ -1,7 +1,8 @@
 """Exercises 7.1 and 7.2 (lesson 7): Megatron-LM's two conjugate operators, f and g, as autograd ops.
 
-Check them: dtrain exercises check 7.1 --path .
-            dtrain exercises check 7.2 --path .
+Check them: dtrain exercises check 7.1 --path ex
+            dtrain exercises check 7.2 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 
 A column-then-row block of tensor parallelism (lessons/07_tensor_parallel.py draws it) on rank t of a group of T::
 

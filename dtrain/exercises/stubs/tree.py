@@ -1,7 +1,8 @@
 """Exercises 2.2 and 2.3 (lesson 2): binomial-tree broadcast and reduce.
 
-Check them:  dtrain exercises check 2.2 --path .
-             dtrain exercises check 2.3 --path .
+Check them:  dtrain exercises check 2.2 --path ex
+             dtrain exercises check 2.3 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 import numpy as np  # noqa: F401  (you will want it)

@@ -1,6 +1,7 @@
 """Exercise 9.1 (lesson 9): the ZeRO step, stages 1 and 2: reduce-scatter the gradient, update your chunk, all-gather.
 
-Check it:   dtrain exercises check 9.1 --path .
+Check it:   dtrain exercises check 9.1 --path ex
+Run them from the folder that holds ex/ (the folder `dtrain exercises init ex` copied these files into).
 """
 
 from dtrain import collectives  # noqa: F401  (reduce_scatter and allgather: see the hint)
