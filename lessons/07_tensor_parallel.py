@@ -36,23 +36,27 @@ Things to try:
   * dtrain launch -n 4 -m dtrain train --paradigm tp --tp 2 --trace tp.json, then https://ui.perfetto.dev: the
     g all-reduce after every row-parallel layer, the f all-reduce in backward.
 
-Exercises (write f and g yourself; `dtrain exercises init ex` once copies the stubs into ex/):
-  7.1  f, identity forward and all-reduce of the gradient backward, with Tensor._make:
-       dtrain exercises check 7.1 --path ex
-  7.2  g, all-reduce forward and identity backward:   dtrain exercises check 7.2 --path ex
-Each is checked alone (what it sends, and when) and inside a column-then-row block against the unsharded layers, on
-simulated ranks and under mpiexec.
+Exercises (write f and g yourself; `dtrain exercises init ex` once copies the
+stubs into ex/):
+  7.1  f, identity forward and all-reduce of the gradient backward, with
+       Tensor._make:
+         dtrain exercises check 7.1 --path ex
+  7.2  g, all-reduce forward and identity backward:
+         dtrain exercises check 7.2 --path ex
+Each is checked alone (what it sends, and when) and inside a column-then-row
+block against the unsharded layers, on simulated ranks and under mpiexec.
 """
 
 import itertools
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from lesson_util import (
     Checks,
     add_device_flag,
-    against_single,
     big_model_parser,
     big_model_widths,
     conclude,
@@ -63,11 +67,12 @@ from lesson_util import (
     sleeping_barrier,
 )
 
+from dtrain import terminal
 from dtrain.autograd import Tensor
 from dtrain.backend import to_host
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
-from dtrain.data import ShardedLoader, load_dataset
+from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, parameter_count
@@ -110,7 +115,62 @@ def traffic(comm) -> dict:
     return {label: (o["calls"], o["bytes_sent"]) for label, o in comm.tracer.summary()["operations"].items()}
 
 
-mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)\n")
+def heading(text: str) -> None:
+    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
+    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
+
+
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
+
+
+def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tuple, what: str, costs: str,
+                   why: str) -> dict | None:  # fmt: skip
+    """lesson_util.against_single, its two tables fitted to the terminal: on rank 0 (which holds the metrics), every
+    run's loss curve beside ``single``'s and every rank's bytes per step (the traffic labelled with ``prefixes``)
+    beside the run's cost function, then ``why``; on every rank, the claims that every ``what`` follows single's loss
+    curve (to 1e-10) and that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``). Returns
+    the curves on rank 0, None on the others."""
+    curves, training_ok, bytes_ok = None, True, True
+    if checks.comm.Get_rank() == 0:
+        epochs = len(single["epochs"])
+        steps = epochs * steps_per_epoch(single["dataset"]["train_samples"], single["config"]["batch_size"])
+        curves = {"single": [e["train_loss"] for e in single["epochs"]]}
+        curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
+        table(["epoch", *curves], [[f"{e + 1}", *(f"{curves[label][e]:.14f}" for label in curves)]
+                                   for e in range(epochs)], left=())  # fmt: skip
+        worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
+        training_ok = worst < 1e-10
+        say(f"largest relative difference from single: {worst:.1e}")
+        print()
+        say("bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank:")
+        cells = []
+        for label, metrics in runs.items():
+            sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes))
+                    / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+            exact = sent == metrics["costs"]["sent_per_step"]
+            bytes_ok = bytes_ok and exact
+            cells.append([label, *(f"{s:,.0f}" for s in sent), "yes" if exact else "NO"])
+        ranks = len(cells[0]) - 2
+        table(["", *(f"rank {r}" for r in range(ranks)), "= costs()"], cells, left=(0, ranks + 1))
+        say(why)
+    checks.ok(f"every {what} follows single's loss curve", training_ok)
+    checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)
+    return curves
+
+
+def finish(json_path: str | None, results: dict, checks: Checks) -> None:
+    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
+    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
+    passed (and exits 1 on every rank if not)."""
+    if json_path and checks.comm.Get_rank() == 0:
+        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
+        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
+    conclude(None, results, checks)
+
+
+mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)")
 
 # ---------------------------------------------------------------------- 1. f and g, against the unsharded layers
 # Y = X A with A cut by columns: rank t computes Y_t = X A_t from the whole X. relu(Y) keeps the blocks apart. Z =
@@ -119,7 +179,7 @@ mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)\n")
 # block itself, the oracle.
 BLOCK = [96, 192, 48]  # widths that split over 1, 2, 3, 4, 6 and 12 ranks
 m = 16
-mpi.print0(f"1. A column-then-row block {name(BLOCK)} split over {p} rank(s), against the whole block (float64)")
+heading(f"1. A column-then-row block {name(BLOCK)} split over {p} rank(s), against the whole block (float64)")
 whole = MLP(BLOCK, seed=1, dtype=np.float64, xp=xp)
 x = xp.asarray(np.random.default_rng(2).standard_normal((m, BLOCK[0])))
 upstream = xp.asarray(np.random.default_rng(3).standard_normal((m, BLOCK[-1])))
@@ -147,12 +207,14 @@ for needs_grad in (True, False):  # a hidden block (its input needs a gradient) 
     counts[needs_grad] = traffic(comm)
 if rank == 0:
     held = ", ".join(f"{type(mod).__name__} holds {'x'.join(map(str, mod.weight.data.shape))}" for mod in modules[::2])
-    print(f"   rank 0: {held}")
+    say(f"rank 0: {held}")
+    cells = []
     for needs_grad, seen in counts.items():
         what = "a hidden block (input needs a gradient)" if needs_grad else "a model's first block (input is data)"
-        calls = ", ".join(f"{label}: {c} call, {b:,} bytes sent" for label, (c, b) in sorted(seen.items())) or "none"
-        print(f"   {what:42s} all-reduces: {calls}")
-    print(f"   largest relative difference from the whole block (output, dX, every weight slice): {worst:.1e}")
+        mine = [[label, f"{c}", f"{b:,}"] for label, (c, b) in sorted(seen.items())] or [["none", "0", "0"]]
+        cells += [[what if k == 0 else "", *row] for k, row in enumerate(mine)]
+    table(["block", "all-reduce", "calls", "bytes sent"], cells, left=(0, 1))
+    say(f"largest relative difference from the whole block (output, dX, every weight slice): {worst:.1e}")
 expected = {True: {"tp/g-forward": 1, "tp/f-backward": 1}, False: {"tp/g-forward": 1}} if p > 1 else {True: {},
             False: {}}  # fmt: skip
 checks.ok("the split block computes the whole block, gradients included", worst < 1e-13)
@@ -170,7 +232,7 @@ say(
 
 # --------------------------------------------------------------------------------------------- 2. the rank grid
 # dp x tp = p ranks. tp varies fastest: the ranks that split a layer are neighbours (one node, the fastest link).
-mpi.print0(f"\n2. The rank grid: every dp x tp = {p}")
+heading(f"2. The rank grid: every dp x tp = {p}")
 grids_ok = True
 factorings = [(p // t, t) for t in range(1, p + 1) if p % t == 0]
 for dp, t in factorings:
@@ -182,19 +244,21 @@ for dp, t in factorings:
     )
     mine.free()
     if rank == 0 and (t > 1 or dp == p):
-        print("\n".join("   " + line for line in shape.describe().splitlines()))
+        for line in shape.describe().splitlines():  # (a line longer than the terminal wrapped, standing in by two)
+            lead = "   " + " " * (len(line) - len(line.lstrip()))
+            print(terminal.paragraph(line.strip(), lead, lead + "  "))
 checks.ok("each rank's sub-communicators hold the ranks its groups name", grids_ok)
 
 # --------------------------------------------------------------------------------------------- 3. memory per rank
-mpi.print0(f"\n3. Memory per rank: {name(WIDE)} in float32 ({parameter_count(WIDE):,} parameters)")
+heading(f"3. Memory per rank: {name(WIDE)} in float32 ({parameter_count(WIDE):,} parameters)")
 kinds = plan(len(WIDE) - 1)
-rows = []
+rows, cells = [], []
 for t in sorted({1, 2, 4, 8, p}):
     if all(h % t == 0 for h in HIDDEN):
         n_t = local_parameters(WIDE, t)
         rows.append((t, n_t))
-        mpi.print0(f"   tp = {t}: {n_t * 4 / 1e6:8.2f} MB of parameters per rank, {n_t / parameter_count(WIDE):6.3f} "
-                   f"of a replica")  # fmt: skip
+        cells.append([f"{t}", f"{n_t * 4 / 1e6:.2f}", f"{n_t / parameter_count(WIDE):.3f}"])
+table(["tp", "MB of parameters per rank", "share of a replica"], cells, left=())
 say(
     f"The layers are split {', '.join(f'{i}: {k}' for i, k in enumerate(kinds))}. Split layers cost 1/T of their "
     f"parameters per rank; the replicated output layer ({WIDE[-2]} x {WIDE[-1]}) costs all of it on every rank, so "
@@ -208,7 +272,7 @@ held = paradigm.held_bytes()
 costs = TensorParallel.costs(WIDE, p, config)
 formula = sum((i * h + h + h * o) // p + o for i, h, o in zip(WIDE[0::2], WIDE[1::2], WIDE[2::2]))  # each block
 formula += sum(i * o + o for (i, o), k in zip(itertools.pairwise(WIDE), kinds) if k == "replicated")
-mpi.print0(f"   built on these {p} rank(s): rank {rank} holds {held['parameters']:,} bytes of parameters")
+say(f"built on these {p} rank(s): rank {rank} holds {held['parameters']:,} bytes of parameters")
 checks.ok(
     "each rank holds what TensorParallel.costs() and the formula say",
     held == {k: costs[k] for k in held} and held["parameters"] == formula * 4,
@@ -216,7 +280,7 @@ checks.ok(
 results["memory"] = {"rows": rows, "held": held}
 
 # ------------------------------------------------------------------------------------ 4. training on real ranks
-mpi.print0(f"\n4. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
+heading(f"4. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
               timeout=0, progress=False, quiet=True, device=args.device)  # fmt: skip
 single, alone = single_reference(TrainConfig(paradigm="single", **common), world)
@@ -231,7 +295,7 @@ results["training"] = against_single(
 
 # ---------------------------------------------------------------------------------------- 5. the price, measured
 wide = load_dataset("synthetic", samples=2 * args.big_batch, features=784)
-mpi.print0(f"\n5. A step of {name(WIDE)}, float32, global batch {args.big_batch}, one thread per rank")
+heading(f"5. A step of {name(WIDE)}, float32, global batch {args.big_batch}, one thread per rank")
 
 
 def timed(paradigm, comm, count: int) -> tuple[list, list]:
@@ -266,9 +330,10 @@ split = contender(world, p)
 if rank == 0:
     base = statistics.median(one[0])
     ms, share = 1e3 * statistics.median(split[0]), statistics.median(c / s for s, c in zip(*split))
-    print(f"   tp = 1 (one rank):   {1e3 * base:8.1f} ms per step")
-    print(f"   tp = {p} ({p} ranks):   {ms:8.1f} ms per step, {ms / (1e3 * base):.2f}x, of it {100 * share:.0f}% in "
-          "the tensor group's all-reduces")  # fmt: skip
+    table(["", "ranks", "ms per step", "against tp = 1", "share in all-reduces"],
+          [["tp = 1", "1", f"{1e3 * base:.1f}", "-", "-"],
+           [f"tp = {p}", f"{p}", f"{ms:.1f}", terminal.speed(ms, 1e3 * base, "tp = 1"), f"{100 * share:.0f}%"]],
+          left=(0, 3))  # fmt: skip
     crowded = f" and {p} ranks share {usable_cores()} cores" if p > usable_cores() else ""
     say(
         f"Each rank multiplies 1/{p} of the big matrices, so the products take about 1/{p} of the time while every "
@@ -279,5 +344,6 @@ if rank == 0:
     )
     results["timing"] = {"tp1_ms": 1e3 * base, f"tp{p}_ms": ms, "comm_share": share}
 
+# the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-conclude(args.json, results, checks)
+finish(args.json, results, checks)

@@ -32,20 +32,26 @@ Things to try:
   * dtrain launch -n 4 -m dtrain train --paradigm pp --pp 4 --hidden 64,64,64 --trace pp.json, then
     https://ui.perfetto.dev: each rank's forwards and backwards on its row, the bubble between them.
 
-Exercises (`dtrain exercises init ex` once, then `dtrain exercises check 8.1 --path ex`; one process, no ranks):
-  8.1  ex/schedules.py: one_f_one_b(stages, microbatches), each stage's order of Forward/Backward records in 1F1B
-       (dtrain/parallel/schedules.py adds the messages); checked against a schedule's rules, a deadlock-free
-       simulation, the bubble (P - 1) / (M + P - 1), and at most P - s micro-batches in flight on stage s.
-  8.2  ex/schedules.py: gpipe(stages, microbatches), the same for GPipe (all forwards, then all backwards).
+Exercises (`dtrain exercises init ex` once; one process, no ranks):
+  8.1  ex/schedules.py: one_f_one_b(stages, microbatches), each stage's order
+       of Forward/Backward records in 1F1B (dtrain/parallel/schedules.py adds
+       the messages); checked against a schedule's rules, a deadlock-free
+       simulation, the bubble (P - 1) / (M + P - 1), and at most P - s
+       micro-batches in flight on stage s:
+         dtrain exercises check 8.1 --path ex
+  8.2  ex/schedules.py: gpipe(stages, microbatches), the same for GPipe (all
+       forwards, then all backwards):
+         dtrain exercises check 8.2 --path ex
 """
 
 import argparse
+import json
+from pathlib import Path
 
 import numpy as np
 from lesson_util import (
     Checks,
     add_device_flag,
-    against_single,
     conclude,
     lesson_xp,
     parse_and_start,
@@ -53,14 +59,84 @@ from lesson_util import (
     single_reference,
 )
 
+from dtrain import terminal
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
-from dtrain.data import load_dataset
+from dtrain.data import load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.train import TrainConfig, train
+
+
+def heading(text: str) -> None:
+    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
+    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
+
+
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
+
+
+def draw(lines: list[str], unit: float = 1.0) -> None:
+    """A schedule drawn (schedules.text: a line per stage, two characters per ``unit`` of time), on rank 0, in
+    pieces as wide as the terminal lets them be (100 columns into a file), each after the first saying when it
+    starts."""
+    label = len(f"   stage {len(lines) - 1}  ")
+    room = max(2, ((terminal.columns() or 100) - label) // 2 * 2)  # (a whole cell: two characters)
+    for start in range(0, len(lines[0]), room):
+        if start:
+            mpi.print0(f"   ... continued, from time {start // 2 * unit:g}:")
+        for s, line in enumerate(lines):
+            mpi.print0(f"   stage {s:<{label - 11}d}  {line[start : start + room]}")
+
+
+def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tuple, what: str, costs: str,
+                   why: str) -> dict | None:  # fmt: skip
+    """lesson_util.against_single, its two tables fitted to the terminal: on rank 0 (which holds the metrics), every
+    run's loss curve beside ``single``'s and every rank's bytes per step (the traffic labelled with ``prefixes``)
+    beside the run's cost function, then ``why``; on every rank, the claims that every ``what`` follows single's loss
+    curve (to 1e-10) and that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``). Returns
+    the curves on rank 0, None on the others."""
+    curves, training_ok, bytes_ok = None, True, True
+    if checks.comm.Get_rank() == 0:
+        epochs = len(single["epochs"])
+        steps = epochs * steps_per_epoch(single["dataset"]["train_samples"], single["config"]["batch_size"])
+        curves = {"single": [e["train_loss"] for e in single["epochs"]]}
+        curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
+        table(["epoch", *curves], [[f"{e + 1}", *(f"{curves[label][e]:.14f}" for label in curves)]
+                                   for e in range(epochs)], left=())  # fmt: skip
+        worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
+        training_ok = worst < 1e-10
+        say(f"largest relative difference from single: {worst:.1e}")
+        print()
+        say("bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank:")
+        cells = []
+        for label, metrics in runs.items():
+            sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes))
+                    / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
+            exact = sent == metrics["costs"]["sent_per_step"]
+            bytes_ok = bytes_ok and exact
+            cells.append([label, *(f"{s:,.0f}" for s in sent), "yes" if exact else "NO"])
+        ranks = len(cells[0]) - 2
+        table(["", *(f"rank {r}" for r in range(ranks)), "= costs()"], cells, left=(0, ranks + 1))
+        say(why)
+    checks.ok(f"every {what} follows single's loss curve", training_ok)
+    checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)
+    return curves
+
+
+def finish(json_path: str | None, results: dict, checks: Checks) -> None:
+    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
+    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
+    passed (and exits 1 on every rank if not)."""
+    if json_path and checks.comm.Get_rank() == 0:
+        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
+        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
+    conclude(None, results, checks)
+
 
 parser = argparse.ArgumentParser(description="Lesson 8: pipeline parallelism on MPI ranks")
 parser.add_argument("--epochs", type=int, default=3, help="epochs of section 5's training runs (default %(default)s)")
@@ -83,12 +159,13 @@ checks = Checks(world)
 digits = load_dataset("digits")
 DEEP = [digits.n_features, *[32] * (2 * P - 1), digits.n_classes]  # 2P Linear layers: 2 per stage, or 1 per chunk
 results = {"world": P}
-mpi.print0(f"Lesson 8: pipeline parallelism on {P} rank(s)\n")
+mpi.print0(f"Lesson 8: pipeline parallelism on {P} rank(s)")
 
 # ----------------------------------------------------------------------- 1. the schedules, before anything runs
 M = 2 * P
-mpi.print0(f"1. Three schedules for P = {P} stages and M = {M} micro-batches, simulated from their instruction lists")
-mpi.print0("   (forward 1 unit, backward 2, per whole stage; F3/B3: micro-batch 3; lower case: a rank's second chunk)")
+heading(f"1. Three schedules for P = {P} stages and M = {M} micro-batches, simulated from their instruction lists")
+say("(forward 1 unit of time, backward 2, per whole stage; F3/B3: micro-batch 3; lower case: a rank's second chunk; "
+    ".. idle)")  # fmt: skip
 drawn_ok = True
 for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
     if name == "interleaved" and P == 1:
@@ -99,10 +176,10 @@ for name, V in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
     simulated, formula = schedules.bubble(timeline), schedules.bubble_formula(P, M, V)
     drawn_ok = drawn_ok and abs(simulated - formula) < 1e-12
     peaks = [schedules.in_flight(program) for program in schedule]
-    mpi.print0(f"\n   {name}{f' (V = {V})' if V > 1 else ''}: bubble {simulated:.3f} = (P-1)/(VM+P-1) = "
-               f"{formula:.3f}; activations in flight per stage: {peaks}")  # fmt: skip
-    for s, line in enumerate(schedules.text(timeline, P, unit=1 / V)):
-        mpi.print0(f"   stage {s}  {line}")
+    mpi.print0()
+    say(f"{name}{f' (V = {V})' if V > 1 else ''}: bubble {simulated:.3f} = (P-1)/(VM+P-1) = {formula:.3f}; "
+        f"activations in flight per stage: {peaks}")  # fmt: skip
+    draw(schedules.text(timeline, P, unit=1 / V), 1 / V)
 checks.ok("every simulated bubble is the formula's", drawn_ok)
 say(
     "GPipe and 1F1B leave the same bubble: each stage idles while the first micro-batch reaches it and while the last "
@@ -112,8 +189,8 @@ say(
 )
 
 # ------------------------------------------------------------------ 2. one 1F1B step, instruction by instruction
-mpi.print0(f"\n2. One 1F1B step of {'-'.join(map(str, DEEP))} on these {P} rank(s), M = {P + 1}, instruction by "
-           f"instruction")  # fmt: skip
+heading(f"2. One 1F1B step of {'-'.join(map(str, DEEP))} on these {P} rank(s), M = {P + 1}, instruction by "
+        f"instruction")  # fmt: skip
 rows = 8 * max(P + 1, args.max_microbatches)  # 8 samples per micro-batch, for every M below
 rng = np.random.default_rng(0)
 x_batch, y_batch = xp.asarray(rng.standard_normal((rows, DEEP[0]))), xp.asarray(rng.integers(0, 10, rows))
@@ -139,10 +216,10 @@ measured = world.gather(pipe.timeline, root=0)
 order_ok = True
 if rank == 0:
     for s, program in enumerate(programs):
-        print(f"   stage {s}: " + ", ".join(program))
+        print(terminal.paragraph(f"stage {s}: " + ", ".join(program), "   ", "     "))
     events = sorted((start, s, op, micro) for s, line in enumerate(measured) for op, _, micro, start, _ in line)
-    print("   as they ran (every rank's clock is this machine's): " + " ".join(
-        f"{op[0].upper()}{micro}@{s}" for _, s, op, micro in events))  # fmt: skip
+    print(terminal.paragraph("as they ran (every rank's clock is this machine's): " + " ".join(
+        f"{op[0].upper()}{micro}@{s}" for _, s, op, micro in events), "   ", "     "))  # fmt: skip
     # the data dependencies held: micro-batch i's forward on stage s after its forward on s - 1, backward the reverse
     when = {(op, s, micro): start for start, s, op, micro in events}
     order_ok = all(when["forward", s - 1, i] < when["forward", s, i] and when["backward", s, i] < when["backward",
@@ -152,8 +229,8 @@ checks.ok("each micro-batch went forward stage by stage and came back in reverse
 # ---------------------------------------------------------------------- 3. the bubble, measured on these ranks
 # Balanced stages (the formula assumes them): 2P layers of 32 x 32, so every stage holds two equal layers.
 EQUAL = [32] * (2 * P + 1)
-mpi.print0(f"\n3. The bubble measured: P = {P}, sleep-calibrated ({args.sleep_ms:g} ms per layer forward, "
-           f"{2 * args.sleep_ms:g} ms backward), {2 * P} layers of 32 x 32, two per stage")  # fmt: skip
+heading(f"3. The bubble measured: P = {P}, sleep-calibrated ({args.sleep_ms:g} ms per layer forward, "
+        f"{2 * args.sleep_ms:g} ms backward), {2 * P} layers of 32 x 32, two per stage")  # fmt: skip
 
 
 def measured_bubble(pipeline, steps: int = 2) -> float:
@@ -166,21 +243,22 @@ def measured_bubble(pipeline, steps: int = 2) -> float:
 
 
 bubbles = []
-mpi.print0(f"   {'M':>3s} {'schedule':>9s} {'measured':>9s} {'formula':>8s}")
 for m in sorted({1, 2, 4, args.max_microbatches}):
     for name in ("gpipe", "1f1b"):
         pipeline = built(name, m, EQUAL)
         pipeline.delay = (args.sleep_ms / 1e3, 2 * args.sleep_ms / 1e3)
         got, formula = measured_bubble(pipeline), schedules.bubble_formula(P, m)
         bubbles.append({"M": m, "schedule": name, "measured": got, "formula": formula})
-        mpi.print0(f"   {m:3d} {name:>9s} {got:9.3f} {formula:8.3f}")
+table(["M", "schedule", "bubble measured", "formula (P-1)/(M+P-1)"],
+      [[f"{b['M']}", b["schedule"], f"{b['measured']:.3f}", f"{b['formula']:.3f}"] for b in bubbles],
+      left=(1,))  # fmt: skip
 if args.sleep_ms >= 5:  # (shorter sleeps measure the interpreter's overhead more than the schedule: no claim then)
     close = all(abs(b["measured"] - b["formula"]) < 0.1 for b in bubbles)
     # (the rows alternate gpipe and 1f1b: each is compared with the same schedule's row at the next M)
     falls = P == 1 or all(a["measured"] > b["measured"] for a, b in zip(bubbles, bubbles[2:]))
     checks.ok("the measured bubble is the formula's, within 0.1, and falls as M grows", close and falls)
 else:
-    mpi.print0(f"   (not checked: with {args.sleep_ms:g} ms per layer the overhead between computations sets the time)")
+    say(f"(not checked: with {args.sleep_ms:g} ms per layer the overhead between computations sets the time)")
 say(
     "Each stage waits P - 1 slots for the first micro-batch to reach it and P - 1 more for the last gradient to come "
     "back; the M micro-batches fill the rest. The measured fraction sits a little above the formula: every hop adds "
@@ -190,16 +268,17 @@ results["bubble"] = bubbles
 
 # ----------------------------------------------------------------------------------- 4. activation memory
 m = args.max_microbatches
-mpi.print0(f"\n4. Activations kept for backward, per stage (bytes; the interpreter's count; M = {m}, float64)")
+heading(f"4. Activations kept for backward, per stage (bytes; the interpreter's count; M = {m}, float64; "
+        f"P/M = {P / m:.3f})")  # fmt: skip
 peaks, costs_ok = {}, True
 for name in ("gpipe", "1f1b"):
     pipeline = built(name, m)
     pipeline.step(x_batch[: 8 * m], y_batch[: 8 * m])
     peaks[name] = world.allgather(pipeline.peak)
     costs_ok = costs_ok and pipeline.peak == Pipeline.costs(DEEP, P, pipeline.config)["activations"][rank]
-mpi.print0(f"   {'stage':>5s} {'GPipe':>9s} {'1F1B':>9s} {'ratio':>6s}   (P/M = {P / m:.3f})")
-for s in range(P):
-    mpi.print0(f"   {s:5d} {peaks['gpipe'][s]:9,d} {peaks['1f1b'][s]:9,d} {peaks['1f1b'][s] / peaks['gpipe'][s]:6.3f}")
+table(["stage", "GPipe", "1F1B", "1F1B / GPipe"],
+      [[f"{s}", f"{peaks['gpipe'][s]:,d}", f"{peaks['1f1b'][s]:,d}", f"{peaks['1f1b'][s] / peaks['gpipe'][s]:.3f}"]
+       for s in range(P)], left=())  # fmt: skip
 checks.ok("the interpreter's peaks equal Pipeline.costs()", costs_ok)
 checks.ok("1F1B keeps at most P/M of GPipe's activations on every stage",
           all(peaks["1f1b"][s] <= P / m * peaks["gpipe"][s] for s in range(P)))  # fmt: skip
@@ -211,8 +290,8 @@ say(
 results["activations"] = peaks
 
 # ------------------------------------------------------------------------------------ 5. training on real ranks
-mpi.print0(f"\n5. Training {'-'.join(map(str, DEEP))} on digits, float64, global batch {args.batch_size}, "
-           f"{args.epochs} epochs")  # fmt: skip
+heading(f"5. Training {'-'.join(map(str, DEEP))} on digits, float64, global batch {args.batch_size}, "
+        f"{args.epochs} epochs")  # fmt: skip
 common = dict(epochs=args.epochs, hidden=tuple(DEEP[1:-1]), batch_size=args.batch_size, dtype="float64", timeout=0,
               progress=False, quiet=True, device=args.device)  # fmt: skip
 single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
@@ -230,9 +309,6 @@ results["training"] = against_single(
     "bytes that grow with the batch and the width at the cut, not with the model.",
 )  # fmt: skip
 
-mpi.print0(
-    "\nExercises: `dtrain exercises init ex` once, then `dtrain exercises check 8.1 --path ex` grades your "
-    "one_f_one_b(stages, microbatches) in ex/schedules.py (each stage's order of forwards and backwards) and `... "
-    "check 8.2 --path ex` your gpipe(stages, microbatches): the rules, no deadlock, the bubble, the memory."
-)
-conclude(args.json, results, checks)
+# the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
+mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
+finish(args.json, results, checks)

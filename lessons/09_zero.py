@@ -36,16 +36,21 @@ Things to try:
   * --accumulate 4 in section 3: stages 2 and 3 reduce-scatter after every micro-batch; count the bytes;
   * dtrain launch -n 4 -m dtrain train --paradigm zero --zero-stage 3 --trace z.json, then https://ui.perfetto.dev.
 
-Exercises (write it yourself; `dtrain exercises init ex` once copies the stubs into ex/):
-  9.1  the ZeRO step: reduce-scatter the gradient (the average), step the optimizer on your chunk only, all-gather
-       the weights:   dtrain exercises check 9.1 --path ex
-Checked against one SGD step with the average gradient in one process, and against the bytes of a reduce-scatter
-and an all-gather, on simulated ranks and under mpiexec.
+Exercises (write it yourself; `dtrain exercises init ex` once copies the stubs
+into ex/):
+  9.1  the ZeRO step: reduce-scatter the gradient (the average), step the
+       optimizer on your chunk only, all-gather the weights:
+         dtrain exercises check 9.1 --path ex
+Checked against one SGD step with the average gradient in one process, and
+against the bytes of a reduce-scatter and an all-gather, on simulated ranks and
+under mpiexec.
 """
 
 import itertools
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from lesson_util import (
@@ -60,6 +65,7 @@ from lesson_util import (
     single_reference,
 )
 
+from dtrain import terminal
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
@@ -95,7 +101,17 @@ def name(sizes) -> str:
 
 
 def mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:8.3f}"
+    return f"{nbytes / 1e6:.3f}"
+
+
+def heading(text: str) -> None:
+    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
+    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
+
+
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
 
 
 def zero_config(stage: int, sizes, batch: int, **extra) -> TrainConfig:
@@ -110,14 +126,24 @@ def built(stage: int, sizes, batch: int, optimizer: str = "sgd") -> Zero:
     return zero
 
 
-mpi.print0(f"Lesson 9: ZeRO, sharded data parallelism, on {p} rank(s)\n")
+def finish(json_path: str | None, results: dict, checks: Checks) -> None:
+    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
+    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
+    passed (and exits 1 on every rank if not)."""
+    if json_path and checks.comm.Get_rank() == 0:
+        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
+        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
+    conclude(None, results, checks)
+
+
+mpi.print0(f"Lesson 9: ZeRO, sharded data parallelism, on {p} rank(s)")
 
 # ------------------------------------------------------------------- 1. the memory of a training step, broken down
 # Three kinds of training state have one entry per parameter: the parameters, their gradients, and the optimizer's
 # buffers (SGD's momentum: one; Adam's two moments: two). Activations are different: forward keeps every
 # intermediate result for backward, one row per sample, so they grow with the batch, not with the parameters.
 n_big = parameter_count(BIG)
-mpi.print0(f"1. What one replica of {name(BIG)} ({n_big:,} parameters) holds for a step, in float32 (MB)")
+heading(f"1. What one replica of {name(BIG)} ({n_big:,} parameters) holds for a step, in float32 (MB)")
 model = MLP(BIG, seed=0, xp=xp)
 state = {
     "parameters": model.flat_params.nbytes,
@@ -131,13 +157,11 @@ for b in batches:  # measured: the intermediate results one forward keeps for it
     rows = np.arange(b) % len(wide.y_train)  # (repeating samples where the set is smaller: the bytes are the same)
     x, y = xp.asarray(wide.x_train[rows]), xp.asarray(wide.y_train[rows])
     activations[b] = activation_bytes(softmax_cross_entropy(model(Tensor(x)), y))
-mpi.print0(f"   {'what':28s} {'grows with':>14s} " + "".join(f"{f'batch {b}':>10s}" for b in batches) + "   ZeRO")
 sharded_from = {"parameters": "stage 3", "gradients": "stage 2"}
-for what, nbytes in state.items():
-    mpi.print0(f"   {what:28s} {'the model':>14s} " + "".join(f"{mb(nbytes):>10s}" for _ in batches)
-               + f"   shards it from {sharded_from.get(what, 'stage 1')}")  # fmt: skip
-cells = "".join(f"{mb(activations[b]):>10s}" for b in batches)
-mpi.print0(f"   {'activations (measured)':28s} {'the batch':>14s} {cells}   never")
+cells = [[what, "the model", *(mb(nbytes) for _ in batches), f"from {sharded_from.get(what, 'stage 1')}"]
+         for what, nbytes in state.items()]  # fmt: skip
+cells.append(["activations (measured)", "the batch", *(mb(activations[b]) for b in batches), "never"])
+table(["what", "grows with", *(f"batch {b}" for b in batches), "ZeRO shards it"], cells, left=(0, 1, 5))
 per_sample = [(activations[b] - 4) / b for b in batches]  # (the loss itself is one float32)
 say(
     f"Per sample, the forward keeps {per_sample[0] / 1e3:.1f} KB (every layer's x@W, +b and ReLU outputs). With "
@@ -152,14 +176,13 @@ results["memory"] = {"state": state, "activations": {str(b): a for b, a in activ
 # Each layer's slice of the flat buffer (weight, then bias) is cut into p chunks by chunk_bounds, the cut that a
 # reduce-scatter makes: rank r owns chunk r of every layer, so a reduce-scatter of a layer's gradient leaves on rank
 # r exactly the chunk it updates.
-mpi.print0(f"\n2. Who owns what: every layer of {name(BIG)} cut into {p} chunks")
+heading(f"2. Who owns what: every layer of {name(BIG)} cut into {p} chunks")
 owned = world.gather([(u.lo, u.hi) for u in units_of(BIG, rank, p)], root=0)
 if rank == 0:
     layers = [a * b + b for a, b in itertools.pairwise(BIG)]
-    print(f"   {'layer':>8s} {'parameters':>12s}" + "".join(f"{f'rank {r} owns':>22s}" for r in range(p)))
-    for i, size in enumerate(layers):
-        cells = "".join(f"{f'[{owned[r][i][0]:,}, {owned[r][i][1]:,})':>22s}" for r in range(p))
-        print(f"   {i:8d} {size:12,d}{cells}")
+    table(["layer", "parameters", *(f"rank {r} owns" for r in range(p))],
+          [[f"{i}", f"{size:,}", *(f"[{owned[r][i][0]:,}, {owned[r][i][1]:,})" for r in range(p))]
+           for i, size in enumerate(layers)], left=(), keys=2)  # fmt: skip
     results["ownership"] = owned
 held_between_steps = {}
 for stage in STAGES:
@@ -167,13 +190,17 @@ for stage in STAGES:
     held_between_steps[stage] = world.gather(dict(zero.ledger.now), root=0)
 if rank == 0:
     full = n_big * 4
-    print("   what each rank holds between steps (# = held, . = not held; momentum SGD):")
-    print(f"   {'':10s} {'':6s} {'parameters':26s} {'gradients':26s} {'optimizer state':26s}")
+    print()
+    say("what each rank holds between steps (# = held, . = not held; momentum SGD):")
+    who = len(f"rank {p - 1}")
+    n = max(8, min(24, ((terminal.columns() or 100) - 3 - 10 - 1 - who - 1 - 8) // 3))  # (three bars of n a line)
+    kinds = " ".join(f"{kind:{n + 2}s}" for kind in ("parameters", "gradients", "optimizer state"))
+    print(f"   {'':10s} {'':{who}s} {kinds}".rstrip())
     for stage in STAGES:
         for r, held in enumerate(held_between_steps[stage]):
-            bars = " ".join("[" + "#" * round(24 * held[k] / full) + "." * (24 - round(24 * held[k] / full)) + "]"
+            bars = " ".join("[" + "#" * round(n * held[k] / full) + "." * (n - round(n * held[k] / full)) + "]"
                             for k in KINDS)  # fmt: skip
-            print(f"   {f'stage {stage}' if r == 0 else '':10s} rank {r} {bars}")
+            print(f"   {f'stage {stage}' if r == 0 else '':10s} {f'rank {r}':{who}s} {bars}")
 
 # One stage-3 step on rank 0, as its ledger saw it: a layer exists whole only between its gather and its free.
 zero = built(3, BIG, args.big_batch)
@@ -183,11 +210,11 @@ zero.step(x, y)
 history = zero.ledger.history
 peak_ok = True
 if rank == 0:
-    chunks = mb(history[0][1]["parameters"]).strip()
-    print(f"\n   one stage-3 step on rank 0, allocation by allocation (MB held; its chunks: {chunks})")
-    print(f"   {'what happened':44s} {'parameters':>11s} {'gradients':>10s}")
-    for what, held in history:
-        print(f"   {what:44s} {mb(held['parameters']):>11s} {mb(held['gradients']):>10s}")
+    print()
+    chunks = mb(history[0][1]["parameters"])
+    say(f"one stage-3 step on rank 0, allocation by allocation (MB held; its chunks: {chunks})")
+    table(["what happened", "parameters", "gradients"],
+          [[what, mb(held["parameters"]), mb(held["gradients"])] for what, held in history])  # fmt: skip
     largest = max(u.size for u in zero.units) * 4
     peak = max(held["parameters"] for _, held in history)
     peak_ok = history[-1][1] == history[0][1] and peak == history[0][1]["parameters"] + largest
@@ -197,7 +224,7 @@ checks.ok("every layer is freed after use; the peak is chunks + largest layer", 
 # ------------------------------------------------------------------------------ 3. training on real ranks
 # The driver's train() on digits in float64 (so that rounding hides nothing): single on rank 0 alone, then ddp and
 # ZeRO's three stages on all p ranks. Same seed, same global batches: every curve must be single's.
-mpi.print0(f"\n3. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
+heading(f"3. Training {name(SMALL)} on digits, float64, global batch {args.batch_size}, {args.epochs} epochs")
 common = dict(epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=args.batch_size, dtype="float64",
               timeout=0, progress=False, quiet=True, device=args.device)  # fmt: skip
 single, _ = single_reference(TrainConfig(paradigm="single", **common), world)
@@ -209,20 +236,18 @@ if rank == 0:
     steps = args.epochs * steps_per_epoch(len(digits.y_train), args.batch_size)
     curves = {"single": [e["train_loss"] for e in single["epochs"]]}
     curves.update({label: [e["train_loss"] for e in m["epochs"]] for label, m in runs.items()})
-    print(f"   {'epoch':>5s}" + "".join(f"{label:>19s}" for label in curves))
-    for e in range(args.epochs):
-        print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:19.14f}" for label in curves))
+    table(["epoch", *curves], [[f"{e + 1}", *(f"{curves[label][e]:.14f}" for label in curves)]
+                               for e in range(args.epochs)], left=())  # fmt: skip
     worst = max(abs(a - b) / abs(b) for label in curves for a, b in zip(curves[label], curves["single"]))
     training_ok = worst < 1e-10
-    print(f"   largest relative difference from single: {worst:.1e}")
+    say(f"largest relative difference from single: {worst:.1e}")
 
     n, b = parameter_count(SMALL), 8
     largest = max(a * c + c for a, c in itertools.pairwise(SMALL))
-    print(f"\n   peak bytes held per rank, KB (n = {n:,} parameters of {b} bytes; the largest layer {largest:,})")
-    print(f"   {'':8s} {'':4s} {'measured (the ledger)':>33s} {'':11s} {'the paper, in dtrain terms':>33s}")
-    kinds = f"{'parameters':>11s}{'gradients':>11s}{'optimizer':>11s}"
-    print(f"   {'':8s} {'rank':>4s}{kinds}{'= costs()':>11s}{kinds}")
-    results["held"] = {}
+    print()
+    say(f"peak bytes held per rank, KB (n = {n:,} parameters of {b} bytes; the largest layer {largest:,}): measured "
+        "by the paradigm's ledger, and the ZeRO paper's formula in dtrain's terms")  # fmt: skip
+    results["held"], cells = {}, []
     for stage in STAGES:
         label, metrics = f"zero {stage}", runs[f"zero {stage}"]
         held = metrics["communication"]["per_rank"][0]["paradigm"]["held_bytes"]
@@ -230,11 +255,11 @@ if rank == 0:
         for r in range(p):
             exact = all(held[r][k] == costs[k][r] for k in KINDS)
             held_ok = held_ok and exact
-            cells = "".join(f"{held[r][k] / 1e3:>11.1f}" for k in KINDS)
-            paper_cells = "".join(f"{paper[k] / 1e3:>11.1f}" for k in KINDS)
-            mark = "yes" if exact else "NO"
-            print(f"   {label if r == 0 else '':8s} {r:4d}{cells}{mark:>11s}{paper_cells}")
+            cells.append([label if r == 0 else "", f"{r}", *(f"{held[r][k] / 1e3:.1f}" for k in KINDS),
+                          "yes" if exact else "NO", *(f"{paper[k] / 1e3:.1f}" for k in KINDS)])  # fmt: skip
         results["held"][label] = {"measured": held, "costs": {k: costs[k] for k in KINDS}, "paper": paper}
+    table(["", "rank", *(f"ledger: {k}" for k in KINDS), "= costs()", *(f"paper: {k}" for k in KINDS)], cells,
+          left=(0, 5), keys=2, groups=(6,))  # fmt: skip
     say(
         f"Stage 1 shards the momentum; stages 2 and 3 hold, besides their chunks, one layer whole while it is in "
         f"flight ({largest * b / 1e3:.1f} KB here: the gradient being reduce-scattered, the layer being gathered), "
@@ -247,16 +272,17 @@ if rank == 0:
                 for mine in metrics["communication"]["per_rank"]]  # fmt: skip
 
     ddp_sent = sent_per_step(runs["ddp"], "allreduce/")
-    print(f"\n   bytes sent per step, every rank (ddp: one ring all-reduce of {n * b:,} bytes)")
-    print(f"   {'':8s}" + "".join(f"{f'rank {r}':>12s}" for r in range(p)) + f"{'= costs()':>11s}{'x ddp':>8s}")
-    results["bytes"] = {"ddp": ddp_sent}
+    print()
+    say(f"bytes sent per step, every rank (ddp: one ring all-reduce of {n * b:,} bytes)")
+    results["bytes"], cells = {"ddp": ddp_sent}, []
     for label in ("ddp", *(f"zero {s}" for s in STAGES)):
         sent = sent_per_step(runs[label], "zero/" if label != "ddp" else "allreduce/")
         exact = sent == runs[label]["costs"]["sent_per_step"]
         ratio = sum(sent) / sum(ddp_sent) if sum(ddp_sent) else float("nan")
         bytes_ok = bytes_ok and exact and (p == 1 or abs(ratio - (1.5 if label == "zero 3" else 1.0)) < 0.01)
-        print(f"   {label:8s}" + "".join(f"{s:12,.0f}" for s in sent) + f"{'yes' if exact else 'NO':>11s}{ratio:8.3f}")
+        cells.append([label, *(f"{s:,.0f}" for s in sent), "yes" if exact else "NO", f"{ratio:.3f}"])
         results["bytes"][label] = sent
+    table(["", *(f"rank {r}" for r in range(p)), "= costs()", "bytes / ddp's"], cells, left=(0, p + 1))
     say(
         "A reduce-scatter and an all-gather are the two halves of a ring all-reduce: stages 1 and 2 send what ddp "
         "sends, only in another order around the optimizer step. Stage 3 gathers each layer twice (before its "
@@ -270,20 +296,20 @@ checks.ok("bytes per step = Zero.costs(); stages 1-2 send ddp's, stage 3 1.5x", 
 # ----------------------------------------------------------------------------------- 4. when each stage pays
 # Memory: per parameter, ddp holds b (weights) + b (gradients) + k b (optimizer) on every rank; stage s divides the
 # kinds it shards by N. So the largest model a rank can train grows with N only when the parameters are sharded too.
-mpi.print0("\n4. When each stage pays")
+heading("4. When each stage pays")
 budget, b, k = 80e9, 4, 2  # an 80 GB accelerator, float32, Adam
 say(
     f"From the paper's formula in dtrain's terms: the largest model, in billions of parameters, whose float32 Adam "
     f"state fits in {budget / 1e9:.0f} GB per rank (activations need room too):"
 )
 counts = (1, 8, 64, 512)
-mpi.print0(f"   {'':8s}" + "".join(f"{f'N = {c}':>10s}" for c in counts))
 largest_model = {}
 for stage in (0, *STAGES):
     label = "ddp" if stage == 0 else f"zero {stage}"
     per_parameter = [sum(paper_formula(1, c, stage, b, k).values()) for c in counts]
     largest_model[label] = [budget / per / 1e9 for per in per_parameter]
-    mpi.print0(f"   {label:8s}" + "".join(f"{v:10.1f}" for v in largest_model[label]))
+table(["", *(f"N = {c}" for c in counts)], [[label, *(f"{v:.1f}" for v in values)]
+                                            for label, values in largest_model.items()])  # fmt: skip
 say(
     "ddp's limit does not move with N; stage 1 and 2 approach a limit of budget / 2b and budget / b (the unsharded "
     "weights, and gradients); only stage 3 grows with N, and only while the largest layer, which it holds whole, fits."
@@ -322,23 +348,25 @@ for _ in range(args.steps):  # interleaved, step by step: a slow moment of the m
         times[label] += timed_steps(paradigms[label], feeds[label], 1)
 if rank == 0:
     base = statistics.median(times["ddp"])
-    print(f"\n   measured here: {name(BIG)}, Adam, global batch {args.big_batch}, {p} rank(s); the median of "
-          f"{args.steps} interleaved steps")  # fmt: skip
+    print()
+    say(f"measured here: {name(BIG)}, Adam, global batch {args.big_batch}, {p} rank(s); the median of {args.steps} "
+        "interleaved steps")  # fmt: skip
     costs = {label: (DataParallel.costs(BIG, p, paradigms[label].config) if label == "ddp"
                      else Zero.costs(BIG, p, paradigms[label].config)) for label in contenders}  # fmt: skip
-    print(f"   {'':8s} {'ms/step':>9s} {'x ddp':>7s} {'MB held (fullest rank)':>23s} {'MB sent/step':>13s}")
-    timing = []
+    timing, cells = [], []
     for label in contenders:
         c = costs[label]
         by_rank = [[c[kind]] * p if not isinstance(c[kind], list) else c[kind] for kind in KINDS]
         held, sent = max(map(sum, zip(*by_rank))), max(c["sent_per_step"])
         ms = 1e3 * statistics.median(times[label])
-        print(f"   {label:8s} {ms:9.1f} {ms / (1e3 * base):7.2f} {held / 1e6:23.2f} {sent / 1e6:13.2f}")
+        against = "-" if label == "ddp" else terminal.speed(ms, 1e3 * base, "ddp")
+        cells.append([label, f"{ms:.1f}", against, f"{held / 1e6:.2f}", f"{sent / 1e6:.2f}"])
         timing.append({"contender": label, "ms_per_step": ms, "held_bytes": held, "sent_per_step": sent})
+    table(["", "ms per step", "against ddp", "MB held (fullest rank)", "MB sent per step"], cells, left=(0, 2))
     ddp_row, stage_rows = timing[0], timing[1:]
     findings = "; ".join(
-        f"{t['contender']} {t['ms_per_step'] / ddp_row['ms_per_step']:.2f}x its time for "
-        f"{t['held_bytes'] / ddp_row['held_bytes']:.2f}x its memory"
+        f"{t['contender']} is {terminal.speed(t['ms_per_step'], ddp_row['ms_per_step'], 'ddp')} and holds "
+        f"{t['held_bytes'] / ddp_row['held_bytes']:.0%} of its memory"
         for t in stage_rows
     )
     stage1, stage3 = stage_rows[0], stage_rows[-1]
@@ -358,12 +386,13 @@ if rank == 0:
     traffic = (f"{stage3['sent_per_step'] / stage1['sent_per_step']:.1f}x the bytes" if stage1["sent_per_step"]
                else "on one rank nothing is sent: the difference is the work of gathering and freeing")  # fmt: skip
     say(
-        f"Against ddp: {findings}. {why}. Stage 3's extra gathers cost {extra:+.1f} ms per step against stage 1 "
+        f"Measured: {findings}. {why}. Stage 3's extra gathers cost {extra:+.1f} ms per step against stage 1 "
         f"here ({traffic}). Take the lowest stage whose "
         "memory fits, and stage 3 when the parameters themselves do not fit on a rank."
     )
     results["timing"] = timing
     results["largest_model_billions"] = largest_model
 
+# the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-conclude(args.json, results, checks)
+finish(args.json, results, checks)

@@ -58,13 +58,18 @@ Things to try:
   * notebooks/10_debugging.ipynb does parts 1 to 5 on simulated ranks, where every wait can be seen, and part 6 on
     real ranks.
 
-Exercises (find the bug in a given program; `dtrain exercises init ex` once copies them into ex/):
-  10.1  ex/allgather.py: a ring all-gather that passes small tests and hangs on large buffers. Delete the raise
-        line, run the check, read the simulator's report, fix it:   dtrain exercises check 10.1 --path ex
-  10.2  ex/average.py: averaging through rank 0 (local SGD's --average-via master), right on rank 0 and wrong on
-        every other rank:                                            dtrain exercises check 10.2 --path ex
-Each is checked on simulated ranks (a deadlock is the simulator's report) and under mpiexec -n 2, 3, 4 (a hang is
-the watchdog's), against dtrain's own collectives.
+Exercises (find the bug in a given program; `dtrain exercises init ex` once
+copies them into ex/):
+  10.1  ex/allgather.py: a ring all-gather that passes small tests and hangs on
+        large buffers. Delete the raise line, run the check, read the
+        simulator's report, fix it:
+          dtrain exercises check 10.1 --path ex
+  10.2  ex/average.py: averaging through rank 0 (local SGD's --average-via
+        master), right on rank 0 and wrong on every other rank:
+          dtrain exercises check 10.2 --path ex
+Each is checked on simulated ranks (a deadlock is the simulator's report) and
+under mpiexec -n 2, 3, 4 (a hang is the watchdog's), against dtrain's own
+collectives.
 """
 
 import argparse
@@ -82,7 +87,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain import checkpoint, collectives
+from dtrain import checkpoint, collectives, terminal
 from dtrain.comm import launcher, mpi, sim
 
 HERE = Path(__file__).resolve()
@@ -200,12 +205,42 @@ verdicts, outcomes = {}, {}
 def ok(claim: str, flag: bool) -> bool:
     """A claim the lesson checks, printed as an OK line (and kept for --json)."""
     verdicts[claim] = verdicts.get(claim, True) and bool(flag)
-    print(f"   OK: {claim}: {'yes' if flag else 'NO'}", flush=True)
+    print(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}", "   ", "       "), flush=True)
     return bool(flag)
 
 
 def say(text: str) -> None:
-    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "), flush=True)
+    print(terminal.paragraph(text, "   "), flush=True)
+
+
+def heading(text: str) -> None:
+    """A part's title, after an empty line."""
+    print("\n" + terminal.paragraph(text, hanging="   "), flush=True)
+
+
+def shell(words, indent: str = "   ") -> None:
+    """A command as you would type it: ``$`` and its words, broken where need be with the shell's own
+    continuation (dtrain.terminal.command; an option too long for a line with its value, a long path, has the
+    value on the next line)."""
+    width, lines = terminal.prose_width(), []
+    for line in terminal.command([str(w) for w in words], indent + "  ").splitlines():
+        option, _, value = line.strip().removesuffix(" \\").partition(" ")
+        if len(line) <= width or not option.startswith("-") or not value:
+            lines.append(line)
+            continue
+        lead = line[: len(line) - len(line.lstrip())]
+        lines += [f"{lead}{option} \\", f"{lead}    {value}" + (" \\" if line.endswith(" \\") else "")]
+    print("\n".join([indent + "$ " + lines[0][len(indent) + 2 :], *lines[1:]]), flush=True)
+
+
+def quoted(line: str) -> list[str]:
+    """A line a job printed, quoted ("   | "): wrapped at its spaces to the terminal, its later lines standing in by
+    four more than it does (whole in a file or a pipe, which has no width)."""
+    width = terminal.columns()
+    if width is None or len(line) + 5 <= width:
+        return ["   | " + line]
+    lead = " " * (len(line) - len(line.lstrip()) + 4)
+    return ["   | " + piece for piece in textwrap.wrap(line, width - 5, subsequent_indent=lead, break_on_hyphens=False)]
 
 
 def job(part: str, debug: bool = False, watchdog_s: float = 0.0):
@@ -222,8 +257,9 @@ def job(part: str, debug: bool = False, watchdog_s: float = 0.0):
     outcomes[part + (" DTRAIN_DEBUG=1" if debug else "")] = {"status": status, "seconds": round(seconds, 2),
                                                              "stdout": out, "stderr": err}  # fmt: skip
     env_said = ("DTRAIN_DEBUG=1 " if debug else "") + (f"DTRAIN_TIMEOUT={watchdog_s:g} " if watchdog_s else "")
-    print(f"\n   $ {env_said}dtrain launch -n {P} lessons/10_debugging.py --part {part}"
-          f"      (exit status {status}, {seconds:.1f} s)")  # fmt: skip
+    print()
+    shell([*env_said.split(), "dtrain", "launch", "-n", P, "lessons/10_debugging.py", "--part", part])
+    print(f"   (exit status {status}, {seconds:.1f} s)")
     return status, out, err
 
 
@@ -236,7 +272,7 @@ def show(text: str, keep=None, head: int = 3, tail: int = 4) -> None:
     if len(lines) > head + tail + 1:
         lines = [*lines[:head], f"... ({len(lines) - head - tail} more lines)", *lines[len(lines) - tail :]]
     for line in lines:
-        print("   | " + (line if len(line) <= 220 else line[:217] + "..."))
+        print("\n".join(quoted(line if len(line) <= 220 else line[:217] + "...")))
 
 
 def last_lines(out: str) -> dict[int, str]:
@@ -251,10 +287,11 @@ def last_lines(out: str) -> dict[int, str]:
 
 WAITS = re.compile(r"dtrain watchdog: rank (\d+) waits for rank (\d+)")
 
-print(f"Lesson 10: finding a hang, and reading a run. Jobs of {P} ranks, started by this process.")
+print(terminal.paragraph(f"Lesson 10: finding a hang, and reading a run. Jobs of {P} ranks, started by this process.",
+                         hanging="   "))  # fmt: skip
 
 # --------------------------------------------------------------------------------------- 1. mismatched collective
-print("\n1. A mismatched collective: the ranks do not all make the same call (rank 1 differs)")
+heading("1. A mismatched collective: the ranks do not all make the same call (rank 1 differs)")
 say("Every rank must make the same collective calls, in the same order, with buffers of the same size and dtype. "
     "Nothing checks that unless you ask: each rank only sends and receives its own messages. What happens when "
     "rank 1 differs depends on how it differs.")  # fmt: skip
@@ -312,7 +349,7 @@ say(
 )
 
 # --------------------------------------------------------------------------------- 2. a deadlock on the simulator
-print("\n2. A deadlock on the simulator: every rank waits for a message no rank will send")
+heading("2. A deadlock on the simulator: every rank waits for a message no rank will send")
 say(
     "On real ranks a deadlock is silence. The simulator (dtrain.comm.sim) runs the ranks as threads of this process "
     "and sees every one of them: when the last running rank blocks and no blocked rank can ever be woken, it stops "
@@ -348,10 +385,12 @@ for name, run in (("both Recv first", lambda: sim.run(2, both_receive_first)),
                   ("both Send first, 100,000 float64 (800 KB)", lambda: sim.run(2, both_send_first, 100_000)),
                   ("Sendrecv, 100,000 float64", lambda: sim.run(2, send_and_receive, 100_000))):  # fmt: skip
     try:
-        print(f"\n   {name}: every rank got {run()}")
+        print()
+        say(f"{name}: every rank got {run()}")
         reports[name] = None
     except sim.SimDeadlock as deadlock:
-        print(f"\n   {name}: sim.SimDeadlock")
+        print()
+        say(f"{name}: sim.SimDeadlock")
         show(str(deadlock), head=8, tail=0)
         reports[name] = str(deadlock)
 recv_first = reports["both Recv first"] or ""
@@ -372,14 +411,14 @@ say(
 )
 
 # ------------------------------------------------------------------------------------- 3. a stalled rank, watched
-print(f"\n3. A stalled rank: rank {STALLED} never reaches step 3's all-reduce; the watchdog ends the job")
+heading(f"3. A stalled rank: rank {STALLED} never reaches step 3's all-reduce; the watchdog ends the job")
 status, out, err = job("stall", watchdog_s=WATCHDOG_S)
 show(err, keep=("dtrain watchdog: rank",), head=3 * (P - 1), tail=0)
 reports = {int(a): int(b) for a, b in WAITS.findall(err)}
 last = last_lines(out)
 print("   each rank's last line of output:")
 for r in sorted(last):
-    print(f"   | {last[r]}")
+    print("\n".join(quoted(last[r])))
 ok(f"the watchdog reports after DTRAIN_TIMEOUT={WATCHDOG_S:g} s: which rank waited how long in what (allreduce/ring, "
    "call #3), whom it waits for, and where", status == 14 and "has waited" in err and "in allreduce/ring (call #3)"
    in err and "is at dtrain/collectives/ring.py" in err and bool(reports))  # fmt: skip
@@ -391,8 +430,8 @@ ok(
 chain = [min(reports)] if reports else []
 while chain and len(chain) <= P and "in the all-reduce" in last.get(chain[-1], ""):
     chain.append(reports.get(chain[-1], (chain[-1] - 1) % P))
-print("   the chain: " + " waits for ".join(f"rank {r}" for r in chain)
-      + ", whose last line says it is not in the all-reduce at all")  # fmt: skip
+say("the chain: " + " waits for ".join(f"rank {r}" for r in chain)
+    + ", whose last line says it is not in the all-reduce at all")  # fmt: skip
 ok(f"following the reports and the last lines leads to rank {STALLED}, which never reported (it is not waiting)",
    bool(chain) and chain[-1] == STALLED and STALLED not in reports)  # fmt: skip
 say(
@@ -404,7 +443,7 @@ say(
 )
 
 # -------------------------------------------------------------------------------------- 4. an exception on a rank
-print("\n4. An exception on one rank")
+heading("4. An exception on one rank")
 status, out, err = job("raise-one-bare", watchdog_s=WATCHDOG_S)
 show(err, keep=("Traceback", "Error", "dtrain watchdog: rank"), head=4, tail=0)
 ok("with Python's own handler: rank 1's traceback, then the others wait in the all-reduce until the watchdog ends "
@@ -429,14 +468,14 @@ say(
 )
 
 # -------------------------------------------------------------------------------------------- 5. reading a run
-print(f"\n5. Reading a run: which rank is slow? ddp on {P} ranks, rank {SLOW} {args.slow_factor:g}x its compute time")
+heading(f"5. Reading a run: which rank is slow? ddp on {P} ranks, rank {SLOW} {args.slow_factor:g}x its compute time")
 out_dir = Path(args.out)
 out_dir.mkdir(parents=True, exist_ok=True)
 trace_path, metrics_dir = out_dir / "trace.json", out_dir / "straggler"
 command = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "1", "--slow-rank", str(SLOW),
            "--slow-factor", f"{args.slow_factor:g}", "--trace", str(trace_path), "--out", str(metrics_dir),
            "--quiet", "--no-progress"]  # fmt: skip
-print(f"   $ dtrain launch -n {P} {' '.join(command)}")
+shell(["dtrain", "launch", "-n", P, *command])
 started = time.perf_counter()
 done = launcher.launch(P, command, timeout=JOB_LIMIT_S, capture=True)
 print(f"   (exit status {done.returncode}, {time.perf_counter() - started:.1f} s)")
@@ -463,13 +502,14 @@ def time_per_rank(path) -> dict[int, dict]:
 
 
 ranks = time_per_rank(trace_path)
-print(f"\n   from the trace ({trace_path}):")
-print(f"   {'rank':>4s} {'all-reduces':>12s} {'inside them, s':>15s} {'outside them, s':>16s}")
-for r, row in ranks.items():
-    print(f"   {r:4d} {row['allreduces']:12d} {row['inside_s']:15.3f} {row['outside_s']:16.3f}")
+print()
+say(f"from the trace ({trace_path}):")
+print(terminal.table(["rank", "all-reduces", "inside them, s", "outside them, s"],
+                     [[f"{r}", f"{row['allreduces']}", f"{row['inside_s']:.3f}", f"{row['outside_s']:.3f}"]
+                      for r, row in ranks.items()], left=(), indent="   "))  # fmt: skip
 slowest = max(ranks, key=lambda r: ranks[r]["outside_s"])
 waits_least = min(ranks, key=lambda r: ranks[r]["inside_s"])
-print(f"   the slow rank: rank {slowest}: it spends the most time outside the all-reduces, and the least inside them")
+say(f"the slow rank: rank {slowest}: it spends the most time outside the all-reduces, and the least inside them")
 ok(
     f"the trace names rank {SLOW} as the slow rank (most time computing, least time in the all-reduces)",
     slowest == SLOW and waits_least == SLOW,
@@ -482,7 +522,7 @@ say(f"In a synchronous step nobody finishes before the slowest rank: the others 
     "time per name on that rank.")  # fmt: skip
 
 # ------------------------------------------------------------------------------------ 6. a dead rank, and a restart
-print(f"\n6. A dead rank, and a restart: ddp on {P} ranks, rank 1 killed with SIGKILL after global step 23")
+heading(f"6. A dead rank, and a restart: ddp on {P} ranks, rank 1 killed with SIGKILL after global step 23")
 say(
     "A rank that dies (the out-of-memory killer, a node that reboots) takes the job with it: MPI cannot go on without "
     "it. Every 10 steps rank 0 writes a checkpoint (the full flat buffer, the optimizer's state, the position in the "
@@ -498,7 +538,8 @@ train_flags = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "2", "-
 def dtrain_launch(words, fault=None):
     env = {k: v for k, v in os.environ.items() if k != "DTRAIN_FAULT"} | ({"DTRAIN_FAULT": fault} if fault else {})
     command = [sys.executable, "-m", "dtrain", "launch", "-n", str(P), *words]
-    print(f"\n   $ {'DTRAIN_FAULT=' + fault + ' ' if fault else ''}dtrain launch -n {P} {' '.join(words)}")
+    print()
+    shell([*([f"DTRAIN_FAULT={fault}"] if fault else []), "dtrain", "launch", "-n", P, *words])
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_LIMIT_S, env=env)
     print(f"   (exit status {done.returncode}, {time.perf_counter() - started:.1f} s)")
@@ -521,8 +562,8 @@ whole_metrics = json.loads((restart_dir / "whole" / "metrics.json").read_text())
 restarted_metrics = json.loads((restart_dir / "restarted" / "metrics.json").read_text())
 restarts = restarted_metrics["restarts"]
 print(f"   uninterrupted: weights SHA-256 {whole_metrics['weights_sha256'][:16]}...")
-print(f"   restarted:     weights SHA-256 {restarted_metrics['weights_sha256'][:16]}...   (metrics.json: restarts "
-      f"{restarts['count']}, steps lost {restarts['steps_lost']})")  # fmt: skip
+print(f"   restarted:     weights SHA-256 {restarted_metrics['weights_sha256'][:16]}...")
+say(f"(the restarted run's metrics.json: restarts {restarts['count']}, steps lost {restarts['steps_lost']})")
 ok("the launcher names the dead rank and its signal, and restarts from the checkpoint at step 20",
    "rank 1 was killed by SIGKILL" in restarted_run.stderr
    and "from the checkpoint at global step 20" in restarted_run.stderr)  # fmt: skip
@@ -538,7 +579,8 @@ say(
 
 # What checkpointing costs, and how often to do it: one checkpoint of a model of 1M parameters (SGD with momentum:
 # 2 buffers of 4 bytes each), written here as the driver writes it.
-print("\n   How often to checkpoint (Young/Daly):")
+print()
+say("How often to checkpoint (Young/Daly):")
 parameters = 1_000_000
 state = np.random.default_rng(0).standard_normal(parameters).astype(np.float32)
 writes = []
@@ -576,14 +618,14 @@ def simulated_waste(T):
 intervals = young * np.geomspace(1 / 8, 8, 97)
 simulated = np.array([simulated_waste(T) for T in intervals])
 best = float(intervals[np.argmin(simulated)])
-print(f"   one checkpoint of {parameters:,} float32 parameters and their momentum: C = {C * 1e3:.1f} ms (median of 5)")
-print(f"   a failure every M = {M:g} s: T = sqrt(2 C M) = {young:.1f} s, about {young / step_s:,.0f} steps of "
-      f"{step_s * 1e3:.1f} ms; waste there {100 * waste(young):.2f}% of the time")  # fmt: skip
-for T in (young / 10, young, young * 10):
-    print(f"      checkpoint every {T:8.1f} s: {100 * C / T:6.3f}% writing + {100 * T / (2 * M):6.3f}% redone "
-          f"= {100 * waste(T):6.3f}%")  # fmt: skip
-print(f"   simulated over {len(gaps):,} failures: the least waste {100 * simulated.min():.3f}% at T = {best:.1f} s; at "
-      f"T = sqrt(2 C M): {100 * simulated_waste(young):.3f}% (the model says {100 * waste(young):.3f}%)")  # fmt: skip
+say(f"one checkpoint of {parameters:,} float32 parameters and their momentum: C = {C * 1e3:.1f} ms (median of 5)")
+say(f"a failure every M = {M:g} s: T = sqrt(2 C M) = {young:.1f} s, about {young / step_s:,.0f} steps of "
+    f"{step_s * 1e3:.1f} ms; waste there {100 * waste(young):.2f}% of the time")  # fmt: skip
+print(terminal.table(["checkpoint every", "writing", "redone", "waste"],
+                     [[f"{T:.1f} s", f"{100 * C / T:.3f}%", f"{100 * T / (2 * M):.3f}%", f"{100 * waste(T):.3f}%"]
+                      for T in (young / 10, young, young * 10)], left=(), indent="      "))  # fmt: skip
+say(f"simulated over {len(gaps):,} failures: the least waste {100 * simulated.min():.3f}% at T = {best:.1f} s; at "
+    f"T = sqrt(2 C M): {100 * simulated_waste(young):.3f}% (the model says {100 * waste(young):.3f}%)")  # fmt: skip
 ok(
     "in a run simulated failure by failure, checkpointing every sqrt(2 C M) wastes within 2% of the least waste of "
     "97 intervals from T/8 to 8T, and the model's waste there is the simulated one within 10%",
@@ -597,13 +639,14 @@ say(
 )
 
 # ------------------------------------------------------------------------------------------------------- the end
+# the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 if args.json:
     restart_figures = {"restarts": restarts, "checkpoint_s": C, "young_s": young, "best_s": best, "step_s": step_s,
                        "sha_equal": restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"]}  # fmt: skip
     Path(args.json).write_text(json.dumps({"parts": outcomes, "straggler": ranks, "checks": verdicts,
                                            "restart": restart_figures}, indent=1))  # fmt: skip
-    print(f"\nmeasurements written to {args.json}")
+    print("\n" + terminal.paragraph(f"measurements written to {args.json}", hanging="  "))
 passed = all(verdicts.values())
 print(f"\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
 if not passed:

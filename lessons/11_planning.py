@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain import hardware, parallel, plan_check
+from dtrain import hardware, parallel, plan_check, terminal
 from dtrain.comm import mpi
 from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
@@ -81,8 +81,23 @@ CLUSTER_WIDTH, CLUSTER_LAYERS = 6144, 24  # part 5: 25 Linear layers of 6144 x 6
 
 # --------------------------------------------------------------------------------------------- printing
 def say(text: str) -> None:
-    """A paragraph of explanation, wrapped and indented like the tables."""
-    print(textwrap.fill(text, width=116, initial_indent="   ", subsequent_indent="   "), flush=True)
+    """A paragraph of explanation, wrapped to the terminal and indented like the tables."""
+    print(terminal.paragraph(text, "   "), flush=True)
+
+
+def heading(text: str) -> None:
+    """A part's title (or a table's), after an empty line, its later lines standing in by three."""
+    print("\n" + terminal.paragraph(text, hanging="   "), flush=True)
+
+
+def bullet(text: str) -> None:
+    """An item of a list under a part, wrapped to the terminal; a word longer than the room (an address) is printed
+    whole on a line of its own, standing in less."""
+    width = terminal.prose_width()
+    for line in textwrap.wrap(text, width, initial_indent="     - ", subsequent_indent="       ",
+                              break_long_words=False, break_on_hyphens=False):  # fmt: skip
+        word = line.lstrip()
+        print(line if len(line) <= width else " " * max(0, width - len(word)) + word)
 
 
 def ms(seconds: float) -> str:
@@ -96,11 +111,10 @@ def nbytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def table(header: list[str], rows: list[list[str]], left=(0,)) -> None:
-    """Print a table, indented like the rest: the ``left`` columns aligned left, the others right."""
-    from dtrain.report import text_table
-
-    print(textwrap.indent(text_table(header, rows, left=left), "   "), flush=True)
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """Print a table fitted to the terminal (:func:`dtrain.terminal.table`), indented like the rest: the ``left``
+    columns aligned left (text), the others right (numbers); ``fitting``: its keys, groups or notes column."""
+    print(terminal.table(header, rows, left=left, indent="   ", **fitting), flush=True)
 
 
 class Checks:
@@ -111,7 +125,7 @@ class Checks:
 
     def ok(self, claim: str, flag: bool, note: str = "") -> bool:
         self.verdicts[claim] = self.verdicts.get(claim, True) and bool(flag)
-        print(f"   OK: {claim}: {'yes' if flag else 'NO'}{note}", flush=True)
+        print(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}{note}", "   ", "       "), flush=True)
         return bool(flag)
 
 
@@ -302,6 +316,13 @@ def fastest_of(rows: list[Row], paradigm: str) -> Row | None:
     return next((r for r in rows if r.paradigm == paradigm and r.fits and r.same_updates), None)
 
 
+def overlap_rows(rows: list[Row]) -> tuple[Row, Row]:
+    """ddp ring without and with --overlap, as plan() priced them (both are among ddp's configurations:
+    dtrain/parallel/data_parallel.py; with --overlap backward hides part of the all-reduces)."""
+    by_label = {r.label: r for r in rows}
+    return by_label["ddp ring"], by_label["ddp ring, overlapped"]
+
+
 def sources(name: str) -> dict:
     """A preset's stated sources and assumptions (hardware.json), by what they are about."""
     return hardware.presets()[name].get("sources", {})
@@ -342,29 +363,31 @@ def main(argv=None) -> int:
     checks, results = Checks(), {"quick": args.quick, "ranks": args.ranks, "preset": args.preset}
     world = args.ranks
 
-    print(f"Lesson 11: planning. Here: {here.about}")
-    print(f"   its ranks share {here.cores} cores: each rank computes "
-          + ", ".join(f"{here.slowdown(p):.2f}x slower with {p} ranks" for p in (2, 4))
-          + " busy (measured by scripts/calibrate.py)")  # fmt: skip
+    print(terminal.paragraph(f"Lesson 11: planning. Here: {here.about}", hanging="   "))
+    say(f"Its ranks share {here.cores} cores: each rank computes "
+        + ", ".join(f"{here.slowdown(p):.2f}x slower with {p} ranks" for p in (2, 4))
+        + " busy (measured by scripts/calibrate.py).")  # fmt: skip
 
     # ---------------------------------------------------------------------------- 1. when not to distribute
-    print("\n1. When not to distribute: predicted, then measured here")
+    heading("1. When not to distribute: predicted, then measured here")
     results["measured"] = {}
     for name, model in (("small", SMALL), ("wide", WIDE)):
         chosen = contenders(model, here)
-        print(f"\n   {model.describe()}")
-        print(f"   measuring {', '.join(f'{label}: {r.label}' for label, r in chosen.items())} "
-              f"({repeats} run(s) each, interleaved) ...", flush=True)  # fmt: skip
+        print()
+        say(model.describe())
+        say(f"measuring {', '.join(f'{label}: {r.label}' for label, r in chosen.items())} ({repeats} run(s) each, "
+            "interleaved) ...")  # fmt: skip
         got = measure_interleaved(chosen, model, repeats, budget)
         base = got["single"]["step_s"]
         cells = []
         for label, row in chosen.items():
             g = got[label]
+            against = "-" if label == "single" else terminal.speed(g["step_s"], base, "single")
             cells.append([label, row.label, ms(row.total), ms(g["step_s"]), f"{row.total / g['step_s']:.2f}",
-                          f"{g['step_s'] / base:.2f}x", nbytes(row.sent_per_step),
-                          nbytes(g["sent_per_step"])])  # fmt: skip
-        table(["", "configuration", "predicted", "measured", "pred/meas", "x single (meas)", "sent/step (pred)",
-               "(meas)"], cells, left=(0, 1))  # fmt: skip
+                          against, nbytes(row.sent_per_step), nbytes(g["sent_per_step"])])  # fmt: skip
+        table(["", "configuration", "step predicted", "step measured", "predicted over measured",
+               "measured, against single", "sent per step predicted", "sent per step measured"], cells,
+              left=(0, 1, 5), keys=2, groups=(6,))  # fmt: skip
         exact = all(got[label]["sent_per_step"] == row.sent_per_step and got[label]["state_bytes"] == max(row.state)
                     for label, row in chosen.items())  # fmt: skip
         checks.ok(f"{name}: every run's bytes per step and state per rank are the planner's, to the byte", exact)
@@ -372,13 +395,14 @@ def main(argv=None) -> int:
         predicted_first = min(chosen, key=lambda label: chosen[label].total)
         distributed = [label for label in chosen if label != "single"]
         if fastest == "single":
-            slowest_ratio = ", ".join(f"{got[label]['step_s'] / base:.2f}x as long on {label} ({chosen[label].label})"
-                                      for label in distributed)  # fmt: skip
-            verdict = f"Measured here, single is the fastest: the best configurations take {slowest_ratio}."
+            slower = "; ".join(f"the best on {label}, {chosen[label].label}, is "
+                               f"{terminal.speed(got[label]['step_s'], base, 'single')}"
+                               for label in distributed)  # fmt: skip
+            verdict = f"Measured here, single is the fastest: {slower}."
+
         else:
-            verdict = (f"Measured here, distributing wins: {chosen[fastest].label} on {fastest} takes "
-                       f"{got[fastest]['step_s'] / base:.2f}x single's time ({base / got[fastest]['step_s']:.2f}x "
-                       "as fast).")  # fmt: skip
+            verdict = (f"Measured here, distributing wins: {chosen[fastest].label} on {fastest} is "
+                       f"{terminal.speed(got[fastest]['step_s'], base, 'single')}.")  # fmt: skip
         agree = ("The planner predicted the same winner" if predicted_first == fastest else
                  f"The planner predicted {chosen[predicted_first].label} ({predicted_first}) would be the fastest; "
                  f"the measurement says {chosen[fastest].label}")  # fmt: skip
@@ -412,15 +436,19 @@ def main(argv=None) -> int:
                 "distributing pays on this machine.")  # fmt: skip
         else:
             say(f"On {p} ranks the planner predicts that distributing starts to pay here from a hidden width of "
-                f"{width} (64-{width}-{width}-{width}-10, batch 64: {ratio:.2f}x single's speed there).")  # fmt: skip
+                f"{width} (64-{width}-{width}-{width}-10, batch 64: {terminal.speed(1.0, ratio, 'single')} "
+                "there).")  # fmt: skip
+
         results.setdefault("pays_from", {})[str(p)] = width
 
     # ---------------------------------------------------------------------------- 2. data against tensor parallel
-    print(f"\n2. Data against tensor parallelism as the model widens: {WIDTH_LAYERS} layers of width x width, global "
-          f"batch {WIDTH_BATCH}, float32, momentum SGD")  # fmt: skip
+    heading(f"2. Data against tensor parallelism as the model widens: {WIDTH_LAYERS} layers of width x width, global "
+            f"batch {WIDTH_BATCH}, float32, momentum SGD")  # fmt: skip
+
     results["widths"] = {}
     for machine, p in ((here, world), (preset, 8)):
-        print(f"\n   on {p} ranks of {machine.name} ({nbytes(machine.per_rank_memory(p))} per rank)")
+        print()
+        say(f"on {p} ranks of {machine.name} ({nbytes(machine.per_rank_memory(p))} per rank)")
         cells, sweep = [], []
         for width in WIDTHS:
             ddp, tp = ddp_and_tp(width, p, machine)
@@ -430,8 +458,8 @@ def main(argv=None) -> int:
             cells.append([f"{width:,}", f"{parameter_count(width_model(width).sizes):,}", ddp.label, ms(ddp.total),
                           nbytes(ddp.sent_per_step), "" if ddp.fits else "no", ms(tp.total), nbytes(tp.sent_per_step),
                           "" if tp.fits else "no", "tp" if tp.total < ddp.total else "ddp"])  # fmt: skip
-        table(["width", "parameters", "ddp (its fastest)", "step", "sent/step", "fits", f"tp{p}: step", "sent/step",
-               "fits", "faster"], cells, left=(2,))  # fmt: skip
+        table(["width", "parameters", "ddp: its fastest", "ddp step", "ddp sent per step", "ddp fits", f"tp{p} step",
+               f"tp{p} sent per step", f"tp{p} fits", "faster"], cells, left=(2, 9), groups=(6,))  # fmt: skip
         at = crossover(p, machine)
         growth_ddp = sweep[-1]["ddp_sent"] / sweep[-2]["ddp_sent"]
         growth_tp = sweep[-1]["tp_sent"] / sweep[-2]["tp_sent"]
@@ -464,13 +492,14 @@ def main(argv=None) -> int:
 
     # ---------------------------------------------------------------------------- 3. micro-batches and the bubble
     stages, model = world, pipeline_model()
-    print(f"\n3. How micro-batches pay for a pipeline: {model.describe()}, GPipe on {stages} stages of this machine")
+    heading(f"3. How micro-batches pay for a pipeline: {model.describe()}, GPipe on {stages} stages of this machine")
     sweep = microbatch_sweep(model, stages, here)
     fit = microbatch_fit(sweep, stages)
     cells = [[f"{s['M']}", f"{s['rows']}", ms(s["step_s"]), ms(s["busy_s"]), ms(s["busy_s"] / s["M"]),
               ms(s["bubble_s"]), f"{s['fraction']:.3f}", f"{s['formula']:.3f}", ms(s["update_s"])]
              for s in sweep]  # fmt: skip
-    table(["M", "rows", "step", "busy (M x t)", "t", "bubble", "bubble share", "(P-1)/(M+P-1)", "update"], cells)
+    table(["M", "rows", "step", "busy (M x t)", "t", "bubble", "bubble share", "(P-1)/(M+P-1)", "update"], cells,
+          left=())  # fmt: skip
     worst = max(abs(s["fraction"] - s["formula"]) for s in sweep)
     checks.ok("the bubble's share of the pipelined time is (P-1)/(M+P-1), within 0.01", worst < 0.01,
               f" (largest difference {worst:.4f})")  # fmt: skip
@@ -493,9 +522,9 @@ def main(argv=None) -> int:
     model = zero_model()
     budget_bytes = args.memory_mib * MIB
     small = with_memory_per_rank(here, budget_bytes, world)
-    print(f"\n4. What ZeRO buys when memory is the limit: {model.describe()}, on {world} ranks of this machine with "
-          f"{nbytes(budget_bytes)} per rank (an assumption: as if `dtrain plan --memory "
-          f"{args.memory_mib / 1024:g}`)")  # fmt: skip
+    heading(f"4. What ZeRO buys when memory is the limit: {model.describe()}, on {world} ranks of this machine with "
+            f"{nbytes(budget_bytes)} per rank (an assumption: as if `dtrain plan --memory "
+            f"{args.memory_mib / 1024:g}`)")  # fmt: skip
     found = zero_table(model, world, small)
     cells = []
     for z in found:
@@ -503,8 +532,8 @@ def main(argv=None) -> int:
         cells.append([z["label"], *(nbytes(r.memory[k]) for k in KINDS), nbytes(r.memory["activations"]),
                       nbytes(r.memory["total"]), "yes" if r.fits else "no", nbytes(sum(paper.values())),
                       nbytes(sum(z["in_flight"].values())), ms(r.total), nbytes(r.sent_per_step)])  # fmt: skip
-    table(["", "parameters", "gradients", "optimizer", "activations", "total", "fits", "paper", "in flight", "step",
-           "sent/step"], cells)  # fmt: skip
+    table(["", "parameters", "gradients", "optimizer", "activations", "total", "fits", "paper's formula",
+           "layer in flight", "step", "sent per step"], cells, groups=(7,))  # fmt: skip
     exact = all(z["held"][k] == z["paper"][k] + z["in_flight"][k] for z in found for k in KINDS)
     checks.ok("every stage's bytes per rank = the ZeRO paper's formula + the layer in flight, by kind", exact)
     fitting = [z for z in found if z["row"].fits]
@@ -519,7 +548,7 @@ def main(argv=None) -> int:
         r = lowest["row"]
         said = (f"ddp needs {nbytes(ddp_row.memory['total'])} per rank and a rank has {nbytes(budget_bytes)}: it does "
                 f"not fit. The lowest stage that fits is {lowest['stage']} ({nbytes(r.memory['total'])}); it is "
-                f"priced at {r.total / ddp_row.total:.2f}x ddp's step and sends "
+                f"priced {terminal.speed(r.total, ddp_row.total, 'ddp')} and sends "
                 f"{r.sent_per_step / ddp_row.sent_per_step:.2f}x its bytes.")  # fmt: skip
     update = small.slowdown(world) * small.update_time(model.parameters, itemsize(model), buffers(model))
     said += (f" (Sharding the optimizer state also shards the optimizer's work: each rank updates only its chunk. "
@@ -546,25 +575,26 @@ def main(argv=None) -> int:
 
     # ---------------------------------------------------------------------------------------- 5. a real cluster
     model = cluster_model(args.cluster_batch)
-    print(f"\n5. A real cluster: {preset.about}")
-    print(f"   {model.describe()}")
-    print("   what the preset assumes, and where each number comes from (dtrain/hardware.json):")
+    heading(f"5. A real cluster: {preset.about}")
+    say(model.describe())
+    say("what the preset assumes, and where each number comes from (dtrain/hardware.json):")
     for about, source in sources(args.preset).items():
-        print(textwrap.fill(f"{about}: {source}", width=116, initial_indent="     - ", subsequent_indent="       "))
-    print(textwrap.fill(
-        "and what this lesson and the planner assume besides: the global batch is fixed whatever the ranks (strong "
-        "scaling); float32 arithmetic without tensor cores; ddp's all-reduce after backward, not overlapped with it "
-        "(dtrain's default, --overlap off); tp's and pp's messages not overlapped with compute; no activation "
-        "recomputation; ranks fill nodes in order; a collective that spans nodes is priced on the slower link "
-        "throughout (no hierarchy unless the configuration says so).", width=116, initial_indent="     - ",
-        subsequent_indent="       "))  # fmt: skip
+        bullet(f"{about}: {source}")
+    hides = "as long as it lasts" if preset.hidden >= 1 else f"for {preset.hidden:.0%} of the time it lasts"
+    bullet("and what this lesson and the planner assume besides: the global batch is fixed whatever the ranks (strong "
+           "scaling); float32 arithmetic without tensor cores; ddp priced both ways, its all-reduce after backward "
+           f"(dtrain's default) and overlapped with backward (--overlap: backward, 2/3 of the compute, hides "
+           f"all-reduces {hides}); tp's and pp's messages not overlapped with compute; no activation "
+           "recomputation; ranks fill nodes in order; a collective that spans nodes is priced on the slower link "
+           "throughout (no hierarchy unless the configuration says so).")  # fmt: skip
     results["cluster"] = {"preset": args.preset, "sizes": model.sizes, "batch_size": model.batch_size, "worlds": {}}
     plans, cells = {}, []
     for p in worlds:
         rows = plans[p] = plan(model, p, preset)
         best, single = next(r for r in rows if r.best), single_row(rows)
         speedup = single.total / best.total if single.fits else math.nan
-        cells.append([f"{p}", best.label, ms(best.total), f"{speedup:.1f}x", f"{speedup / p:.2f}",
+        cells.append([f"{p}", best.label, ms(best.total), f"{speedup:.1f}x" if single.fits else "-",
+                      f"{speedup / p:.2f}" if single.fits else "-",
                       f"{100 * best.time['communication'] / best.total:.0f}%",
                       f"{100 * best.time['bubble'] / best.total:.0f}%", nbytes(best.memory["total"]),
                       f"{model.batch_size / best.total:,.0f}"])  # fmt: skip
@@ -573,44 +603,52 @@ def main(argv=None) -> int:
             "best": best.label, "step_s": best.total, "single_s": single.total, "why": why(rows),
             "fastest": {name: {"label": r.label, "step_s": r.total} if r else None
                         for name, r in fastest.items()}}  # fmt: skip
-    table(["ranks", "the planner's best", "step", "x single", "efficiency", "comm", "bubble", "memory/rank",
-           "samples/s"], cells, left=(1,))  # fmt: skip
+    table(["ranks", "the planner's best", "step", "speed-up over single", "efficiency", "comm", "bubble",
+           "memory per rank", "samples per s"], cells, left=(1,), keys=2, groups=(5,))  # fmt: skip
     say(
-        "x single: single's predicted step over the best's; efficiency: that speed-up per rank (1 would be perfect); "
-        "comm and bubble: their shares of the step; memory: the fullest rank's."
+        "speed-up over single: single's predicted step over the best's (5.0x: five times as fast); efficiency: that "
+        "speed-up per rank (1 would be perfect); comm and bubble: their shares of the step; memory: the fullest rank's."
     )
     for p in worlds:
         rows = plans[p]
         best = next(r for r in rows if r.best)
         families = "; ".join(f"{name}: {fastest_of(rows, name).label} {ms(fastest_of(rows, name).total)}"
                              if fastest_of(rows, name) else f"{name}: none fits" for name in FAMILIES)  # fmt: skip
-        print(f"\n   {p} ranks ({-(-p // preset.ranks_per_node)} node(s) of {preset.ranks_per_node}):")
+        print()
+        say(f"{p} ranks ({-(-p // preset.ranks_per_node)} node(s) of {preset.ranks_per_node}):")
         say(f"The fastest of each paradigm that fits: {families}. {why(rows)}")
-    ddp8 = fastest_of(plans[8], "ddp")
-    overlapped = price(parallel.get("ddp"), "ddp ring --overlap", {"allreduce": "ring", "overlap": True}, 8, model,
-                       preset)  # fmt: skip
     steps = [results["cluster"]["worlds"][str(p)]["step_s"] for p in worlds]
-    trend = "; ".join(f"{a} -> {b} ranks: {s / t:.2f}x as fast" for (a, s), (b, t) in
+    trend = "; ".join(f"{b} ranks {terminal.speed(t, s, f'{a}')}" for (a, s), (b, t) in
                       itertools.pairwise(zip(worlds, steps)))  # fmt: skip
-    last = (f"{worlds[-1]} ranks take {steps[-1] / steps[-2]:.2f}x as long as {worlds[-2]}: more ranks stopped paying"
-            if steps[-1] > steps[-2] else f"more ranks still pay at {worlds[-1]}")  # fmt: skip
+    last = (f"{worlds[-1]} ranks are {terminal.speed(steps[-1], steps[-2], str(worlds[-2]))}: more ranks stopped "
+            "paying" if steps[-1] > steps[-2] else f"more ranks still pay at {worlds[-1]}")  # fmt: skip
     say(f"How the best step scales with the ranks, the global batch fixed at {model.batch_size}: {trend}; {last}. "
         f"Each rank gets less work ({model.batch_size / worlds[-1]:g} sample(s) per rank on {worlds[-1]} ranks, if "
         "every rank takes a share of the batch) for collectives that do not shrink as fast, and more of them cross "
-        "the slower links between nodes. One assumption weighs on one node: ddp's all-reduce could overlap its "
-        f"backward. With --overlap the formulas give ddp ring {ms(overlapped.total)} on 8 ranks instead of "
-        f"{ms(ddp8.total) if ddp8 else '-'}, against the planner's pick's {ms(steps[0])}; the planner does not "
-        "weigh --overlap.")  # fmt: skip
+        "the slower links between nodes.")  # fmt: skip
+    # ddp with and without --overlap on one node, as the planner priced both (dtrain/parallel/data_parallel.py)
+    plain, overlapped = overlap_rows(plans[8])
+    best8, ddp8 = next(r for r in plans[8] if r.best), fastest_of(plans[8], "ddp")
+    picked = (f"the planner picked {best8.label} ({ms(best8.total)}) over every ddp configuration, overlapped or "
+              "not" if best8.paradigm != "ddp" else f"the planner picked {best8.label} itself")  # fmt: skip
+    say(f"One assumption weighs on one node: whether ddp's all-reduce overlaps its backward. The planner weighs "
+        f"--overlap: on 8 ranks it prices ddp ring overlapped at {ms(overlapped.total)} a step "
+        f"({ms(overlapped.time['communication'])} of all-reduces left after backward's hiding) and ddp ring not "
+        f"overlapped at {ms(plain.total)} ({ms(plain.time['communication'])} after backward): overlapped is "
+        f"{terminal.speed(overlapped.total, plain.total, 'not overlapped')}. ddp's fastest there is "
+        f"{ddp8.label if ddp8 else 'none that fits'}, and {picked}.")  # fmt: skip
     results["cluster"]["ddp_overlap_8_s"] = overlapped.total
+    results["cluster"]["ddp_no_overlap_8_s"] = plain.total
     if args.png and 64 in plans:
-        print(f"\n   drawn: {figure(plans[64], args.png, f'{model.describe()} on 64 ranks of {args.preset}')}")
+        print()
+        say(f"drawn: {figure(plans[64], args.png, f'{model.describe()} on 64 ranks of {args.preset}')}")
 
     seconds = time.perf_counter() - started
     results["seconds"] = seconds
     results["checks"] = checks.verdicts
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
-        print(f"\nmeasurements written to {args.json}")
+        print("\n" + terminal.paragraph(f"measurements written to {args.json}", hanging="  "))
     passed = all(checks.verdicts.values())
     print(f"\n(the lesson took {seconds:.0f} s)\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
     return 0 if passed else 1

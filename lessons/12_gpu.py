@@ -45,8 +45,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "bench" / "gpu.json"
 
 
-def say(text: str) -> None:
-    print(text, flush=True)
+def say(text: str, indent: str = "   ", hanging: str | None = None) -> None:
+    """A paragraph, wrapped to the terminal (its later lines standing in like its first, or by ``hanging``)."""
+    from dtrain import terminal
+
+    print(terminal.paragraph(text, indent, hanging), flush=True)
+
+
+def heading(text: str) -> None:
+    """A part's title, after an empty line."""
+    print()
+    say(text, "", "   ")
 
 
 CHECKS: list[tuple[str, bool]] = []
@@ -54,27 +63,29 @@ CHECKS: list[tuple[str, bool]] = []
 
 def check(claim: str, holds: bool) -> None:
     CHECKS.append((claim, holds))
-    say(f"   {'OK' if holds else 'NO'}: {claim}: {'yes' if holds else 'no'}")
+    say(f"{'OK' if holds else 'NO'}: {claim}: {'yes' if holds else 'no'}", hanging="       ")
 
 
 def part_cuda_aware() -> dict:
     from dtrain.comm.cuda_aware import ENV_VAR, cuda_aware_mpi, cuda_awareness_reason
 
     aware = cuda_aware_mpi()
-    say("\n1. Is this MPI CUDA-aware?")
-    say(f"   {cuda_awareness_reason()}")
+    heading("1. Is this MPI CUDA-aware?")
+    say(cuda_awareness_reason(), hanging="     ")
     if aware:
-        say("   -> dtrain hands GPU buffers to MPI as they are, after synchronising the stream.")
+        say("-> dtrain hands GPU buffers to MPI as they are, after synchronising the stream.", hanging="     ")
     else:
-        say("   -> dtrain stages every GPU message through pinned host memory (two PCIe copies per message).")
-    say(f"   ({ENV_VAR}=1 or 0 overrides the library's answer: 1 on an MPI that is not CUDA-aware crashes.)")
+        say("-> dtrain stages every GPU message through pinned host memory (two PCIe copies per message).",
+            hanging="     ")  # fmt: skip
+    say(f"({ENV_VAR}=1 or 0 overrides the library's answer: 1 on an MPI that is not CUDA-aware crashes.)",
+        hanging="     ")  # fmt: skip
     return {"cuda_aware": aware, "why": cuda_awareness_reason()}
 
 
 def part_stream() -> dict:
     import cupy
 
-    say("\n2. The stream: a GPU call returns before its work is done")
+    heading("2. The stream: a GPU call returns before its work is done")
     a = cupy.random.default_rng(0).standard_normal((8192, 8192), dtype=cupy.float32)
     (a @ a).sum()  # warm-up: cuBLAS's handle, the kernels loaded
     stream = cupy.cuda.get_current_stream()
@@ -86,37 +97,42 @@ def part_stream() -> dict:
     returned = time.perf_counter() - started
     stream.synchronize()
     done = time.perf_counter() - started
-    say(f"   four 8192x8192 products queued: the Python line returned after {returned * 1e3:.3f} ms, the GPU finished")
+    say(f"four 8192x8192 products queued: the Python line returned after {returned * 1e3:.3f} ms, the GPU finished "
+        f"after {done * 1e3:.1f} ms.")  # fmt: skip
     check("the call returned before the GPU had done a tenth of its work", returned < done / 10)
-    say(f"   after {done * 1e3:.1f} ms. An MPI_Send of c right after the line returned would have sent c's memory as")
-    say("   it was before the products wrote it. So StagedComm synchronises the stream before it copies a buffer down,")
-    say("   and, with a CUDA-aware MPI, before it hands MPI the buffer itself. (A stream-ordered MPI, or NCCL on the")
-    say("   compute stream, avoids the wait; plain MPI cannot.)")
+    say("An MPI_Send of c right after the line returned would have sent c's memory as it was before the products "
+        "wrote it. So StagedComm synchronises the stream before it copies a buffer down, and, with a CUDA-aware MPI, "
+        "before it hands MPI the buffer itself. (A stream-ordered MPI, or NCCL on the compute stream, avoids the "
+        "wait; plain MPI cannot.)")  # fmt: skip
     return {"call_returned_ms": returned * 1e3, "work_done_ms": done * 1e3}
 
 
 def part_staging(quick: bool) -> dict:
-    say("\n3. Host staging in a real run: ddp on 2 ranks sharing the GPU")
+    from dtrain import terminal
+
+    heading("3. Host staging in a real run: ddp on 2 ranks sharing the GPU")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "run"
         flags = ["--paradigm", "ddp", "--allreduce", "ring", "--device", "gpu", "--dataset", "digits",
                  "--hidden", "256,256", "--batch-size", "64", "--epochs", "1" if quick else "2", "--quiet",
                  "--no-progress", "--out", str(folder)]  # fmt: skip
         command = [sys.executable, "-m", "dtrain", "launch", "-n", "2", "-m", "dtrain", "train", *flags]
-        say(f"   $ dtrain launch -n 2 -m dtrain train {' '.join(flags[:-2])}")
+        shown = terminal.command(["dtrain", "launch", "-n", "2", "-m", "dtrain", "train", *flags[:-2]], "     ")
+        print("   $ " + shown[5:], flush=True)
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise SystemExit(f"the run failed:\n{done.stderr[-3000:]}")
         metrics = json.loads((folder / "metrics.json").read_text())
     gpu, staging = metrics["gpu"], metrics["gpu"]["staging"]
     per_rank = metrics["communication"]["per_rank"]
-    say(f"   on {gpu['name']} (rank r uses GPU r % {gpu['count']}); test accuracy "
+    say(f"on {gpu['name']} (rank r uses GPU r % {gpu['count']}); test accuracy "
         f"{100 * metrics['final']['test_accuracy']:.1f}%")  # fmt: skip
     for r, (s, c) in enumerate(zip(staging, per_rank)):
         sent, train_s = c["totals"]["bytes_sent"], c["train_time_s"]
         how = "handed to MPI as they were" if s["cuda_aware"] else "staged"
-        say(f"   rank {r}: MPI sent {sent:,} B; {s['bytes_to_host']:,} B copied down and {s['bytes_to_device']:,} B up "
-            f"({how}) in {s['seconds'] * 1e3:.0f} ms of {train_s * 1e3:.0f} ms of training")  # fmt: skip
+        say(f"rank {r}: MPI sent {sent:,} B; {s['bytes_to_host']:,} B copied down and {s['bytes_to_device']:,} B up "
+            f"({how}) in {s['seconds'] * 1e3:.0f} ms of {train_s * 1e3:.0f} ms of training",
+            hanging="     ")  # fmt: skip
     sent = [c["totals"]["bytes_sent"] for c in per_rank]
     if not staging[0]["cuda_aware"]:
         check("every byte a rank sent was copied down first, and every byte it received copied up after",
@@ -126,27 +142,37 @@ def part_staging(quick: bool) -> dict:
 
 
 def part_breakdown(results: dict, source: str) -> None:
-    say(f"\n4. Where the time goes ({source})")
+    from dtrain import terminal
+
+    heading(f"4. Where the time goes ({source})")
     for row in results.get("step", []):
         ms = row["step_ms"]
         torch = f", PyTorch {ms['torch']:.2f} ms" if "torch" in ms else ""
-        say(f"   784-{row['hidden']}-{row['hidden']}-10, batch {row['batch']}: CPU {ms['cpu']:.1f} ms, GPU "
-            f"{ms['gpu']:.2f} ms{torch}: the GPU {row['gpu_speedup_over_cpu']:.0f}x the CPU"
-            + (f", dtrain {row['dtrain_over_torch_speed']:.2f}x PyTorch's speed" if "torch" in ms else ""))  # fmt: skip
+        gpu = terminal.speed(1.0, row["gpu_speedup_over_cpu"], "the CPU")  # (the file's ratios, as recorded)
+        against = f", dtrain {terminal.speed(1.0, row['dtrain_over_torch_speed'], 'PyTorch')}" if "torch" in ms else ""
+        say(f"784-{row['hidden']}-{row['hidden']}-10, batch {row['batch']}: CPU {ms['cpu']:.1f} ms, GPU "
+            f"{ms['gpu']:.2f} ms{torch}: the GPU {gpu}{against}", hanging="     ")  # fmt: skip
     for p, got in results.get("allreduce", {}).items():
         rows = {(r["bytes"], r["case"]): r for r in got["rows"]}
         biggest = max(b for b, _ in rows)
-        say(f"   all-reduce of {biggest >> 20} MiB on {p} ranks sharing the GPU (busbw, GB/s):")
+        print()
+        say(f"all-reduce of {biggest >> 20} MiB on {p} ranks sharing the GPU:")
+        cells = []
         for algorithm in ("ring", "mpi"):
             host, staged = rows[(biggest, f"{algorithm} host")], rows[(biggest, f"{algorithm} staged")]
-            say(f"     {algorithm:4s}: host buffers {host['busbw_GBps']:6.2f}, GPU buffers staged "
-                f"{staged['busbw_GBps']:6.2f} ({staged['busbw_GBps'] / host['busbw_GBps']:.0%}); of the staged "
-                f"{staged['time_s'] * 1e3:.1f} ms: staging {staged['staging_s'] * 1e3:.1f}, GPU reduction "
-                f"{staged['gpu_reduce_s'] * 1e3:.2f}, MPI {staged['mpi_s'] * 1e3:.1f}")  # fmt: skip
-    say("   Staging costs two PCIe copies per message and a wait for the GPU before each. The staged ring can still")
-    say("   beat the host ring: its reductions run on the GPU, the host ring's on one CPU core per rank. MPI's own")
-    say("   Allreduce is staged once, the whole buffer down and up, and reduces on the host either way. On a")
-    say("   CUDA-aware MPI over NVLink no copy happens (dtrain plan prices that: dtrain plan --machine dgx-h100).")
+            cells.append([algorithm, f"{host['busbw_GBps']:.2f}", f"{staged['busbw_GBps']:.2f}",
+                          f"{staged['busbw_GBps'] / host['busbw_GBps']:.0%}", f"{staged['time_s'] * 1e3:.1f}",
+                          f"{staged['staging_s'] * 1e3:.1f}", f"{staged['gpu_reduce_s'] * 1e3:.2f}",
+                          f"{staged['mpi_s'] * 1e3:.1f}"])  # fmt: skip
+        print(terminal.table(["", "host GB/s", "staged GB/s", "staged / host", "staged ms", "staging ms",
+                              "GPU reduction ms", "MPI ms"], cells, indent="   ", groups=(4,)), flush=True)  # fmt: skip
+    print()
+    say("host: the all-reduce of host buffers; staged: of GPU buffers staged through pinned host memory, its time "
+        "(staged ms) the sum of the staging, the GPU's reduction and MPI's; GB/s: bus bandwidth (busbw). Staging "
+        "costs two PCIe copies per message and a wait for the GPU before each. The staged ring can still beat the "
+        "host ring: its reductions run on the GPU, the host ring's on one CPU core per rank. MPI's own Allreduce is "
+        "staged once, the whole buffer down and up, and reduces on the host either way. On a CUDA-aware MPI over "
+        "NVLink no copy happens (dtrain plan prices that: dtrain plan --machine dgx-h100).")  # fmt: skip
 
 
 def main() -> None:
@@ -160,7 +186,7 @@ def main() -> None:
     missing = backend.gpu_missing()
     out = {"cuda_aware": part_cuda_aware()}
     if missing:
-        say(f"\n2-3. skipped: they need a GPU ({missing})")
+        heading(f"2-3. skipped: they need a GPU ({missing})")
     else:
         out["stream"] = part_stream()
         out["staging"] = part_staging(args.quick)
@@ -171,7 +197,7 @@ def main() -> None:
             where = f"recorded on {recorded['gpu']['name']}, {recorded['date']}: {recorded['command']}"
             part_breakdown(recorded, where)
         else:
-            say(f"\n4. skipped: no GPU here and no recorded results in {path}")
+            heading(f"4. skipped: no GPU here and no recorded results in {path}")
     else:
         with tempfile.TemporaryDirectory() as scratch:
             result = Path(scratch) / "gpu.json"
@@ -183,7 +209,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     passed = all(holds for _, holds in CHECKS)
     why = "the checks belong to parts 2 and 3, which need a GPU" if not CHECKS else "timings are printed, never checked"
-    say(f"\nall checks passed: {'yes' if passed else 'no'} ({len(CHECKS)} checks; {why})")
+    heading(f"all checks passed: {'yes' if passed else 'no'} ({len(CHECKS)} checks; {why})")
     sys.exit(0 if passed else 1)
 
 

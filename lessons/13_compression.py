@@ -45,12 +45,16 @@ Things to try:
   * notebooks/13_compression.ipynb: the same on simulated ranks, with figures.
 
 Exercises (`dtrain exercises init ex` once copies the stubs into ex/):
-  13.1  topk_step(comm, flat, residual, k) in ex/compression.py: section 3's top-k with error feedback: send your k
-        largest entries of gradient + residual as (index, value) pairs in one ring all-gather, keep the rest:
-        dtrain exercises check 13.1 --path ex
-  13.2  powersgd_step(comm, matrices, errors, qs) in ex/compression.py: one PowerSGD step, P = M Q all-reduced and
-        orthonormalised, Q = M^T P all-reduced, the error kept: dtrain exercises check 13.2 --path ex
-They are checked on simulated ranks and under mpiexec, their bytes counted against the compressed sizes.
+  13.1  topk_step(comm, flat, residual, k) in ex/compression.py: section 3's
+        top-k with error feedback: send your k largest entries of gradient +
+        residual as (index, value) pairs in one ring all-gather, keep the rest:
+          dtrain exercises check 13.1 --path ex
+  13.2  powersgd_step(comm, matrices, errors, qs) in ex/compression.py: one
+        PowerSGD step, P = M Q all-reduced and orthonormalised, Q = M^T P
+        all-reduced, the error kept:
+          dtrain exercises check 13.2 --path ex
+They are checked on simulated ranks and under mpiexec, their bytes counted
+against the compressed sizes.
 """
 
 from __future__ import annotations
@@ -58,14 +62,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier, whole_numbers
 
-from dtrain import hardware, parallel, report
+from dtrain import hardware, parallel, report, terminal
 from dtrain.backend import weights_digest
 from dtrain.collectives.costmodel import Machine
 from dtrain.comm import mpi, sim
@@ -295,6 +301,27 @@ def speed(bandwidth: float | None) -> str:
     return f"{bandwidth * 8 / 1e9:.3g} Gbit/s"
 
 
+# ------------------------------------------------------------------------------------------------ printing
+def heading(text: str) -> None:
+    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
+    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
+
+
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
+    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
+
+
+def finish(json_path: str | None, results: dict, checks: Checks) -> None:
+    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
+    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
+    passed (and exits 1 on every rank if not)."""
+    if json_path and checks.comm.Get_rank() == 0:
+        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
+        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
+    conclude(None, results, checks)
+
+
 # ------------------------------------------------------------------------------------------------ the lesson
 def main() -> None:
     parser = argparse.ArgumentParser(description="Lesson 13: gradient compression on MPI ranks")
@@ -341,21 +368,21 @@ def main() -> None:
     checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
     results = {"world": p, "sizes": SIZES, "batch_size": B, "epochs": E, "steps": STEPS, "parameters": N,
                "ratio": args.ratio, "rank": args.rank, "seeds": SEEDS}  # fmt: skip
-    mpi.print0(f"The digits MLP {'-'.join(map(str, SIZES))}: {N:,} parameters, {4 * N:,} bytes of float32 gradient;"
-               f" {p} ranks, global batch {B} ({B // p} rows a rank), {E} epochs of {STEPS // E} steps")  # fmt: skip
+    mpi.print0(terminal.paragraph(f"The digits MLP {'-'.join(map(str, SIZES))}: {N:,} parameters, {4 * N:,} bytes of "
+                                  f"float32 gradient; {p} ranks, global batch {B} ({B // p} rows a rank), {E} epochs "
+                                  f"of {STEPS // E} steps", hanging="   "))  # fmt: skip
 
     # ---------------------------------------------------------------------- 1. why a gradient is compressible
     # Train with plain ddp, then take the next batch's gradient. A Linear layer's weight gradient on a batch of B
     # rows is X^T D: (inputs x B) times (B x outputs), a sum of B outer products, so its rank is at most B, whatever
     # the layer's size. A rank's own gradient is over B/p rows; the average over ranks over B.
-    mpi.print0(f"\n1. Why a gradient is compressible: the gradient after {E} epochs of ddp, the next global batch")
+    heading(f"1. Why a gradient is compressible: the gradient after {E} epochs of ddp, the next global batch")
     own, average, trained_digest = gradient_after_training(world, config(hidden, B, E), digits)
     rows = B // p
     rng = np.random.default_rng(0)
     spectrum, rank_ok, low_rank_ok = {}, True, True
-    mpi.print0(f"   share of ||G||_F^2 in the top {', '.join(map(str, TOPS))} singular values, each weight matrix:")
-    mpi.print0(f"   {'layer':>11s} {'the averaged gradient':>24s} {f'one rank ({rows} rows)':>24s}"
-               f" {'a random matrix':>24s}   s_{rows + 1} / s_1, one rank")  # fmt: skip
+    say(f"share of ||G||_F^2 in the top {', '.join(map(str, TOPS))} singular values, each weight matrix:")
+    cells = []
     for i, (g_avg, g_own, shape) in enumerate(zip(pieces(average, SHAPES), pieces(own, SHAPES), SHAPES)):
         if len(shape) != 2:
             continue
@@ -368,9 +395,11 @@ def main() -> None:
         rank_ok &= not bounded or row["beyond_rows"] < 1e-4
         low_rank_ok &= row["average"][-1] > row["random"][-1]
         spectrum[f"layer {i // 2 + 1}"] = row
-        cells = ["/".join(f"{100 * v:.0f}" for v in row[k]) + "%" for k in ("average", "own", "random")]
+        shares = ["/".join(f"{100 * v:.0f}" for v in row[k]) + "%" for k in ("average", "own", "random")]
         beyond = f"{row['beyond_rows']:.1e}" if bounded else f"(only {min(shape)} values)"
-        mpi.print0(f"   {'x'.join(map(str, shape)):>11s} {cells[0]:>24s} {cells[1]:>24s} {cells[2]:>24s}   {beyond}")
+        cells.append(["x".join(map(str, shape)), *shares, beyond])
+    table(["layer", "the averaged gradient", f"one rank ({rows} rows)", "a random matrix",
+           f"s_{rows + 1} / s_1, one rank"], cells, left=(4,))  # fmt: skip
     results["spectrum"] = spectrum
     first = next(iter(spectrum.values()))
     say(
@@ -407,7 +436,7 @@ def main() -> None:
     # Each method trained by the driver, train(config, world), as `dtrain train --paradigm ddp --compress ...` runs,
     # with --seeds seeds. The tracer counts what every rank sent; report.training_traffic leaves out the initial
     # broadcast of the weights (once a run) and the evaluation at each epoch's end (a metric). costs() predicts it.
-    mpi.print0(f"\n2. Side by side: {E} epochs on {p} ranks, seeds {SEEDS}; bytes each rank sent per step (the tracer)")
+    heading(f"2. Side by side: {E} epochs on {p} ranks, seeds {SEEDS}; bytes each rank sent per step (the tracer)")
     runs, bytes_ok, state_ok = {}, True, True
     for label, flags in METHODS.items():
         row = {"flags": flags, "test_accuracies": [], "train_losses": [], "steps_s": []}
@@ -434,23 +463,24 @@ def main() -> None:
     k = max(1, math.ceil(args.ratio * N))
     topk_label, power_label = f"top-k {100 * args.ratio:g}%", f"PowerSGD r={args.rank}"
     if rank == 0:
-        print(f"   {'method':>13s} {'bytes/step, rank 0':>18s} {'= costs()':>9s} {'of ddp':>7s} {'messages':>8s}"
-              f" {'state kept':>10s} {'test accuracy':>13s} {'vs ddp':>7s} {'over seeds':>12s} {'train loss':>10s}"
-              f" {'ms/step':>8s}")  # fmt: skip
+        cells = []
         for label, row in runs.items():
             same = "yes" if row["measured"] == row["costs"] else "NO"
             spread = f"{min(row['test_accuracies']):.2f}-{max(row['test_accuracies']):.2f}"
-            print(f"   {label:>13s} {row['measured'][0]:18,.0f} {same:>9s} {row['of_ddp']:7.1%}"
-                  f" {row['messages'][0]:8.0f} {row['state_bytes']:10,d} {row['test_accuracy']:12.2f}%"
-                  f" {row['difference_points']:+7.2f} {spread:>12s} {row['train_loss']:10.4f}"
-                  f" {1e3 * row['step_s']:8.2f}")  # fmt: skip
+            cells.append([label, f"{row['measured'][0]:,.0f}", same, f"{row['of_ddp']:.1%}",
+                          f"{row['messages'][0]:.0f}", f"{row['state_bytes']:,d}", f"{row['test_accuracy']:.2f}%",
+                          f"{row['difference_points']:+.2f}", spread, f"{row['train_loss']:.4f}",
+                          f"{1e3 * row['step_s']:.2f}"])  # fmt: skip
+        table(["method", "bytes per step", "= costs()", "of ddp's bytes", "messages", "state kept, bytes",
+               "test accuracy", "against ddp, points", "over the seeds", "train loss", "ms per step"], cells,
+              left=(0, 2), groups=(6,))  # fmt: skip
         topk, power = runs[topk_label], runs[power_label]
         spread = max(ddp["test_accuracies"]) - min(ddp["test_accuracies"])
         worse = [label for label, row in runs.items() if row["difference_points"] < -spread]
         say(
             f"(bytes: rank 0's, of the first seed's run; every rank's equal costs() in every run. Test accuracy: the"
             f" mean over the seeds on {len(digits.y_test)} images, one image is {100 / len(digits.y_test):.2f} points;"
-            " train loss: the last epoch's, mean over the seeds; ms/step: rank 0's training time per step here.)"
+            " train loss: the last epoch's, mean over the seeds; ms per step: rank 0's training time per step here.)"
         )
         say(
             f"fp16 and bf16 send each element in 2 bytes: half the ring's bytes, in its 2(p-1) = {2 * (p - 1)}"
@@ -480,7 +510,7 @@ def main() -> None:
     # large in *this* step's gradient alone: an entry that is always small is never sent, its weight never moves.
     # With it, an entry's residual grows step after step until it is among the k largest. PowerSGD without it applies
     # only the rank-r part of each step's gradient: the rest of the gradient never reaches the weights.
-    mpi.print0(f"\n3. Why error feedback: top-k {100 * args.ratio:g}% and PowerSGD rank 1, feedback on and off")
+    heading(f"3. Why error feedback: top-k {100 * args.ratio:g}% and PowerSGD rank 1, feedback on and off")
     feedback = {}
     for label, flags in {topk_label: {"compress": "topk", "compress_ratio": args.ratio},
                          "PowerSGD r=1": {"compress": "powersgd", "powersgd_rank": 1}}.items():  # fmt: skip
@@ -506,12 +536,12 @@ def main() -> None:
     for row in feedback.values():
         row["difference_points"] = row["test_accuracy"] - ddp["test_accuracy"]
     if rank == 0:
-        print(f"   {'run':>20s} {'train loss':>10s} {'test loss':>10s} {'test accuracy':>13s} {'vs ddp':>7s}"
-              f" {'weights never moved':>20s}")  # fmt: skip
-        print(f"   {'ddp ring':>20s} {ddp['train_loss']:10.4f} {'':>10s} {ddp['test_accuracy']:12.2f}%")
-        for label, row in feedback.items():
-            print(f"   {label:>20s} {row['train_loss']:10.4f} {row['test_loss']:10.4f} {row['test_accuracy']:12.2f}%"
-                  f" {row['difference_points']:+7.2f} {row['never_moved']:20.1%}")  # fmt: skip
+        cells = [["ddp ring", f"{ddp['train_loss']:.4f}", "", f"{ddp['test_accuracy']:.2f}%", "", ""]]
+        cells += [[label, f"{row['train_loss']:.4f}", f"{row['test_loss']:.4f}", f"{row['test_accuracy']:.2f}%",
+                   f"{row['difference_points']:+.2f}", f"{row['never_moved']:.1%}"]
+                  for label, row in feedback.items()]  # fmt: skip
+        table(["run", "train loss", "test loss", "test accuracy", "against ddp, points", "weights never moved"],
+              cells)  # fmt: skip
         on, off = feedback[f"{topk_label}, on"], feedback[f"{topk_label}, off"]
         p_on, p_off = feedback["PowerSGD r=1, on"], feedback["PowerSGD r=1, off"]
         say(
@@ -544,10 +574,8 @@ def main() -> None:
     # fp16: 5 exponent bits, 10 of mantissa. Its smallest subnormal is 2^-24 = 6.0e-8, so rounding to nearest sends
     # every magnitude <= 2^-25 to 0; its largest number is 65504, and >= 65520 rounds to infinity. bf16: float32's 8
     # exponent bits, 7 of mantissa: nothing a float32 holds flushes or overflows, and every entry is within 2^-8.
-    mpi.print0("\n4. fp16 against bf16: the averaged gradient of section 1, scaled, through each format")
-    underflow, formats_ok = {}, True
-    mpi.print0(f"   {'scale':>7s} {'largest':>9s} {'fp16: flushed':>14s} {'to inf':>7s} {'worst rel. error':>17s}"
-               f" {'bf16: flushed':>14s} {'to inf':>7s} {'worst rel. error':>17s}")  # fmt: skip
+    heading("4. fp16 against bf16: the averaged gradient of section 1, scaled, through each format")
+    underflow, formats_ok, cells = {}, True, []
     nonzero = int(np.sum(average != 0))
     for s in SCALES:
         x = (average.astype(np.float64) * s).astype(np.float32)
@@ -560,9 +588,11 @@ def main() -> None:
         underflow[f"{s:g}"] = row
         f, b = row["fp16"], row["bf16"]
         f_error = f"{f['worst_relative_error']:.1e}" if f["flushed"] + f["overflowed"] < nonzero else "(none left)"
-        mpi.print0(f"   {s:7.0e} {float(np.abs(x).max()):9.1e} {f['flushed']:14,d} {f['overflowed']:7,d}"
-                   f" {f_error:>17s} {b['flushed']:14,d} {b['overflowed']:7,d}"
-                   f" {b['worst_relative_error']:17.1e}")  # fmt: skip
+        cells.append([f"{s:.0e}", f"{float(np.abs(x).max()):.1e}", f"{f['flushed']:,d}", f"{f['overflowed']:,d}",
+                      f_error, f"{b['flushed']:,d}", f"{b['overflowed']:,d}",
+                      f"{b['worst_relative_error']:.1e}"])  # fmt: skip
+    table(["scale", "largest", "fp16 flushed", "fp16 to inf", "fp16 worst relative error", "bf16 flushed",
+           "bf16 to inf", "bf16 worst relative error"], cells, left=(), groups=(5,))  # fmt: skip
     tiny = (average.astype(np.float64) * SCALES[-1]).astype(np.float32)
     factor = loss_scale(tiny)
     rescued = damage(tiny * np.float32(factor), "fp16")
@@ -592,9 +622,9 @@ def main() -> None:
     here = hardware.Hardware.this()
     slow = slow_link(here)
     link = here.link(range(p), p)
-    mpi.print0(f"\n5. When compression pays: predicted step times, on this machine (alpha {link.alpha * 1e6:.0f} us,"
-               f" {1 / link.beta / 1e9:.1f} GB/s) and on a slow link ({slow.about} a message, one rank a"
-               " node)")  # fmt: skip
+    heading(f"5. When compression pays: predicted step times, on this machine (alpha {link.alpha * 1e6:.0f} us,"
+            f" {1 / link.beta / 1e9:.1f} GB/s) and on a slow link ({slow.about} a message, one rank a"
+            " node)")  # fmt: skip
     labels = list(METHODS)
     arithmetic = {}
     if rank == 0:
@@ -634,19 +664,21 @@ def main() -> None:
         cost_model[model] = {"sizes": sizes, "batch": batch, "methods": rows_of}
         if rank == 0:
             n = sum(math.prod(s) for s in shapes_of(sizes))
-            print(f"\n   {model}: {'-'.join(map(str, sizes))}, {n:,} parameters, global batch {batch}"
-                  f" ({batch // p} rows a rank); ms per step (compute + arithmetic + exchange)")  # fmt: skip
-            print(f"   {'method':>13s} {'bytes/step':>10s} {'arithmetic':>10s} {'compute':>8s} {'exchange':>8s}"
-                  f" {'step here':>9s}" + (f" {'measured':>8s}" if model == "digits" else "")
-                  + f" {'exchange':>9s} {'step slow':>9s}   {'pays below (here)':>17s}"
-                  f" {'(slow link)':>12s}")  # fmt: skip
-            for label, row in rows_of.items():
-                h, s = row["here"], row["slow"]
-                measured = f" {1e3 * row['measured_here_s']:8.2f}" if model == "digits" else ""
-                print(f"   {label:>13s} {max(row['bytes']):10,d} {1e3 * h['arithmetic']:10.3f}"
-                      f" {1e3 * h['compute']:8.3f} {1e3 * h['communication']:8.3f} {1e3 * h['total']:9.3f}{measured}"
-                      f" {1e3 * s['communication']:9.3f} {1e3 * s['total']:9.3f}"
-                      f"   {speed(row['break_even_here']):>17s} {speed(row['break_even_slow']):>12s}")  # fmt: skip
+            print()
+            say(f"{model}: {'-'.join(map(str, sizes))}, {n:,} parameters, global batch {batch} ({batch // p} rows a "
+                "rank); ms per step (compute + arithmetic + exchange)")  # fmt: skip
+            measured = model == "digits"
+            cells = [[label, f"{max(row['bytes']):,d}", f"{1e3 * row['here']['arithmetic']:.3f}",
+                      f"{1e3 * row['here']['compute']:.3f}", f"{1e3 * row['here']['communication']:.3f}",
+                      f"{1e3 * row['here']['total']:.3f}",
+                      *([f"{1e3 * row['measured_here_s']:.2f}"] if measured else []),
+                      f"{1e3 * row['slow']['communication']:.3f}", f"{1e3 * row['slow']['total']:.3f}",
+                      speed(row["break_even_here"]), speed(row["break_even_slow"])]
+                     for label, row in rows_of.items()]  # fmt: skip
+            slow_at = 7 if measured else 6  # (where the slow link's columns begin)
+            table(["method", "bytes per step", "arithmetic", "compute", "exchange", "step here",
+                   *(["measured"] if measured else []), "slow link: exchange", "slow link: step", "pays below (here)",
+                   "pays below (slow link)"], cells, groups=(slow_at,))  # fmt: skip
     results["cost_model"] = cost_model
     results["links"] = {"here": {"alpha": link.alpha, "beta": link.beta, "gamma": link.gamma},
                         "slow": {"alpha": SLOW_ALPHA, "bandwidth": SLOW_BANDWIDTH}}  # fmt: skip
@@ -654,11 +686,11 @@ def main() -> None:
         digits_rows, big_rows = cost_model["digits"]["methods"], cost_model["MNIST-sized"]["methods"]
         slowdown = here.slowdown(p)
         say(
-            f"(bytes/step: the busiest rank's, from costs(). Here: arithmetic is the compressor's own, measured on one"
-            f" free core, times {slowdown:.2f}, how much slower a rank computes when {p} ranks share this machine's"
-            f" {here.cores} cores (calibrated), and so is compute; on the slow link every rank has a node, so a core,"
-            " of its own. measured: section 2's ms/step. pays below: the link bandwidth, its latency kept, under which"
-            " the method's predicted step is shorter than ddp's; 'any': on every link; 'never': on none.)"
+            f"(bytes per step: the busiest rank's, from costs(). Here: arithmetic is the compressor's own, measured"
+            f" on one free core, times {slowdown:.2f}, how much slower a rank computes when {p} ranks share this"
+            f" machine's {here.cores} cores (calibrated), and so is compute; on the slow link every rank has a node, so"
+            " a core, of its own. measured: section 2's ms per step. pays below: the link bandwidth, its latency kept,"
+            " under which the method's predicted step is shorter than ddp's; 'any': on every link; 'never': on none.)"
         )
         whole = max(digits_rows["ddp ring"]["bytes"])
         predicted_order = sorted(digits_rows, key=lambda m: digits_rows[m]["here"]["total"])
@@ -679,7 +711,7 @@ def main() -> None:
         fastest = min(big_rows, key=lambda m: big_rows[m]["slow"]["total"])
         whole_big = max(big_rows["ddp ring"]["bytes"])
         pays = {m: 8 * (whole_big - max(big_rows[m]["bytes"])) / big_rows[m]["arithmetic_s"] / 1e9 for m in labels[1:]}
-        fp16_over_bf16 = big_rows["fp16"]["arithmetic_s"] / big_rows["bf16"]["arithmetic_s"]
+        fp16_than_bf16 = terminal.speed(big_rows["fp16"]["arithmetic_s"], big_rows["bf16"]["arithmetic_s"], "bf16's")
         say(
             f"On the slow link, the MNIST-sized MLP: ddp's {whole_big:,} bytes a rank take"
             f" {1e3 * big['communication']:.1f} ms of a {1e3 * big['total']:.1f} ms step; "
@@ -688,7 +720,7 @@ def main() -> None:
             " method would pay on every link slower than the bytes it saves over the seconds of arithmetic it adds: "
             + ", ".join(f"{m} {v:.2f} Gbit/s" for m, v in pays.items())
             + "; the last column adds the latencies it adds or saves. The same bytes cost fp16 and bf16 different"
-            f" arithmetic: here fp16's conversion took {fp16_over_bf16:.1f} times bf16's. And the bigger the model,"
+            f" arithmetic: here fp16's conversion was {fp16_than_bf16}. And the bigger the model,"
             " the more a low rank saves: PowerSGD sends"
             f" {max(digits_rows[labels[-1]]['bytes']) / whole:.1%} of ddp's bytes for the digits MLP,"
             f" {max(big_rows[labels[-1]]['bytes']) / whole_big:.1%} for the MNIST-sized one."
@@ -698,8 +730,9 @@ def main() -> None:
     checks.ok("at each break-even bandwidth the faster method changes (10% below: the compressor, 10% above: ddp)",
               flips)  # fmt: skip
 
+    # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
     mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-    conclude(args.json, results, checks)
+    finish(args.json, results, checks)
 
 
 if __name__ == "__main__":

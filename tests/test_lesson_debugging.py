@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from mpi_util import LESSONS
+from mpi_util import COLUMNS, LESSONS, assert_fits
 
 from dtrain import collectives
 from dtrain.comm import launcher, sim, watchdog
@@ -27,10 +28,12 @@ LESSON = LESSONS / "10_debugging.py"
 
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
-    """One run of the whole lesson (jobs of 4 ranks): its output, and what it measured and found (--json)."""
+    """One run of the whole lesson (jobs of 4 ranks), for a terminal of COLUMNS columns: its output, and what it
+    measured and found (--json)."""
     folder = tmp_path_factory.mktemp("lesson10")
     done = subprocess.run([sys.executable, str(LESSON), "--out", str(folder), "--json", str(folder / "l.json")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": str(COLUMNS)})  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout, json.loads((folder / "l.json").read_text())
 
@@ -42,6 +45,11 @@ def test_every_claim_of_the_lesson_holds(lesson):
     failed = [claim for claim, passed in found["checks"].items() if not passed]
     assert not failed and len(found["checks"]) >= 16, (failed, out)
     assert "dtrain exercises check 10.1 --path ex" in out and "dtrain exercises check 10.2 --path ex" in out
+
+
+@pytest.mark.mpi
+def test_what_it_prints_fits_the_terminal(lesson):
+    assert_fits(lesson[0], COLUMNS)
 
 
 @pytest.mark.mpi
@@ -76,7 +84,8 @@ def test_a_stalled_rank_is_reported_by_the_watchdog(lesson):
         assert int(peer) == (int(rank) - 1) % 4  # its left neighbour in the ring
     assert "is at dtrain/collectives/ring.py:" in stall["stderr"]
     assert "rank 2: step 3: reading the next batch" in stall["stdout"]
-    assert "the chain: " in lesson[0] and "waits for rank 2, whose last line says" in lesson[0]
+    said = " ".join(lesson[0].split())  # (its paragraphs, however wrapped)
+    assert "the chain: " in said and "waits for rank 2, whose last line says" in said
 
 
 @pytest.mark.mpi
@@ -100,7 +109,8 @@ def test_the_trace_names_the_slow_rank(lesson):
     assert sorted(straggler) == [0, 1, 2, 3] and all(row["allreduces"] > 0 for row in straggler.values())
     assert max(straggler, key=lambda r: straggler[r]["outside_s"]) == 2
     assert min(straggler, key=lambda r: straggler[r]["inside_s"]) == 2
-    assert "the slow rank: rank 2" in out and "https://ui.perfetto.dev" in out
+    said = " ".join(out.split())  # (its paragraphs, however wrapped)
+    assert "the slow rank: rank 2" in said and "https://ui.perfetto.dev" in said
 
 
 @pytest.mark.mpi

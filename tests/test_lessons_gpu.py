@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from mpi_util import LESSONS
+from mpi_util import COLUMNS, LESSONS, assert_fits
 
 LESSON = LESSONS / "12_gpu.py"
 RECORDED = LESSONS.parent / "docs" / "bench" / "gpu.json"
@@ -43,11 +43,30 @@ def no_gpu_visible():
 
 
 def run_lesson(*flags, **extra_env) -> str:
+    """What the lesson printed for a terminal of COLUMNS columns (every line fits it)."""
     done = subprocess.run([sys.executable, str(LESSON), *flags], capture_output=True, text=True, timeout=60,
-                          env=environment(**extra_env))  # fmt: skip
+                          env=environment(COLUMNS=str(COLUMNS), **extra_env))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "\n2-3. skipped: they need a GPU (" in done.stdout, "a GPU was visible after all?\n" + done.stdout
+    assert_fits(done.stdout, COLUMNS)
     return done.stdout
+
+
+def flat(text: str) -> str:
+    """``text`` with its lines joined and its runs of spaces made one: what a paragraph says, however wrapped."""
+    return " ".join(text.split())
+
+
+def said_in_part_1(out: str) -> list[str]:
+    """Part 1's paragraphs, each on one line (a paragraph starts three spaces in, its later lines five)."""
+    block = out.partition("\n1. Is this MPI CUDA-aware?\n")[2].partition("\n\n")[0]
+    said = []
+    for line in block.splitlines():
+        if line.startswith("     ") and said:
+            said[-1] += " " + line.strip()
+        else:
+            said.append(line.strip())
+    return said
 
 
 @pytest.fixture(scope="module")
@@ -62,33 +81,31 @@ def close(printed: str, value: float) -> bool:
     return abs(float(printed) - value) <= 0.5 * 10**-decimals + 1e-9
 
 
+# part 4, its lines joined (flat): a sentence per step, then a table per rank count (the rows' cells stay on a line)
 STEP = re.compile(
     r"784-(\d+)-(\d+)-10, batch (\d+): CPU ([\d.]+) ms, GPU ([\d.]+) ms(?:, PyTorch ([\d.]+) ms)?: "
-    r"the GPU (\d+)x the CPU(?:, dtrain ([\d.]+)x PyTorch's speed)?$"
+    r"the GPU ([\d.]+)x (faster|slower) than the CPU(?:, dtrain ([\d.]+)x (faster|slower) than PyTorch)?"
 )
-HEADER = re.compile(r"all-reduce of (\d+) MiB on (\d+) ranks sharing the GPU \(busbw, GB/s\):$")
-ROW = re.compile(
-    r"(ring|mpi)\s*: host buffers\s+([\d.]+), GPU buffers staged\s+([\d.]+) \((\d+)%\); of the staged ([\d.]+) ms: "
-    r"staging ([\d.]+), GPU reduction ([\d.]+), MPI ([\d.]+)$"
-)
+HEADER = re.compile(r"all-reduce of (\d+) MiB on (\d+) ranks sharing the GPU:")
+ROW = re.compile(r"\b(ring|mpi) ([\d.]+) ([\d.]+) (\d+)% ([\d.]+) ([\d.]+) ([\d.]+) ([\d.]+)\b")
 
 
 def part_4(out: str) -> dict:
-    """Part 4's numbers as printed: {"where": line, "step": [match groups], "allreduce": {p: (MiB, {alg: groups})}}."""
+    """Part 4's numbers as printed: {"where": its source, "step": [match groups], "allreduce": {p: (MiB, {alg:
+    groups})}}."""
     _, marker, tail = out.partition("\n4. Where the time goes (")
     assert marker, out
-    where, _, body = tail.partition("\n")
-    found = {"where": where.removesuffix(")"), "step": [], "allreduce": {}}
-    current = None
-    for line in body.splitlines():
-        line = line.strip()
-        if m := STEP.match(line):
-            found["step"].append(m.groups())
-        elif m := HEADER.match(line):
-            current = found["allreduce"][m[2]] = (int(m[1]), {})
-        elif m := ROW.match(line):
-            current[1][m[1]] = m.groups()[1:]
+    where, _, body = flat(tail).partition(") ")
+    found = {"where": where, "step": [m.groups() for m in STEP.finditer(body)], "allreduce": {}}
+    pieces = HEADER.split(body)  # [the steps, MiB, p, its table, MiB, p, its table, ...]
+    for mib, p, table in zip(pieces[1::3], pieces[2::3], pieces[3::3]):
+        found["allreduce"][p] = (int(mib), {m[1]: m.groups()[1:] for m in ROW.finditer(table)})
     return found
+
+
+def ratio(printed: str, way: str) -> float:
+    """A printed "2.50x faster" (2.5) or "2.50x slower" (0.4): how many times as fast."""
+    return float(printed) if way == "faster" else 1 / float(printed)
 
 
 def assert_part_4_is(out: str, results: dict) -> None:
@@ -97,13 +114,17 @@ def assert_part_4_is(out: str, results: dict) -> None:
     assert found["where"] == f"recorded on {results['gpu']['name']}, {results['date']}: {results['command']}"
     assert len(found["step"]) == len(results["step"]), out
     for printed, row in zip(found["step"], results["step"]):
-        hidden, hidden_again, batch, cpu, gpu, torch, speedup, relative = printed
+        hidden, hidden_again, batch, cpu, gpu, torch, speedup, way, relative, relative_way = printed
         ms = row["step_ms"]
         assert int(hidden) == int(hidden_again) == row["hidden"] and int(batch) == row["batch"]
         assert close(cpu, ms["cpu"]) and close(gpu, ms["gpu"]), (printed, ms)
-        assert abs(int(speedup) - row["gpu_speedup_over_cpu"]) <= 0.5, (printed, row["gpu_speedup_over_cpu"])
+        expected = row["gpu_speedup_over_cpu"]  # (times as fast: faster above 1, slower below)
+        assert way == ("faster" if expected > 1 else "slower"), (printed, expected)
+        assert close(speedup, expected if expected > 1 else 1 / expected), (printed, expected)
         if "torch" in ms:
-            assert close(torch, ms["torch"]) and close(relative, row["dtrain_over_torch_speed"]), printed
+            expected = row["dtrain_over_torch_speed"]
+            assert close(torch, ms["torch"]) and relative_way == ("faster" if expected > 1 else "slower"), printed
+            assert close(relative, expected if expected > 1 else 1 / expected), (printed, expected)
         else:
             assert torch is None and relative is None, printed
     assert set(found["allreduce"]) == set(results["allreduce"]), out
@@ -130,16 +151,14 @@ def expected_answer() -> str:
 
 def test_part_1_gives_this_mpis_answer(plain):
     answer = expected_answer()
-    head = plain.partition("\n1. Is this MPI CUDA-aware?\n")[2].splitlines()
-    assert head[0] == f"   {answer}", plain
+    head = said_in_part_1(plain)
+    assert head[0] == answer, plain
     asked = re.search(r"MPIX_(Query_cuda_support|GPU_query_support)\(\w*\) in \S+ returned ([01])$", answer)
     assert asked, answer  # the library was asked, and answered
     if asked[2] == "0":  # the mpich wheel here: built without CUDA
-        assert (
-            head[1] == "   -> dtrain stages every GPU message through pinned host memory (two PCIe copies per message)."
-        )
+        assert head[1] == "-> dtrain stages every GPU message through pinned host memory (two PCIe copies per message)."
     else:
-        assert head[1].startswith("   -> dtrain hands GPU buffers to MPI as they are")
+        assert head[1].startswith("-> dtrain hands GPU buffers to MPI as they are")
     assert f"({ENV_VAR}=1 or 0 overrides the library's answer" in head[2]
 
 
@@ -147,19 +166,19 @@ def test_part_1_gives_this_mpis_answer(plain):
                                              ("0", "-> dtrain stages every GPU message")])  # fmt: skip
 def test_part_1_follows_the_override(value, says):
     out = run_lesson(**{ENV_VAR: value})
-    head = out.partition("\n1. Is this MPI CUDA-aware?\n")[2].splitlines()
-    assert head[0] == f"   {ENV_VAR}={value} in the environment (the MPI library was not asked)", out
-    assert head[1].startswith(f"   {says}"), out
+    head = said_in_part_1(out)
+    assert head[0] == f"{ENV_VAR}={value} in the environment (the MPI library was not asked)", out
+    assert head[1].startswith(says), out
 
 
 def test_parts_2_and_3_say_why_they_are_skipped(plain):
-    skipped = [line for line in plain.splitlines() if line.startswith("2-3. skipped")]
+    skipped = [flat(block) for block in plain.split("\n\n") if block.startswith("2-3. skipped")]
     assert len(skipped) == 1, plain
     reason = skipped[0].removeprefix("2-3. skipped: they need a GPU (").removesuffix(")")
     assert "CuPy" in reason and ("not installed" in reason or "no usable GPU" in reason), skipped
     assert "\n2. The stream" not in plain and "\n3. Host staging" not in plain
     last = "all checks passed: yes (0 checks; the checks belong to parts 2 and 3, which need a GPU)"
-    assert plain.rstrip().endswith(last)
+    assert flat(plain).endswith(last)
 
 
 def test_part_4_prints_the_recorded_numbers(plain):
@@ -167,13 +186,14 @@ def test_part_4_prints_the_recorded_numbers(plain):
     assert_part_4_is(plain, recorded)
     # the figures a reader takes away, spelled out: the step's speed-up and the staged share at the largest size
     for row in recorded["step"]:
-        assert f"the GPU {row['gpu_speedup_over_cpu']:.0f}x the CPU" in plain
+        assert f"the GPU {row['gpu_speedup_over_cpu']:.2f}x faster than the CPU" in flat(plain)
+    found = part_4(plain)["allreduce"]
     for p, got in recorded["allreduce"].items():
         biggest = max(r["bytes"] for r in got["rows"])
         busbw = {r["case"]: r["busbw_GBps"] for r in got["rows"] if r["bytes"] == biggest}
         for algorithm in ("ring", "mpi"):
             share = busbw[f"{algorithm} staged"] / busbw[f"{algorithm} host"]
-            assert f"({share:.0%}); of the staged" in plain, (p, algorithm, share)
+            assert f"{found[p][1][algorithm][2]}%" == f"{share:.0%}", (p, algorithm, share)
 
 
 def your_results() -> dict:
@@ -204,13 +224,13 @@ def test_results_flag_prints_your_numbers(tmp_path):
     out = run_lesson("--results", str(path))
     assert_part_4_is(out, results)
     assert "all-reduce of 8 MiB on 3 ranks" in out and "NVIDIA H100" not in out and "PyTorch" not in out, out
-    assert "784-256-256-10, batch 512: CPU 7.3 ms, GPU 0.49 ms: the GPU 15x the CPU" in out, out
+    assert "784-256-256-10, batch 512: CPU 7.3 ms, GPU 0.49 ms: the GPU 15.01x faster than the CPU" in flat(out), out
 
 
 def test_results_flag_with_no_such_file_says_so(tmp_path):
     missing = tmp_path / "nowhere.json"
     out = run_lesson("--results", str(missing))
-    assert f"\n4. skipped: no GPU here and no recorded results in {missing}\n" in out, out
+    assert f"4. skipped: no GPU here and no recorded results in {missing}" in flat(out), out
 
 
 def test_json_flag_writes_the_answer_and_the_checks(tmp_path, plain):
@@ -220,6 +240,6 @@ def test_json_flag_writes_the_answer_and_the_checks(tmp_path, plain):
     assert set(written) == {"cuda_aware", "checks"}  # no stream, no staging: they need a GPU
     assert written["checks"] == {}  # the checks are the GPU parts' (the call returns early; every byte staged)
     assert written["cuda_aware"]["why"] == expected_answer()
-    assert f"   {written['cuda_aware']['why']}\n" in out
+    assert said_in_part_1(out)[0] == written["cuda_aware"]["why"]
     assert written["cuda_aware"]["cuda_aware"] is written["cuda_aware"]["why"].endswith("returned 1")
     assert out == plain  # --json changes nothing printed

@@ -15,11 +15,12 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from mpi_util import LESSONS
+from mpi_util import COLUMNS, LESSONS, assert_fits
 
 from dtrain import hardware
 from dtrain.plan import Model, plan
@@ -32,10 +33,12 @@ _spec.loader.exec_module(planning)
 
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
-    """One run of the lesson, --quick: what it printed and what it wrote with --json."""
+    """One run of the lesson, --quick, for a terminal of COLUMNS columns: what it printed and what it wrote with
+    --json."""
     folder = tmp_path_factory.mktemp("lesson11")
     done = subprocess.run([sys.executable, str(LESSON), "--quick", "--json", str(folder / "l.json")],
-                          capture_output=True, text=True, timeout=280)  # fmt: skip
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "COLUMNS": str(COLUMNS)})  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout, json.loads((folder / "l.json").read_text())
 
@@ -61,6 +64,11 @@ def test_every_claim_of_the_lesson_holds(lesson):
     for part in ("1. When not to distribute", "2. Data against tensor", "3. How micro-batches", "4. What ZeRO buys",
                  "5. A real cluster"):  # fmt: skip
         assert part in out, out
+
+
+@pytest.mark.mpi
+def test_what_it_prints_fits_the_terminal(lesson):
+    assert_fits(lesson[0], COLUMNS)
 
 
 @pytest.mark.mpi
@@ -159,6 +167,12 @@ def test_part_5_the_cluster_plan_and_its_assumptions(lesson):
     flat = " ".join(out.split())
     for about, source in hardware.presets()[cluster["preset"]]["sources"].items():  # every stated assumption
         assert " ".join(f"{about}: {source}".split()) in flat, about
+    # ddp with and without --overlap, both as the planner priced them, and the planner's pick among all
+    plain, overlapped = planning.overlap_rows(plan(model, 8, machine))
+    assert cluster["ddp_overlap_8_s"] == pytest.approx(overlapped.total, rel=1e-12)
+    assert cluster["ddp_no_overlap_8_s"] == pytest.approx(plain.total, rel=1e-12)
+    assert overlapped.total < plain.total and "The planner weighs --overlap" in flat
+    assert "does not weigh --overlap" not in flat and "not overlapped with it (dtrain's default" not in flat
 
 
 def test_crossover_is_the_first_width_of_a_scan():
