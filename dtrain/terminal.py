@@ -61,7 +61,8 @@ def paragraph(text: str, indent: str = "", hanging: str | None = None, width: in
     second and later with ``hanging``, if given)."""
     width = prose_width(width)
     return textwrap.fill(text, width=max(width, len(indent) + 10), initial_indent=indent,
-                         subsequent_indent=indent if hanging is None else hanging, break_on_hyphens=False)  # fmt: skip
+                         subsequent_indent=indent if hanging is None else hanging, break_on_hyphens=False,
+                         break_long_words=False)  # fmt: skip  # (a path or a URL longer than a line stays whole)
 
 
 def wrapped(text: str, width: int | str | None = "auto") -> str:
@@ -78,13 +79,15 @@ def command(words: list[str], indent: str = "", width: int | str | None = "auto"
     """A shell command a person can copy, broken into lines of ``width`` (see :func:`prose_width`) with the shell's
     own continuation (a backslash ending a line), the later lines standing in by four; an option stays on the line
     of its value."""
-    pieces = []  # an option and its value, or one word
+    room = prose_width(width) - 2  # (" \\")
+    pieces = []  # an option and its value (if the two fit a line), or one word
     for word in map(shlex.quote, words):
-        if pieces and pieces[-1].startswith("-") and " " not in pieces[-1] and not word.startswith("-"):
-            pieces[-1] += " " + word
+        joined = f"{pieces[-1]} {word}" if pieces else ""
+        if pieces and pieces[-1].startswith("-") and " " not in pieces[-1] and not word.startswith("-") and len(
+                indent) + 4 + len(joined) <= room:  # fmt: skip
+            pieces[-1] = joined
         else:
             pieces.append(word)
-    room = prose_width(width) - 2  # (" \\")
     lines, line = [], indent + pieces[0]
     for piece in pieces[1:]:
         if len(line) + 1 + len(piece) > room:
@@ -240,7 +243,7 @@ def _deal(header, rows, wrap, keys: int, room: int, groups=()) -> list[list[int]
         if len(block) == keys:  # not even one column beside the keys fits
             return None
         starts = [k for k, j in enumerate(block) if j in groups and k > keys]  # (a group begun in this table)
-        cut = starts[-1] if starts else len(block)
+        cut = len(block) if i in groups or not starts else starts[-1]  # (column i starting a group: cut before it)
         blocks.append(block[:cut])
         block = [*range(keys), *block[cut:], i]
         if not fits(block):

@@ -71,6 +71,19 @@ def test_too_many_columns_are_dealt_into_tables_that_repeat_the_key_and_keep_gro
     assert widest(text) <= 60
 
 
+def test_a_column_that_starts_a_group_starts_the_next_table():
+    header = ["name", "width", "parameters", "a", "b", "c", "d"]
+    rows = [["layer 0", "512", "401,920", "1.0 MiB", "2.0 MiB", "3.0 MiB", "4.0 MiB"]]
+    text = terminal.table(header, rows, groups=(1, 3), width=30)  # (not cut at "width": "a" starts a group itself)
+    assert [block.splitlines()[0].split() for block in text.split("\n\n")] == [
+        ["name", "width", "parameters"], ["name", "a", "b"], ["name", "c", "d"]]  # fmt: skip
+
+
+def test_a_word_longer_than_a_line_stays_whole():
+    path = "/tmp/pytest-of-root/pytest-12/test_a_long_name_0/lesson.json"
+    assert path in terminal.paragraph(f"measurements written to {path}", width=40).splitlines()
+
+
 def test_a_very_narrow_terminal_gets_a_block_per_row():
     text = terminal.table(HEADER, ROWS, left=(0, 4), width=24)
     assert widest(text) <= 24
@@ -93,6 +106,11 @@ def test_a_command_breaks_between_options_with_the_shells_continuation():
     assert widest(text) <= 50 and all(line.endswith(" \\") for line in text.splitlines()[:-1])
     assert shlex.split(text.replace("\\\n", " ")) == words  # a shell reads the same words back
     assert not any(line.split()[-2].startswith("-") for line in text.splitlines()[:-1])  # an option beside its value
+    long = terminal.command(["dtrain", "--checkpoint-dir", "/a/long/folder/for/checkpoints"], width=40)
+    assert widest(long) <= 40 and long.splitlines() == [
+        "dtrain --checkpoint-dir \\",
+        "    /a/long/folder/for/checkpoints",
+    ]
 
 
 def test_speed_says_which_way():
