@@ -6,8 +6,8 @@
     python scripts/bench_allreduce.py --ranks 2 --max-size 64KiB --watchdog 300   # armed vs unarmed, interleaved
 
 The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
-yielding waits when oversubscribed), then prints one table per p, writes a JSON file and a PNG of bus bandwidth
-against message size.
+yielding waits when oversubscribed), then prints p's tables (fitted to the terminal), writes a JSON file and a PNG of
+bus bandwidth against message size.
 
 Definitions (NVIDIA nccl-tests, doc/PERFORMANCE.md):
 
@@ -15,11 +15,12 @@ Definitions (NVIDIA nccl-tests, doc/PERFORMANCE.md):
 * ``busbw = algbw * 2(p-1)/p``: an all-reduce must move at least 2(p-1)/p * S bytes through each rank's link
   (reduce-scatter then all-gather), so busbw is comparable across p and with a link's peak bandwidth.
 
-``ratio`` is MPI's time divided by the algorithm's (> 1: faster than MPI). The ``mpi`` row is
-``comm.Allreduce(MPI.IN_PLACE, buf)`` called directly, so every other row pays all of dtrain's Python (argument
-checks, dispatch, the algorithm's own loop) and MPI pays none of it. ``model`` is the cost model's predicted
-time for that algorithm (alpha-beta-gamma, from ``dtrain/collectives/costmodel.py``). Algorithms and MPI are
-interleaved within each round, and each result is the median over rounds, so machine noise hits all alike.
+The speed against MPI is MPI's time over the algorithm's, in words ("1.50x faster", "1.16x slower"; ``ratio_vs_mpi``
+in the JSON). ``mpi`` is ``comm.Allreduce(MPI.IN_PLACE, buf)`` called directly, so every other algorithm pays all of
+dtrain's Python (argument checks, dispatch, the algorithm's own loop) and MPI pays none of it. The model's time is the
+cost model's predicted time for that algorithm (alpha-beta-gamma, from ``dtrain/collectives/costmodel.py``), shown
+over the measured time. Algorithms and MPI are interleaved within each round, and each result is the median over
+rounds, so machine noise hits all alike.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_util import add_worker_flags, run_meta, write_results
+from bench_util import add_worker_flags, faster, faster_range, run_meta, write_results
+
+from dtrain import terminal
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -202,22 +205,33 @@ def median_rows(rows) -> list[dict]:
 
 
 def print_table(rows, p, repeat) -> None:
+    print("\n" + table(rows, p, repeat))
+
+
+def table(rows, p, repeat, width="auto") -> str:
+    """p's results fitted to ``width`` (:mod:`dtrain.terminal`): a table each of the bus bandwidth, the speed
+    against MPI's own Allreduce (and its range over the runs), and the cost model's time over the measured one; a
+    row per message size, a column per algorithm."""
     rows = median_rows(rows)
-    spread = f", median of {repeat} runs [min..max ratio]" if repeat > 1 else ""
-    print(f"\n## p = {p}: busbw GB/s, ratio = MPI time / algorithm time{spread}, m = model time / measured time")
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
-    width = 30 if repeat > 1 else 20
-    print(f"{'size':>9s} | " + " | ".join(f"{a:>{width}s}" for a in algorithms))
-    for size in sorted({r["bytes"] for r in rows}):
-        cells = []
-        for a in algorithms:
-            r = next(r for r in rows if r["bytes"] == size and r["algorithm"] == a)
-            ratio = f"{r['ratio_vs_mpi']:.2f}x" if r["ratio_vs_mpi"] else "-"
-            if repeat > 1 and r["ratio_min"] is not None and a != "mpi":
-                ratio += f" [{r['ratio_min']:.2f}..{r['ratio_max']:.2f}]"
-            model = f"{r['model_time_s'] / r['time_s']:.1f}" if r["model_time_s"] else "-"
-            cells.append(f"{r['busbw_GBps']:6.2f} {ratio} m{model}")
-        print(f"{human(size):>9s} | " + " | ".join(f"{c:>{width}s}" for c in cells))
+    sizes = sorted({r["bytes"] for r in rows})
+    at = {(r["bytes"], r["algorithm"]): r for r in rows}
+    theirs = [a for a in algorithms if a != "mpi"]
+    runs = f", the median of {repeat} runs" if repeat > 1 else ""
+    parts = [("bus bandwidth, GB/s" + runs, algorithms, lambda r: f"{r['busbw_GBps']:.2f}"),
+             ("speed against MPI's own Allreduce in the same run (MPI's time over the algorithm's)" + runs, theirs,
+              lambda r: faster(r["ratio_vs_mpi"]))]  # fmt: skip
+    if repeat > 1:
+        parts.append((f"the range of that speed over the {repeat} runs", theirs,
+                      lambda r: faster_range(r["ratio_min"], r["ratio_max"])))  # fmt: skip
+    parts.append(("the cost model's time over the measured time" + runs, algorithms,
+                  lambda r: f"{r['model_time_s'] / r['time_s']:.1f}" if r["model_time_s"] else "-"))  # fmt: skip
+    out = [f"## p = {p}"]
+    for title, columns, cell in parts:
+        cells = [[human(size), *(cell(at[size, a]) for a in columns)] for size in sizes]
+        out += ["", terminal.paragraph(title, width=width),
+                terminal.table(["size", *columns], cells, left=(), width=width)]  # fmt: skip
+    return "\n".join(out)
 
 
 def plot(rows, png) -> None:

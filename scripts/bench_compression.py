@@ -15,19 +15,21 @@ contenders: ``ddp ring`` (``--allreduce ring``: the baseline), ``fp16`` and ``bf
 Per contender, from each run's metrics.json:
 
 * **bytes**: ``costs()["sent_per_step"]`` (the cost model's exact bytes per rank per step; the table shows the
-  busiest rank's) and its ratio to ddp ring's; beside it the tracer's training bytes per step
+  busiest rank's) and that as a multiple of ddp ring's ("0.5000x"); beside it the tracer's training bytes per step
   (``report.training_traffic``: the initial broadcast and the evaluation left out), which must equal costs() on
   every rank for ddp and every compressor (checked; printed PASS/FAIL). Local SGD's costs() is the average's share,
   1/H of it a step; a run whose steps are not a multiple of H ends with one more average, which the tracer counts
   (the epoch-end evaluation of the replicas' average is under "evaluation", left out).
 * **accuracy**: the final test accuracy, mean over seeds, and its difference to ddp ring's mean, in points.
 * **time here**: training time per step (``epochs[].train_time_s`` of epochs 2..E over their steps: epoch 1 warms
-  up), the median over seeds (784 model: over rounds), and its ratio to ddp ring's.
+  up), the median over seeds (784 model: over rounds), and its speed against ddp ring's, in words (ddp ring's time
+  over its time: "1.20x faster", "1.16x slower").
 * **time on a slow link** (a prediction): the cost model's compute of one replica's step on this machine
   (``DataParallel.replica_compute`` on ``hardware.load("this")``: its calibrated compute rates and the slowdown of
   4 ranks sharing its cores), plus the tracer's bytes per step of the busiest rank / 125e6 B/s (1 Gbit/s), plus its
-  messages per step x 50e-6 s. Left out: the reduction's arithmetic, and the compressors' own compute (encoding,
-  top-k selection, PowerSGD's products and QR), which only the measured time shows.
+  messages per step x 50e-6 s; and its speed against ddp ring's, as above. Left out: the reduction's arithmetic,
+  and the compressors' own compute (encoding, top-k selection, PowerSGD's products and QR), which only the measured
+  time shows.
 
     python scripts/bench_compression.py            # docs/bench/compression.json: ~3 min on the 2-core VM
     python scripts/bench_compression.py --quick --json /tmp/c.json   # 3 epochs, 1 seed, 1 round: about 80 s
@@ -42,9 +44,19 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_util import exit_if_failed, rotated, run_meta, samples_for, train_metrics, training_steps, write_json
+from bench_util import (
+    exit_if_failed,
+    faster,
+    rotated,
+    run_meta,
+    samples_for,
+    say,
+    train_metrics,
+    training_steps,
+    write_json,
+)
 
-from dtrain import hardware
+from dtrain import hardware, terminal
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.report import training_traffic
 from dtrain.train import TrainConfig
@@ -122,23 +134,26 @@ def summarise(runs: dict, workload: str) -> dict:
     return rows
 
 
-def table(rows: dict, workload: str, accuracy: bool) -> list[str]:
+def table(rows: dict, workload: str, accuracy: bool, width="auto") -> str:
+    """One workload's contenders as a table fitted to ``width`` (:mod:`dtrain.terminal`): bytes as multiples of ddp
+    ring's, times as speeds against ddp ring's ("1.20x slower")."""
     sizes, batch, _ = WORKLOADS[workload]
-    lines = [
-        f"{workload}: {'-'.join(map(str, sizes))}, {RANKS} ranks, global batch {batch}",
-        f"{'contender':14s} {'B/step':>9s} {'x ddp':>7s} {'traced':>9s} {'msgs':>5s} "
-        + (f"{'acc %':>6s} {'pts':>6s} " if accuracy else "")
-        + f"{'ms/step':>8s} {'x ddp':>6s} | {'slow link ms':>12s} {'x ddp':>6s}",
-    ]
+    header = ["contender", "B/step", "B/step, x ddp", "traced B/step", "msgs per step"]
+    header += ["acc %", "acc vs ddp, points"] if accuracy else []
+    header += ["ms per step", "vs ddp", "slow link ms", "slow link vs ddp"]
+    cells = []
     for label, r in rows.items():
-        lines.append(
-            f"{label:14s} {r['bytes_per_step']:9,.0f} {r['bytes_x_ddp']:7.4f} {r['traced_bytes_per_step']:9,.0f} "
-            f"{r['messages_per_step']:5.2f} "
-            + (f"{100 * r['accuracy_mean']:6.2f} {r['accuracy_points_vs_ddp']:+6.2f} " if accuracy else "")
-            + f"{1e3 * r['step_s_median']:8.2f} {r['step_x_ddp']:6.2f} | {1e3 * r['slow_link_step_s']:12.2f} "
-            f"{r['slow_link_x_ddp']:6.2f}"
-        )
-    return lines
+        line = [label, f"{r['bytes_per_step']:,.0f}", f"{r['bytes_x_ddp']:.4f}x", f"{r['traced_bytes_per_step']:,.0f}",
+                f"{r['messages_per_step']:.2f}"]  # fmt: skip
+        if accuracy:
+            line += [f"{100 * r['accuracy_mean']:.2f}", f"{r['accuracy_points_vs_ddp']:+.2f}"]
+        mine = label == DDP
+        line += [f"{1e3 * r['step_s_median']:.2f}", "-" if mine else faster(1 / r["step_x_ddp"]),
+                 f"{1e3 * r['slow_link_step_s']:.2f}", "-" if mine else faster(1 / r["slow_link_x_ddp"])]  # fmt: skip
+        cells.append(line)
+    groups = (1, 5, 7, 9) if accuracy else (1, 5, 7)
+    title = f"{workload}: {'-'.join(map(str, sizes))}, {RANKS} ranks, global batch {batch}"
+    return terminal.paragraph(title, width=width) + "\n" + terminal.table(header, cells, groups=groups, width=width)
 
 
 def targets(results: dict) -> list[str]:
@@ -169,6 +184,16 @@ def targets(results: dict) -> list[str]:
             f"{r['bytes_x_ddp']:.4f}x ddp's bytes there): {r['accuracy_points_vs_ddp']:+.2f} points (target within "
             "1.5)")  # fmt: skip
     return lines
+
+
+def report(header: list[str], results: dict, checks: list[str], width="auto") -> str:
+    """What the run found, as text fitted to ``width``: the header, a table per workload, the checks, the targets."""
+    lines = [terminal.paragraph(line, hanging="  ", width=width) for line in header]
+    for workload in ("digits", "mlp784"):
+        lines += ["", table(results[workload], workload, True, width)]
+    lines += ["", *(terminal.paragraph(line, hanging="      ", width=width) for line in checks), ""]
+    lines += [terminal.paragraph(line, hanging=" " * 9, width=width) for line in targets(results)]
+    return "\n".join(lines)
 
 
 def plot(results: dict, png) -> Path:
@@ -243,14 +268,13 @@ def main() -> None:
     header = [
         f"# {RANKS} ranks under dtrain launch; digits: {args.epochs} epochs x {args.seeds} seed(s); 784 model: 2 "
         f"epochs of {args.steps} steps, 1 seed, {args.rounds} round(s). B/step = costs()['sent_per_step'] (busiest "
-        "rank), traced = the tracer's, msgs = its messages per step; acc = mean final test accuracy, pts = minus ddp "
-        "ring's; ms/step measured here (median over seeds or rounds, epochs 2..E); slow link = cost-model compute on "
-        f"this machine + traced bytes / {BANDWIDTH:g} B/s + msgs x {ALPHA:g} s",
+        "rank), traced = the tracer's, msgs = its messages per step; acc = mean final test accuracy, points = minus "
+        "ddp ring's; ms per step measured here (median over seeds or rounds, epochs 2..E); vs ddp: the speed against "
+        "ddp ring's (its time over this one's); slow link = cost-model compute on this machine + traced bytes / "
+        f"{BANDWIDTH:g} B/s + msgs x {ALPHA:g} s",
     ]
-    text = [*header, "", *table(results["digits"], "digits", True), ""]
-    text += [*table(results["mlp784"], "mlp784", True), "", *checks, "", *targets(results)]
-    print("\n".join(text))
-    print(f"load average (1, 5, 15 min) at the start {load[0]}, at the end {load[1]}")
+    print(report(header, results, checks))
+    say(f"load average (1, 5, 15 min) at the start {load[0]}, at the end {load[1]}", hanging="  ")
     meta = run_meta(ranks=RANKS, epochs=args.epochs, seeds=args.seeds, steps_784=args.steps, rounds_784=args.rounds,
                     load_average_start=load[0], load_average_end=load[1],
                     slow_link={"alpha_s": ALPHA, "bandwidth_B_per_s": BANDWIDTH})  # fmt: skip

@@ -28,8 +28,9 @@ For each N the script launches itself under ``mpiexec`` (through dtrain's launch
 waits when oversubscribed) ``--jobs`` times. Each job checks that every contender computes the same first loss and
 the same weights after one step, then times them *interleaved*: each round runs ``--steps`` consecutive steps of
 every contender (in an order that rotates from round to round), timed from a barrier to the slowest rank's end.
-The table shows the median time over all rounds of all jobs; the ratios (samples/s against ``torch`` and
-``floor``) are medians over rounds of each round's ratio, so that a slow minute on a shared machine cancels out.
+The table shows the median time over all rounds of all jobs; the speeds against ``torch`` and ``floor`` (samples/s
+over theirs, in words: "1.20x faster", "1.09x slower") are medians over rounds of each round's ratio, so that a slow
+minute on a shared machine cancels out.
 ``wait ms`` is the time per step ``average_gradients`` waits for the all-reduces (the exposed communication, including
 waiting for slower ranks) and ``in bwd ms`` the time buckets were in flight while backward was still computing
 (DataParallel's own accounting, mean over ranks).
@@ -65,7 +66,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_util import forward_by_hand, run_meta, write_results
+from bench_util import Record, faster, forward_by_hand, run_meta, write_results
 
 SIZES = [784, 512, 512, 10]
 BATCH, LR, BATCHES = 256, 0.05, 4  # global batch, SGD learning rate, distinct batches cycled through
@@ -428,11 +429,10 @@ def main() -> None:
 
     from dtrain.comm import launcher
 
-    lines = []
+    out = Record()
 
-    def say(text=""):
-        print(text, flush=True)
-        lines.append(text)
+    def say(text="", indent="", hanging="  "):
+        out.say(text, indent, hanging)
 
     per_job = max(1, -(-args.rounds // args.jobs))
     say(
@@ -470,19 +470,20 @@ def main() -> None:
                     value = cli_run(n, flags)
                 (torch_training if flags is None else cli[flags]).append(value)
         all_rows += rows
-        summary[n] = print_table(say, n, rows, cli, torch_training)
+        summary[n] = print_table(out, n, rows, cli, torch_training)
         if progress:
             summary[n]["progress"] = median_of(progress)
             say(progress_line(summary[n]["progress"]))
         say(f"({time.perf_counter() - started:.0f} s so far)")
     say()
-    say(verdict(summary))
+    for i, line in enumerate(verdict(summary)):
+        say(line, "  " if i else "", "      " if i else "  ")
     say(f"(total {time.perf_counter() - started:.0f} s)")
 
     meta = run_meta(cli_command=CLI.format(n="N", samples=CLI_SAMPLES) + " --out DIR", sizes=SIZES, batch=BATCH, lr=LR,
                     jobs=args.jobs, rounds_per_job=per_job, steps_per_timing=args.steps, numpy=np.__version__,
                     notes=notes)  # fmt: skip
-    write_results(args.out, "ddp", {"meta": meta, "summary": summary, "rows": all_rows}, "\n".join(lines))
+    write_results(args.out, "ddp", {"meta": meta, "summary": summary, "rows": all_rows}, out.text())
 
 
 def paired(rows, impl, ref, job=None) -> float:
@@ -497,55 +498,69 @@ def paired(rows, impl, ref, job=None) -> float:
     return statistics.median(ratios)
 
 
-def print_table(say, n, rows, cli, torch_training) -> dict:
-    """One table for N ranks (all jobs' rounds together); the summary for ddp.json."""
+def speeds(ratios: list[float]) -> str:
+    """Several speed ratios (see :func:`bench_util.faster`) in words, the direction said once where they share it:
+    "1.10, 1.09, 1.10x slower"."""
+    words = [faster(r) for r in ratios]
+    for way in ("x slower", "x faster"):
+        if all(w.endswith(way) for w in words):
+            return ", ".join(w.removesuffix(way) for w in words) + way
+    return ", ".join(words)
+
+
+def print_table(out, n, rows, cli, torch_training) -> dict:
+    """One table for N ranks (all jobs' rounds together), printed and kept in ``out`` (a Record); the summary for
+    ddp.json."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     jobs = sorted({r["job"] for r in rows})
     speed = {i: BATCH / statistics.median([t for r in rows if r["impl"] == i for t in r["step_s"]]) for i in impls}
-    say(f"\n## N = {n}" + (" (more ranks than cores)" if n > (os.cpu_count() or 1) else ""))
-    say(
-        f"{'impl':24s} {'ms/step':>7s} {'samples/s':>9s} {'/ torch':>7s} {'/ floor':>7s} "
-        f"{'per job / floor':>17s}  {'all-reduce':12s} {'buckets':>7s} {'wait ms':>7s} {'in bwd ms':>9s}"
-    )
+    out.say()
+    out.say(f"## N = {n}" + (" (more ranks than cores)" if n > (os.cpu_count() or 1) else ""))
+    header = ["impl", "step ms", "samples/s", "vs torch", "vs floor", "per job vs floor", "all-reduce", "buckets",
+              "wait ms", "in bwd ms"]  # fmt: skip
+    cells = []
     for i in impls:
-        vs_torch = f"{paired(rows, i, 'torch'):7.3f}" if "torch" in speed else f"{'-':>7s}"
-        per_job = ",".join(f"{paired(rows, i, 'floor', job):.2f}" for job in jobs)
-        extra = ""
+        vs_torch = "-" if "torch" not in speed or i == "torch" else faster(paired(rows, i, "torch"))
+        vs_floor = "-" if i == "floor" else faster(paired(rows, i, "floor"))
+        per_job = "-" if i == "floor" else speeds([paired(rows, i, "floor", job) for job in jobs])
+        extra = ["", "", "", ""]
         if i.startswith("floor"):
-            extra = f"{'MPI':12s} {1:7d}"
+            extra[:2] = ["MPI", "1"]
         elif i == "torch":
-            extra = f"{'gloo':12s}"
+            extra[0] = "gloo"
         else:
             r = next(r for r in rows if r["impl"] == i)
             algorithm = (
                 "-" if n == 1 else r["algorithm"] + (" (nb)" if r["overlap"] and r["algorithm"] == "ring" else "")
             )
-            extra = f"{algorithm:12s} {len(r['buckets']):7d}"
+            extra[:2] = [algorithm, str(len(r["buckets"]))]
             if n > 1:  # per step, mean over ranks and jobs
                 t = {k: statistics.mean(r["per_step_s"][k] for r in rows if r["impl"] == i) for k in r["per_step_s"]}
-                extra += f" {1e3 * t['exposed_comm_s']:7.2f} {1e3 * t['hidden_s']:9.2f}"
-        say(
-            f"{i:24s} {1e3 * BATCH / speed[i]:7.2f} {speed[i]:9,.0f} {vs_torch} {paired(rows, i, 'floor'):7.3f} "
-            f"{per_job:>17s}  {extra}"
-        )
+                extra[2:] = [f"{1e3 * t['exposed_comm_s']:.2f}", f"{1e3 * t['hidden_s']:.2f}"]
+        cells.append([i, f"{1e3 * BATCH / speed[i]:.2f}", f"{speed[i]:,.0f}", vs_torch, vs_floor, per_job, *extra])
+    if "torch" not in speed:  # (no torch column)
+        header, cells = [h for h in header if h != "vs torch"], [[c for k, c in enumerate(line) if k != 3]
+                                                                 for line in cells]  # fmt: skip
+    out.table(header, cells, left=(0, len(header) - 5, len(header) - 4))
     result = {"samples_per_s": speed, "over_floor": {i: paired(rows, i, "floor") for i in impls}}
     result["ddp_over_floor"] = result["over_floor"]["ddp"]
-    line = f"ddp / floor = {result['ddp_over_floor']:.3f}"
+    line = f"ddp {faster(result['ddp_over_floor'], 'the floor')}"
     if "torch" in speed:
         result["over_torch"] = {i: paired(rows, i, "torch") for i in impls}
         result["ddp_over_torch"] = result["over_torch"]["ddp"]
         result["floor_over_torch"] = result["over_torch"]["floor"]
-        line = f"ddp / torch DDP = {result['ddp_over_torch']:.3f}   {line}   floor / torch DDP = "
-        line += f"{result['floor_over_torch']:.3f}"
-    say(line + "   (medians of per-round ratios)")
+        line = (f"ddp {faster(result['ddp_over_torch'], 'torch DDP')}, {line.removeprefix('ddp ')}; the floor "
+                f"{faster(result['floor_over_torch'], 'torch DDP')}")  # fmt: skip
+    out.say(line + " (medians of per-round ratios)", hanging="  ")
     result["cli"] = {}
     if torch_training:
         result["torch_training_samples_per_s"] = torch_training
-        say(
+        out.say(
             f"torch DDP trained as the CLI trains (same data and loader, last of 2 epochs): "
             f"{statistics.median(torch_training):,.0f} samples/s ("
             + ", ".join(f"{v:,.0f}" for v in torch_training)
-            + ")"
+            + ")",
+            hanging="  ",
         )
     for flags, values in cli.items():
         entry = {"samples_per_s": values, "median_samples_per_s": statistics.median(values)}
@@ -553,11 +568,11 @@ def print_table(say, n, rows, cli, torch_training) -> dict:
         text += ", ".join(f"{v:,.0f}" for v in values) + ")"
         if torch_training:  # each CLI run against the torch run next to it, then the median
             entry["over_torch"] = statistics.median(a / b for a, b in zip(values, torch_training))
-            text += f"  / torch DDP (same pipeline, run beside it): {entry['over_torch']:.3f}"
+            text += f"; {faster(entry['over_torch'], 'torch DDP')} (same pipeline, run beside it)"
         entry["over_ddp_step_loop"] = entry["median_samples_per_s"] / speed["ddp"]
-        text += f"  / ddp step loop: {entry['over_ddp_step_loop']:.3f}"
+        text += f"; {faster(entry['over_ddp_step_loop'], 'the ddp step loop')}"
         result["cli"][flags] = entry
-        say(text)
+        out.say(text, hanging="  ")
     return result
 
 
@@ -573,22 +588,25 @@ def progress_line(p: dict) -> str:
     )
 
 
-def verdict(summary) -> str:
-    """The issue's targets, one line each."""
-    out = ["targets (N = 2 and 4):"]
+def verdict(summary) -> list[str]:
+    """The issue's targets, a line each: ddp at least 1.5x faster than torch DDP, and at most 1/0.9 = 1.11x slower
+    than the floor (a speed of at least 0.9 of the floor's)."""
+    out = ["targets (N = 2 and 4): ddp 1.5x faster than torch DDP or more, and slower than the floor by 1.11x at "
+           "most (at least 0.9 of its speed):"]  # fmt: skip
     for n, s in summary.items():
         if n == 1:
             continue
-        parts = [f"ddp/floor {s['ddp_over_floor']:.3f} (>= 0.9: {'met' if s['ddp_over_floor'] >= 0.9 else 'MISSED'})"]
+        ok = "met" if s["ddp_over_floor"] >= 0.9 else "MISSED"
+        parts = [f"ddp {faster(s['ddp_over_floor'], 'the floor')} ({ok})"]
         if "ddp_over_torch" in s:
             ok = "met" if s["ddp_over_torch"] >= 1.5 else "MISSED"
-            parts.insert(0, f"ddp/torch {s['ddp_over_torch']:.3f} (>= 1.5: {ok})")
+            parts.insert(0, f"ddp {faster(s['ddp_over_torch'], 'torch DDP')} ({ok})")
         for flags, entry in s["cli"].items():
             if "over_torch" in entry:
                 ok = "met" if entry["over_torch"] >= 1.5 else "MISSED"
-                parts.append(f"CLI{' ' + flags if flags else ''}/torch {entry['over_torch']:.3f} (>= 1.5: {ok})")
-        out.append(f"  N = {n}: " + "; ".join(parts))
-    return "\n".join(out)
+                parts.append(f"CLI{' ' + flags if flags else ''} {faster(entry['over_torch'], 'torch DDP')} ({ok})")
+        out.append(f"N = {n}: " + "; ".join(parts))
+    return out
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 from bench_util import add_worker_flags
 
+from dtrain import terminal
+
 
 def call_kinds(comm, buf, other, algorithm, p):
     """name -> a function making one all-reduce of ``buf`` (``other``: a scratch array for the bare exchange)."""
@@ -157,20 +159,26 @@ def run_ranks(args) -> None:
         Path(args.result).write_text(json.dumps(result))
 
 
-def report(result) -> None:
+def report(result, width="auto") -> str:
+    """The result as text fitted to ``width`` (:mod:`dtrain.terminal`): the calls, then the steps."""
     calls, parts = result["calls"], result["steps"]
-    print(f"\n## {result['bytes']} B all-reduce on p = {result['p']}, dtrain from {result['dtrain']}")
-    print(f"auto picks {result['algorithm']!r}; 'algorithm' and 'front door' below run that one\n")
-    print(f"{'call':45s} {'us/call':>8s}")
-    for name, seconds in calls.items():
-        print(f"{name:45s} {seconds * 1e6:8.2f}")
-    print(f"{'= front door - algorithm':45s} {(calls['front door'] - calls['algorithm']) * 1e6:8.2f}")
+
+    def us(seconds, digits=2) -> str:
+        return "-" if seconds is None else f"{seconds * 1e6:.{digits}f}"
+
+    rows = [[name, us(seconds)] for name, seconds in calls.items()]
+    rows.append(["= front door - algorithm", us(calls["front door"] - calls["algorithm"])])
     if "exchange + add" in calls:
-        own = calls["algorithm"] - calls["exchange + add"]
-        print(f"{'= algorithm - (exchange + add)':45s} {own * 1e6:8.2f}")
-    print(f"\n{'step (alone, no communication)':45s} {'us/call':>8s}")
-    for label, seconds in parts.items():
-        print(f"{label:45s} {'-' if seconds is None else f'{seconds * 1e6:.3f}':>8s}")
+        rows.append(["= algorithm - (exchange + add)", us(calls["algorithm"] - calls["exchange + add"])])
+    steps = [[label, us(seconds, 3)] for label, seconds in parts.items()]
+    return "\n".join([
+        terminal.paragraph(f"## {result['bytes']} B all-reduce on p = {result['p']}, dtrain from {result['dtrain']}",
+                           hanging="   ", width=width),
+        terminal.paragraph(f"auto picks {result['algorithm']!r}; 'algorithm' and 'front door' below run that one",
+                           width=width), "",
+        terminal.table(["call", "us per call"], rows, width=width), "",
+        terminal.table(["step (alone, no communication)", "us per call"], steps, width=width),
+    ])  # fmt: skip
 
 
 def main() -> None:
@@ -195,7 +203,7 @@ def main() -> None:
         if rc != 0:
             raise SystemExit(f"benchmark on {args.ranks} ranks failed (exit {rc})")
         result = json.loads(out.read_text())
-    report(result)
+    print("\n" + report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -20,15 +20,16 @@ next batch ready). Contenders, all from the same initial weights (dtrain's), che
 
 GPU steps are queued ``--steps`` at a time and timed to the synchronisation after the last, so the CPU's Python runs
 ahead of the GPU as in training (the loss is not read inside a step); the contenders take turns, round after round,
-and each figure is the median over rounds. Ratios: the GPU step's speed-up over the CPU's, and dtrain's speed over
-PyTorch's on the GPU (above 1: dtrain is faster).
+and each figure is the median over rounds. Speeds, in words ("12.22x faster"): the GPU step's against the CPU's, and
+dtrain's against PyTorch's on the GPU.
 
 **The all-reduce** (``--part allreduce``): ``p`` = 2 and 4 ranks under ``dtrain launch``, all sharing the one GPU
 (``rank % GPUs``), sum-all-reducing float32 buffers of 1 to 64 MiB: dtrain's ring and MPI's own ``Allreduce``, each
 on host buffers (NumPy) and on GPU buffers (CuPy) through :class:`dtrain.comm.staging.StagedComm`, which copies each
 message to pinned host memory and back because this MPI is not CUDA-aware (the ring stages every chunk it sends and
 receives; MPI's ``Allreduce`` is staged once, the whole buffer down and up). ``busbw`` is nccl-tests' bus bandwidth,
-S/t x 2(p-1)/p; ``staged/host`` is the GPU buffers' busbw over the host buffers'. Where the staged time goes:
+S/t x 2(p-1)/p; ``vs host buffers``: the GPU buffers' speed against the host buffers' (the one busbw over the other,
+in words). Where the staged time goes:
 ``staging`` (the copies and the stream synchronisations before them, StagedComm's own clock), ``reduce`` (the ring's
 p-1 additions of a chunk on the GPU, timed alone with CUDA events), ``mpi`` (what is left: the messages themselves).
 """
@@ -47,7 +48,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_util import add_worker_flags, run_meta, write_json
+from bench_util import add_worker_flags, faster, run_meta, write_json
+
+from dtrain import terminal
 
 LR, BATCH = 0.01, 1024
 HIDDEN = (512, 4096)
@@ -165,11 +168,27 @@ def bench_step(args) -> list[dict]:
         flops = 6 * BATCH * sum(a * b for a, b in itertools.pairwise(sizes))
         row["gpu_tflops"] = flops / median["gpu"] / 1e12
         rows.append(row)
-        shown = "  ".join(f"{k} {v:8.3f} ms" for k, v in row["step_ms"].items())
-        torch_ratio = f", dtrain/torch speed {row['dtrain_over_torch_speed']:.2f}x" if "torch" in median else ""
-        print(f"784-{hidden}-{hidden}-10, batch {BATCH}: {shown}  |  GPU over CPU {row['gpu_speedup_over_cpu']:.1f}x"
-              f"{torch_ratio}; {row['gpu_tflops']:.1f} TFLOP/s on the GPU", flush=True)  # fmt: skip
+        print(f"  {'-'.join(map(str, sizes))}, batch {BATCH}: timed", flush=True)
+    print("\n" + step_table(rows), flush=True)
     return rows
+
+
+def step_table(rows: list[dict], width="auto") -> str:
+    """The step's results (``bench_step``'s rows) as a table fitted to ``width`` (:mod:`dtrain.terminal`)."""
+    names = list(rows[0]["step_ms"])
+    header = ["model", *(f"{name} ms" for name in names), "GPU vs CPU"]
+    header += ["dtrain vs torch, GPU"] if "torch" in names else []
+    cells = []
+    for row in rows:
+        line = ["-".join(map(str, row["sizes"])), *(f"{row['step_ms'][n]:.3f}" for n in names),
+                faster(row["gpu_speedup_over_cpu"])]  # fmt: skip
+        line += [faster(row["dtrain_over_torch_speed"])] if "torch" in names else []
+        cells.append([*line, f"{row['gpu_tflops']:.1f}"])
+    legend = ("ms: the median step; GPU vs CPU: dtrain's step on the GPU against dtrain's on the CPU; dtrain vs torch: "
+              "dtrain's GPU step against PyTorch's on the same GPU; TFLOP/s: dtrain's on the GPU")  # fmt: skip
+    return "\n".join([terminal.paragraph(f"one training step, batch {rows[0]['batch']}, float32", width=width),
+                      terminal.table([*header, "GPU TFLOP/s"], cells, width=width),
+                      terminal.paragraph(legend, hanging="  ", width=width)])  # fmt: skip
 
 
 # --- the all-reduce ------------------------------------------------------------------------------------------------
@@ -260,17 +279,23 @@ def bench_allreduce(args) -> dict:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
             got = json.loads(result.read_text())
         out[p] = got
-        print(f"\nall-reduce, {p} ranks sharing {got['gpu']['name']}; staging: {got['why']}")
-        print(f"  {'MiB':>5} {'case':12} {'ms':>8} {'busbw GB/s':>10} {'staged/host':>11} {'staging':>8} "
-              f"{'reduce':>7} {'mpi':>8}")  # fmt: skip
-        by = {(r["bytes"], r["case"]): r for r in got["rows"]}
-        for r in got["rows"]:
-            host = by[(r["bytes"], r["case"].replace("staged", "host"))]
-            ratio = f"{r['busbw_GBps'] / host['busbw_GBps']:10.2f}x" if "staged" in r["case"] else ""
-            print(f"  {r['bytes'] >> 20:5d} {r['case']:12} {r['time_s'] * 1e3:8.3f} {r['busbw_GBps']:10.2f} "
-                  f"{ratio:>11} {r['staging_s'] * 1e3:8.3f} {r['gpu_reduce_s'] * 1e3:7.3f} {r['mpi_s'] * 1e3:8.3f}",
-                  flush=True)  # fmt: skip
+        print("\n" + allreduce_table(p, got), flush=True)
     return out
+
+
+def allreduce_table(p: int, got: dict, width="auto") -> str:
+    """The all-reduce's results on ``p`` ranks (what rank 0 wrote) as a table fitted to ``width``."""
+    title = terminal.paragraph(f"all-reduce, {p} ranks sharing {got['gpu']['name']}; staging: {got['why']}",
+                               hanging="  ", width=width)  # fmt: skip
+    by = {(r["bytes"], r["case"]): r for r in got["rows"]}
+    header = ["MiB", "case", "ms", "busbw GB/s", "vs host buffers", "staging ms", "reduce ms", "mpi ms"]
+    cells = []
+    for r in got["rows"]:
+        host = by[(r["bytes"], r["case"].replace("staged", "host"))]
+        versus = faster(r["busbw_GBps"] / host["busbw_GBps"]) if "staged" in r["case"] else ""
+        ms = [f"{r[key] * 1e3:.3f}" for key in ("time_s", "staging_s", "gpu_reduce_s", "mpi_s")]
+        cells.append([str(r["bytes"] >> 20), r["case"], ms[0], f"{r['busbw_GBps']:.2f}", versus, *ms[1:]])
+    return title + "\n" + terminal.table(header, cells, left=(1,), keys=2, width=width)
 
 
 def main() -> None:

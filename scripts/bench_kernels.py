@@ -10,12 +10,12 @@ what the ring all-reduce does), float32 from 1e3 to 1e7 elements and a few float
 
 Reported per call: the median time, the effective bandwidth (the bytes the operation must move at least, divided by
 the time: ``add_`` reads two arrays and writes one, 3n; ``scale_`` 2n; ``sum_scale_`` reads k and writes one,
-(k + 1)n; NumPy's extra passes are not counted, which is why its number is lower), and the ratio numpy time / numba
-time (above 1: Numba is faster). The machines are noisy: the contenders work on the same arrays and are timed
-interleaved, one sample of each in turn, each sample long enough to be above the timer's noise and preceded by one
-untimed call (so both find the arrays equally warm in the caches). The ratio is given twice: of the medians (the
-typical call) and of the minima (the call least disturbed by other programs); when they disagree, the machine was
-busy, so run it again.
+(k + 1)n; NumPy's extra passes are not counted, which is why its number is lower), and Numba's speed against NumPy's,
+in words: numpy time / numba time, "1.50x faster" or "1.16x slower" (``numpy_over_numba`` in the JSON). The machines
+are noisy: the contenders work on the same arrays and are timed interleaved, one sample of each in turn, each sample
+long enough to be above the timer's noise and preceded by one untimed call (so both find the arrays equally warm in the
+caches). The speed is given twice: of the medians (the typical call) and of the minima (the call least disturbed by
+other programs); when they disagree, the machine was busy, so run it again.
 
     python scripts/bench_kernels.py                  # about half a minute
     python scripts/bench_kernels.py --quick          # sizes up to 1e6, fewer samples: a few seconds
@@ -24,8 +24,9 @@ busy, so run it again.
 
 ``--device gpu`` compares, on GPU arrays of 1e4 to 1e8 elements, dtrain's kernels (``cupy``: for ``sum_scale_`` one
 generated ``cupy.ElementwiseKernel`` that reads the k inputs and writes the output once) with CuPy's own operators
-(``ufuncs``: ``out = b0 + b1``, ``out += b2`` ..., ``out *= f``: k passes over the output); the ratio is ufuncs' time
-over the fused kernel's (above 1: fusing pays). GPU times are taken to a device synchronisation after each sample.
+(``ufuncs``: ``out = b0 + b1``, ``out += b2`` ..., ``out *= f``: k passes over the output); the speed is the fused
+kernel's against the ufuncs' (ufuncs' time over the fused kernel's: "faster", fusing pays). GPU times are taken to a
+device synchronisation after each sample.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import statistics
 import time
 
 import numpy as np
-from bench_util import run_meta, write_json
+from bench_util import faster, run_meta, write_json
 
-from dtrain import kernels
+from dtrain import kernels, terminal
 
 MIN_SAMPLE_S = 2e-3  # each timing sample repeats the call until it lasts at least this long
 DEFAULT_THRESHOLDS = (kernels.NUMBA_MIN_SIZE, kernels.FUSED_MIN_SIZE)  # the dispatcher's, restored for numpy
@@ -167,9 +168,8 @@ def contenders(device: str = "cpu"):
 def run(rows, samples: int, device: str = "cpu"):
     players = contenders(device)
     slow, fast = players[0].name, players[1].name  # the ratio: slow's time over fast's
-    print_header(players)
     results = []
-    for row in rows:
+    for row in terminal.progress(rows, len(rows), "kernels"):
         kernel, k, aliased, dtype, n = row
         shared = make_arrays(players[0].xp, k, dtype, n)  # the first two work on the very same arrays
         for player in players:
@@ -193,7 +193,7 @@ def run(rows, samples: int, device: str = "cpu"):
         if "cupy" in result and "numpy" in result:
             result["numpy_over_cupy"] = result["numpy"]["median_s"] / result["cupy"]["median_s"]
         results.append(result)
-        print_row(result, players)
+    print(table(results, [p.name for p in players]), flush=True)
     return results
 
 
@@ -203,18 +203,26 @@ def label(result) -> str:
     return f"sum_scale_ k={result['k']}" + (" out=b0" if result["out_is_bufs0"] else "")
 
 
-def print_header(players):
-    cols = "".join(f" {p.name + ' us':>11} {p.name + ' GB/s':>11}" for p in players)
-    line = f"{'kernel':<22} {'dtype':<7} {'n':>9}{cols} {'ratio med':>10} {'ratio min':>10}"
-    print(line)
-    print("-" * len(line))
-
-
-def print_row(result, players):
-    cols = "".join(f" {result[p.name]['median_s'] * 1e6:11.1f} {result[p.name]['gbps']:11.1f}" for p in players)
-    ratio = f"{players[0].name}_over_{players[1].name}"
-    ratios = f"{result[ratio]:9.2f}x {result[ratio + '_min']:9.2f}x"
-    print(f"{label(result):<22} {result['dtype']:<7} {result['n']:>9.0e}{cols} {ratios}", flush=True)
+def table(results: list[dict], names: list[str], width="auto") -> str:
+    """The results as a table fitted to ``width`` (:mod:`dtrain.terminal`): a row per kernel, dtype and size, each
+    contender's time and bandwidth, and the second contender's speed against the first's (of the medians, of the
+    minima)."""
+    slow, fast = names[:2]
+    header = ["kernel", "dtype", "n"]
+    groups = []
+    for name in names:
+        groups.append(len(header))
+        header += [f"{name} us", f"{name} GB/s"]
+    groups.append(len(header))
+    header += [f"{fast} vs {slow}, medians", f"{fast} vs {slow}, minima"]
+    cells = []
+    for r in results:
+        line = [label(r), r["dtype"], f"{r['n']:.0e}"]
+        for name in names:
+            line += [f"{r[name]['median_s'] * 1e6:.1f}", f"{r[name]['gbps']:.1f}"]
+        ratio = f"{slow}_over_{fast}"
+        cells.append([*line, faster(r[ratio]), faster(r[ratio + "_min"])])
+    return terminal.table(header, cells, left=(0, 1), keys=3, groups=groups, width=width)
 
 
 def main(argv=None):
@@ -236,8 +244,8 @@ def main(argv=None):
         f"{datetime.date.today()}  {platform.machine()} {os.cpu_count()} cpus  python {platform.python_version()}"
         f"  numpy {np.__version__}  numba {numba.__version__}  one thread  {samples} samples per cell"
     )
-    print(header)
-    print(f"dispatcher: {kernels.describe()}")
+    print(terminal.paragraph(header, hanging="  "))
+    print(terminal.paragraph(f"dispatcher: {kernels.describe()}", hanging="  "), flush=True)
     results = run(cases(args.quick), samples)
     if args.json:
         meta = run_meta(header=header, thresholds=dict(zip(("NUMBA_MIN_SIZE", "FUSED_MIN_SIZE"), DEFAULT_THRESHOLDS)))
@@ -264,7 +272,7 @@ def gpu_main(args, samples: int) -> None:
 
     gpu = backend.select_gpu(0)
     header = f"{datetime.date.today()}  {gpu['name']}  CuPy {cupy.__version__}  {samples} samples per cell"
-    print(header)
+    print(terminal.paragraph(header, hanging="  "), flush=True)
     results = run(gpu_cases(args.quick), samples, "gpu")
     if args.json:
         print(f"saved {write_json(args.json, {'meta': run_meta(header=header, gpu=gpu), 'results': results})}")

@@ -8,7 +8,7 @@ Four parts, each written to docs/bench/ (``model_parallel.txt`` and ``.json``; `
    rank: the tracer's bytes against ``TensorParallel.costs`` (exactly), the parameter bytes held against the cost
    function and against ``single``'s (1/T for the split layers), the step time (the last epoch's) and the share of
    the training time spent in communication (the tracer's). Rounds interleave the contenders in a rotating order;
-   time ratios to tp = 1 are medians over rounds.
+   the speed against tp = 1 is the median over rounds of tp 1's time over the contender's ("1.89x faster").
 2. **The bubble, sleep-calibrated**: 4 ranks on this 2-core machine would time-share the cores, so the compute is a
    sleep: each layer's forward sleeps ``--sleep-ms`` (20 ms), its backward twice that, on a model of 8 equal layers
    (two per stage, one per chunk interleaved) whose real arithmetic is negligible. The schedule, not Python's
@@ -36,8 +36,11 @@ import tempfile
 from pathlib import Path
 
 from bench_util import (
+    Record,
     add_round_flags,
     exit_if_failed,
+    faster,
+    faster_range,
     launch,
     rotated,
     samples_for,
@@ -65,9 +68,7 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 # --- 1. tensor parallelism ------------------------------------------------------------------------------------------
 
 
-def tensor_parallel(args, scratch: Path) -> tuple[list, list, dict]:
-    from dtrain.parallel import parameter_count
-
+def tensor_parallel(args, scratch: Path) -> tuple[Record, list, dict]:
     sizes = [784, *map(int, args.hidden.split(",")), 10]
     flags = ["--paradigm", "tp", "--allreduce", "ring", "--dataset", "synthetic", "--features", "784", "--samples",
              str(samples_for(args.steps, 256)), "--hidden", args.hidden, "--batch-size", "256", "--epochs",
@@ -90,33 +91,44 @@ def tensor_parallel(args, scratch: Path) -> tuple[list, list, dict]:
                 "steps": steps,
             })  # fmt: skip
             print(f"  tp: {label:12s} round {repeat + 1}: {runs[label][-1]['step_ms']:7.1f} ms/step", flush=True)
+    part, checks = tp_report(runs, sizes)
+    return part, checks, runs
+
+
+def tp_report(runs: dict, sizes: list) -> tuple[Record, list]:
+    """Tensor parallelism's table (a Record, not printed yet) and its exact checks, from the runs."""
+    from dtrain.parallel import parameter_count
+
     n = parameter_count(sizes)
-    lines = [
-        "",
-        f"## 1. Tensor parallelism: {'-'.join(map(str, sizes))}, float32, global batch 256, ring all-reduces "
-        f"(n = {n:,} parameters, {4 * n / MB:.2f} MB)",
-        f"{'contender':12s} {'ranks':>5s} {'MB params/rank':>14s} {'x single':>8s} {'MB sent/step/rank':>17s} "
-        f"{'ms/step':>8s} {'x tp 1 [min..max]':>20s} {'comm share':>10s}",
-    ]
-    checks = []
+    part = Record(echo=False)
+    part.say()
+    part.say(f"## 1. Tensor parallelism: {'-'.join(map(str, sizes))}, float32, global batch 256, ring all-reduces "
+             f"(n = {n:,} parameters, {4 * n / MB:.2f} MB); params: rank 0's, sent: the busiest rank's; vs tp 1: the "
+             "speed against tp 1's step (its time over this one's, the median over rounds, and the range)",
+             hanging="   ")  # fmt: skip
+    header = ["contender", "ranks", "params MB", "params, x single", "sent MB per step", "step ms", "vs tp 1",
+              "vs tp 1, range", "comm share"]  # fmt: skip
+    cells, checks = [], []
     base = runs["tp 1"]
     for label, rounds in runs.items():
         first = rounds[0]
-        ratios = [r["step_ms"] / b["step_ms"] for r, b in zip(rounds, base)]
+        speeds = [b["step_ms"] / r["step_ms"] for r, b in zip(rounds, base)]
         held = first["held"][0]["parameters"]
-        lines.append(
-            f"{label:12s} {TP_CONTENDERS[label][0]:5d} {held / MB:14.2f} {held / (4 * n):8.3f} "
-            f"{max(first['sent']) / first['steps'] / MB:17.3f} {statistics.median(r['step_ms'] for r in rounds):8.1f} "
-            f"{statistics.median(ratios):8.2f} [{min(ratios):.2f}..{max(ratios):.2f}] "
-            f"{100 * statistics.median(r['comm_share'] for r in rounds):9.0f}%"
-        )
+        mine = label == "tp 1"
+        cells.append([label, str(TP_CONTENDERS[label][0]), f"{held / MB:.2f}", f"{held / (4 * n):.3f}x",
+                      f"{max(first['sent']) / first['steps'] / MB:.3f}",
+                      f"{statistics.median(r['step_ms'] for r in rounds):.1f}",
+                      "-" if mine else faster(statistics.median(speeds)),
+                      "-" if mine else faster_range(min(speeds), max(speeds)),
+                      f"{100 * statistics.median(r['comm_share'] for r in rounds):.0f}%"])  # fmt: skip
         exact = all(r["sent"] == r["sent_formula"] for r in rounds)
         checks.append(f"{'PASS' if exact else 'FAIL'}  tp, {label}: bytes sent per rank == steps x costs() on every "
                       "rank, every round")  # fmt: skip
         held_ok = all(h == r["held_formula"] for r in rounds for h in r["held"])
         checks.append(f"{'PASS' if held_ok else 'FAIL'}  tp, {label}: bytes held (parameters, gradients, optimizer) "
                       "== costs() on every rank")  # fmt: skip
-    return lines, checks, runs
+    part.table(header, cells, groups=(2, 5))
+    return part, checks
 
 
 # --- 2 and 3. the pipeline's bubble (a worker under mpiexec) ----------------------------------------------------------
@@ -192,40 +204,41 @@ def worker(args) -> None:
                                                                        "results": results})  # fmt: skip
 
 
-def pipeline_report(data: dict, title: str) -> tuple[list, list]:
+def pipeline_report(data: dict, title: str) -> tuple[Record, list]:
     from dtrain.parallel import schedules
 
     P = data["P"]
-    head = f"{'schedule':>12s} {'M':>3s} {'bubble':>8s} {'formula':>8s} {'rel. diff':>9s} {'[steps]':>16s} "
-    head += f"{'step s':>7s} {'t_F ms':>7s} {'t_B ms':>7s} {'peak activation bytes per stage':>34s}"
-    lines = ["", title, head]
-    checks = []
+    part = Record(echo=False)
+    part.say()
+    part.say(title, hanging="   ")
+    header = ["schedule", "M", "bubble", "formula", "rel. diff", "each step's bubble", "step s", "t_F ms", "t_B ms",
+              "peak activation bytes per stage"]  # fmt: skip
+    cells, checks = [], []
     for r in data["results"]:
         formula = schedules.bubble_formula(P, r["M"], r["V"])
         rel = (r["bubble"] - formula) / formula if formula else 0.0
         label = r["schedule"] + (f" V={r['V']}" if r["V"] > 1 else "")
-        lines.append(
-            f"{label:>12s} {r['M']:3d} {r['bubble']:8.3f} {formula:8.3f} {100 * rel:8.1f}% "
-            f"{'[' + ' '.join(f'{b:.3f}' for b in r['bubbles']) + ']':>16s} {r['span_s']:7.3f} "
-            f"{1e3 * r['ops']['forward']:7.1f} {1e3 * r['ops']['backward']:7.1f} {r['peaks']!s:>34s}"
-        )
+        cells.append([label, str(r["M"]), f"{r['bubble']:.3f}", f"{formula:.3f}", f"{100 * rel:.1f}%",
+                      " ".join(f"{b:.3f}" for b in r["bubbles"]), f"{r['span_s']:.3f}",
+                      f"{1e3 * r['ops']['forward']:.1f}", f"{1e3 * r['ops']['backward']:.1f}",
+                      " ".join(str(peak) for peak in r["peaks"])])  # fmt: skip
         ok = all(c["sent"] and c["activations"] for c in r["checks"])
         checks.append(f"{'PASS' if ok else 'FAIL'}  pp {label} M={r['M']} ({title.split(':')[0][3:]}): bytes sent "
                       "and peak activation bytes == Pipeline.costs() on every rank")  # fmt: skip
-    return lines, checks
+    part.table(header, cells, left=(0, 5, 9), keys=2)
+    return part, checks
 
 
 # --- 4. grids ---------------------------------------------------------------------------------------------------------
 
 
-def grids(args, scratch: Path) -> tuple[list, list]:
+def grids(args, scratch: Path) -> tuple[Record, list]:
     flags = ["--paradigm", "pp", "--hidden", "64,64,64", "--dtype", "float64", "--batch-size", "48", "--epochs", "1"]
-    lines = [
-        "",
-        "## 4. Grids through the CLI (digits, 64-64-64-64-10, float64, 1 epoch): per rank, against Pipeline.costs()",
-    ]
-    lines.append(f"{'grid':26s} {'ranks':>5s} {'KB sent/step by rank':>40s} {'peak KB activations':>28s}")
-    checks = []
+    part = Record(echo=False)
+    part.say()
+    part.say("## 4. Grids through the CLI (digits, 64-64-64-64-10, float64, 1 epoch): per rank, against "
+             "Pipeline.costs()", hanging="   ")  # fmt: skip
+    cells, checks = [], []
     for label, (ranks, own) in GRIDS.items():
         metrics = train_metrics(ranks, [*flags, *own], scratch / f"grid-{len(checks)}")
         steps, costs = training_steps(metrics), metrics["costs"]
@@ -235,12 +248,14 @@ def grids(args, scratch: Path) -> tuple[list, list]:
         held = [r["paradigm"]["held_bytes"][i] for i, r in enumerate(per_rank)]
         ok = (sent == [steps * s for s in costs["sent_per_step"]] and peaks == costs["activations"]
               and all(h[k] == costs[k][i] for i, h in enumerate(held) for k in h))  # fmt: skip
-        lines.append(f"{label:26s} {ranks:5d} {' '.join(f'{s / steps / 1e3:.1f}' for s in sent):>40s} "
-                     f"{' '.join(f'{p / 1e3:.1f}' for p in peaks):>28s}")  # fmt: skip
+        cells.append([label, str(ranks), " ".join(f"{s / steps / 1e3:.1f}" for s in sent),
+                      " ".join(f"{p / 1e3:.1f}" for p in peaks)])  # fmt: skip
         checks.append(f"{'PASS' if ok else 'FAIL'}  grid {label}: bytes sent, held and peak activations == "
                       "Pipeline.costs() on every rank")  # fmt: skip
         print(f"  grid: {label} done", flush=True)
-    return lines, checks
+    part.table(["grid", "ranks", "KB sent per step, by rank", "peak KB activations, by rank"], cells, left=(0, 2, 3),
+               wrap=(2, 3))  # fmt: skip
+    return part, checks
 
 
 # --- figures --------------------------------------------------------------------------------------------------------
@@ -331,30 +346,36 @@ def main() -> None:
     me = str(Path(__file__).resolve())
     common = ["--out", str(out), "--pp-steps", str(args.pp_steps), "--sleep-ms", str(args.sleep_ms)]
     with tempfile.TemporaryDirectory() as scratch:
-        tp_lines, tp_checks, tp_runs = tensor_parallel(args, Path(scratch))
+        tp_part, tp_checks, tp_runs = tensor_parallel(args, Path(scratch))
         print("  pp: sleep-calibrated, 4 ranks", flush=True)
         launch(4, [me, "--worker", "sleep", "--microbatches", "4,8" if args.quick else "1,4,8,16", *common])
         print("  pp: real compute, 2 ranks", flush=True)
         launch(2, [me, "--worker", "real", "--microbatches", "1,4,8", *common])
         sleep = json.loads((out / "pipeline_sleep.json").read_text())
         real = json.loads((out / "pipeline_real.json").read_text())
-        grid_lines, grid_checks = grids(args, Path(scratch))
-    sleep_lines, sleep_checks = pipeline_report(
+        grid_part, grid_checks = grids(args, Path(scratch))
+    sleep_part, sleep_checks = pipeline_report(
         sleep,
         f"## 2. The bubble, sleep-calibrated: P = {sleep['P']}, 8 layers of {sleep['sizes'][0]} x "
         f"{sleep['sizes'][0]} (2 per stage), {args.sleep_ms:g} ms per layer forward, {2 * args.sleep_ms:g} ms "
         f"backward, micro-batches of {sleep['rows']}; the median of {args.pp_steps} step(s)",
     )
-    real_lines, real_checks = pipeline_report(
+    real_part, real_checks = pipeline_report(
         real,
         f"## 3. The bubble with real compute: P = {real['P']} ranks on the 2 cores, 8 layers of 1024 x 1024 "
         f"(4 per stage), float32, micro-batches of {real['rows']}; the median of {args.pp_steps} step(s)",
     )
     command = "python scripts/bench_model_parallel.py" + (" --quick" if args.quick else "")
     checks = tp_checks + sleep_checks + real_checks + grid_checks
-    text = "\n".join([f"# {command}", *tp_lines, *sleep_lines, *real_lines, *grid_lines, "", *checks])
-    print(text)
-    write_results(out, "model_parallel", {"command": command, "tp": tp_runs, "sleep": sleep, "real": real}, text)
+    record = Record()
+    record.say(f"# {command}")
+    for part in (tp_part, sleep_part, real_part, grid_part):
+        record.add(part)
+    record.say()
+    for line in checks:
+        record.say(line, hanging="      ")
+    write_results(out, "model_parallel", {"command": command, "tp": tp_runs, "sleep": sleep, "real": real},
+                  record.text())  # fmt: skip
     for name in ("pipeline_sleep.json", "pipeline_real.json"):
         (out / name).unlink()
     plot(sleep, real, tp_runs, out)

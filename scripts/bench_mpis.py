@@ -7,7 +7,8 @@ Each MPI lives in its own virtualenv (one environment holds one ``mpiexec``). Th
 ``scripts/bench_allreduce.py --ranks 2 --algorithms mpi,ring`` with each virtualenv's Python, alternating the two MPIs
 ``--jobs`` times so that a noisy moment on the machine falls on both, and prints one table: every time is the median
 over the jobs of each job's median over rounds (the slowest rank's time of one all-reduce). The baseline, measured in
-the same run, is MPICH's own ``MPI_Allreduce``: every other column is a ratio to it (> 1: slower).
+the same run, is MPICH's own ``MPI_Allreduce``: every other time is followed by its speed against it, in words
+("1.50x faster", "3.44x slower").
 
 On one machine an MPI moves a message through shared memory, so these numbers are about each library's shared-memory
 path and its overheads per call, not about networks.
@@ -22,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench_util import run_meta, write_results
+from bench_util import Record, faster, run_meta, write_results
 
 from dtrain.comm import flavours
 
@@ -70,28 +71,37 @@ def main() -> None:
             print(f"job {job + 1}/{args.jobs}: {size} done", flush=True)
     median = {key: {a: statistics.median(ts) for a, ts in algs.items()} for key, algs in times.items()}
 
-    lines = [
-        f"2 ranks, one machine; MPICH: {found['MPICH']}; Open MPI: {found['Open MPI']}",
-        f"time of one all-reduce in microseconds (median of {args.jobs} jobs x {args.rounds} rounds); ratio: time / "
-        "MPICH's MPI_Allreduce at that size (> 1 slower)",
-        "",
-        f"{'size':>6}  {'MPICH Allreduce':>15}  {'Open MPI Allreduce':>24}  {'MPICH dtrain ring':>24}  "
-        f"{'Open MPI dtrain ring':>24}",
-    ]
     rows = []
     for size in SIZES:
         base = median["MPICH", size]["mpi"]
         cells = [(median["Open MPI", size]["mpi"]), median["MPICH", size]["ring"], median["Open MPI", size]["ring"]]
-        lines.append(
-            f"{size:>6}  {1e6 * base:15.1f}  " + "  ".join(f"{1e6 * t:14.1f} ({t / base:5.2f}x)" for t in cells)
-        )
         rows.append({"bytes": size, "mpich_allreduce_s": base, "openmpi_allreduce_s": cells[0],
                      "mpich_ring_s": cells[1], "openmpi_ring_s": cells[2],
                      "jobs": {f"{m} {a}": times[m, size][a] for m in venvs for a in ("mpi", "ring")}})  # fmt: skip
-    text = "\n".join(lines)
-    print("\n" + text)
+    print()
+    out = report(rows, found, args.jobs, args.rounds)
     write_results(args.out, "mpis", {"meta": run_meta(libraries=found, jobs=args.jobs, rounds=args.rounds),
-                                     "rows": rows}, text)  # fmt: skip
+                                     "rows": rows}, out.text())  # fmt: skip
+
+
+def report(rows: list[dict], found: dict, jobs: int, rounds: int) -> Record:
+    """The table, printed fitted to the terminal and kept whole in the Record returned (for mpis.txt)."""
+    out = Record()
+    out.say(f"2 ranks, one machine; MPICH: {found['MPICH']}; Open MPI: {found['Open MPI']}", hanging="  ")
+    out.say(f"time of one all-reduce in microseconds (median of {jobs} jobs x {rounds} rounds); vs MPICH: the speed "
+            "against MPICH's MPI_Allreduce at that size (MPICH's time over this one's)", hanging="  ")  # fmt: skip
+    out.say()
+    header = ["size", "MPICH Allreduce us", "Open MPI Allreduce us", "vs MPICH", "MPICH dtrain ring us", "vs MPICH",
+              "Open MPI dtrain ring us", "vs MPICH"]  # fmt: skip
+    cells = []
+    for r in rows:
+        base = r["mpich_allreduce_s"]
+        line = [r["bytes"], f"{1e6 * base:.1f}"]
+        for key in ("openmpi_allreduce_s", "mpich_ring_s", "openmpi_ring_s"):
+            line += [f"{1e6 * r[key]:.1f}", faster(base / r[key])]
+        cells.append(line)
+    out.table(header, cells, left=(), groups=(2, 4, 6))
+    return out
 
 
 if __name__ == "__main__":

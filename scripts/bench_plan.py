@@ -30,7 +30,8 @@ under this environment's ``mpiexec``, synthetic data of the model's shape, 2 epo
 
 The first choice: the planner's best (the fastest predicted that fits and makes single's updates) against the timed
 configurations that make single's updates, paired by round: each one's step time over the first choice's in the same
-round, the median over the rounds (the "vs 1st" column); the first choice passes if none is more than 10% faster.
+round, the median over the rounds (the "vs 1st" column, in words: "1.20x slower"); the first choice passes if none is
+more than 10% faster.
 
 What is timed: every configuration the planner prices that fits here, but of the pipeline one per grid (pp x tp x dp:
 1F1B with the micro-batch count predicted fastest; GPipe's predicted time is 1F1B's, the schedules differ in activation
@@ -67,15 +68,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_util import rotated, run_meta, write_json
+from bench_util import faster, rotated, run_meta, say, write_json
 
-from dtrain import hardware, kernels, parallel, report
+from dtrain import hardware, kernels, parallel, report, terminal
 from dtrain import plan as planner
 from dtrain.comm import sim
 from dtrain.comm.launcher import THREAD_VARIABLES
 from dtrain.errors import UserError
 from dtrain.plan_check import measure, steps_for
-from dtrain.report import text_table
 from dtrain.train import train
 
 SIZES = {"small": ([64, 64, 64, 64, 10], 96), "mlp": ([784, 512, 512, 10], 256), "wide": ([784, 2048, 2048, 10], 240)}
@@ -195,7 +195,8 @@ def run_block(world: int, size: str, machine, rounds: int, budget: float, scratc
     model = planner.Model(sizes, batch)
     rows = planner.plan(model, world, machine)
     chosen = timed(rows)
-    print(f"\n== {world} ranks, {size}: {model.describe()}; {len(chosen)} configurations x {rounds} rounds", flush=True)
+    print()
+    say(f"== {world} ranks, {size}: {model.describe()}; {len(chosen)} configurations x {rounds} rounds", hanging="   ")
     runs = {r.label: [] for r in chosen}
     failed = {}
     started = time.perf_counter()
@@ -210,7 +211,7 @@ def run_block(world: int, size: str, machine, rounds: int, budget: float, scratc
                 got = measure(row, model, folder, steps)
             except UserError as exc:
                 failed[row.label] = str(exc)
-                print(f"  {row.label}: FAILED: {exc}", flush=True)
+                say(f"{row.label}: FAILED: {exc}", "  ", "    ")
                 continue
             runs[row.label].append({"round": rnd, "steps": report.training_steps(got.metrics), "step_s": got.step_s,
                                     "traffic": report.training_traffic(got.metrics),
@@ -277,9 +278,11 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.2f}"
 
 
-def block_table(block: dict) -> str:
-    header = ["", "configuration", "pred ms", "compute", "comm", "bubble", "meas ms", "range", "vs 1st", "pred/meas",
-              "msgs", "B/step pred", "meas", "=", "once B", "state B pred", "meas", "="]  # fmt: skip
+def block_table(block: dict, width="auto") -> str:
+    """One block's configurations, predicted beside measured, as text fitted to ``width`` (:mod:`dtrain.terminal`)."""
+    header = ["", "configuration", "pred ms", "pred compute ms", "pred comm ms", "pred bubble ms", "meas ms",
+              "meas range ms", "vs 1st", "pred / meas", "msgs per step", "B/step pred", "B/step meas", "B equal",
+              "once B", "state B pred", "state B meas", "state equal"]  # fmt: skip
     cells = []
     for e in block["configurations"]:
         t = e["predicted"]
@@ -292,20 +295,23 @@ def block_table(block: dict) -> str:
         b = e["bytes"]
         once = "-" if b["once"] < 0.5 else f"{b['once']:,.0f}"
         times = [t for t in e["rounds_s"] if t]
-        cells.append([*head, _ms(e["measured_s"]), f"{_ms(min(times))}-{_ms(max(times))}",
-                      f"{e['vs_best']:.2f}" if e.get("vs_best") else "",
+        versus = "-" if e["best"] else faster(1 / e["vs_best"]) if e.get("vs_best") else ""
+        cells.append([*head, _ms(e["measured_s"]), f"{_ms(min(times))}-{_ms(max(times))}", versus,
                       f"{e['ratio']:.2f}", f"{e['messages_per_step']:.0f}", f"{b['predicted']:,.0f}",
                       f"{b['measured']:,.0f}", "yes" if b["equal"] else "NO", once, f"{max(e['predicted_state']):,.0f}",
                       f"{max(e['measured_state']):,.0f}", "yes" if e["state_equal"] else "NO"])  # fmt: skip
     load = ", ".join(f"{x:.1f}" for x in block["load_average"])
-    lines = [f"\n{block['ranks']} ranks, {block['size']}: {block['describe']} ({block['seconds']:.0f} s; load "
-             f"average after: {load})",
-             text_table(header, cells, left=(0, 1)),
-             "* the planner's first choice; ~ not single's updates (not chosen); meas ms: the median of the rounds "
-             "(range: theirs); vs 1st: its time over the first choice's in the same round, the median over the "
-             "rounds; pred/meas: predicted over measured; msgs: messages the busiest rank sends per step; B/step: "
-             "its bytes (ps-async: per push); once B: sent once a run besides",
-             "first choice: " + block["verdict"]["text"]]  # fmt: skip
+    legend = ("* the planner's first choice; ~ not single's updates (not chosen); meas ms: the median of the rounds "
+              "(range: theirs); vs 1st: its speed against the first choice's, paired by round (the median over the "
+              "rounds of its time over the first choice's in the same round); pred / meas: predicted over measured; "
+              "msgs: messages the busiest rank sends per step; B/step: its bytes (ps-async: per push); once B: sent "
+              "once a run besides")  # fmt: skip
+    lines = ["", terminal.paragraph(f"{block['ranks']} ranks, {block['size']}: {block['describe']} "
+                                    f"({block['seconds']:.0f} s; load average after: {load})", hanging="  ",
+                                    width=width),
+             terminal.table(header, cells, left=(0, 1), keys=2, groups=(2, 6, 10, 15), width=width),
+             terminal.paragraph(legend, hanging="  ", width=width),
+             terminal.paragraph("first choice: " + block["verdict"]["text"], hanging="  ", width=width)]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -330,12 +336,12 @@ def factors(blocks: list) -> list:
     return out
 
 
-def factors_table(rows: list) -> str:
-    header = ["ranks", "family", "configs", "median pred/meas", "range", "worst", "factor", "where"]
+def factors_table(rows: list, width="auto") -> str:
+    header = ["ranks", "family", "configs", "median pred / meas", "range", "worst pred / meas", "off by", "where"]
     cells = [[str(f["ranks"]), f["family"] + (" (target)" if f["family"] in TARGETS else ""), str(f["n"]),
               f"{f['median']:.2f}", f"{f['low']:.2f}-{f['high']:.2f}", f"{f['worst']:.2f}", f"{f['factor']:.2f}x",
               f["worst_at"]] for f in rows]  # fmt: skip
-    return text_table(header, cells, left=(1, 7))
+    return terminal.table(header, cells, left=(1, 7), keys=2, width=width)
 
 
 # --- two things the formulas assume, measured here ----------------------------------------------------------------
@@ -387,8 +393,7 @@ def diagnose(worlds: list, sizes: list, machine) -> dict:
                            ",".join(sizes)] + (["--micro"] if micro else []))  # fmt: skip
             return json.loads(result.read_text())
 
-    slowdown, header = [], ["ranks", "rows each", "alone ms", "all at once ms", "x alone", "calibration.json"]
-    cells = []
+    slowdown = []
     for world in (w for w in worlds if w > 1):
         alone, busy = run(1, world), run(world, world)
         for size in sizes:
@@ -396,24 +401,35 @@ def diagnose(worlds: list, sizes: list, machine) -> dict:
             slowdown.append({"ranks": world, "size": size, "rows": SIZES[size][1] // world,
                              "alone_s": alone[size]["step_s"], "busy_s": busy[size]["step_s"], "measured": x,
                              "calibrated": machine.slowdown(world)})  # fmt: skip
-            cells.append([str(world), f"{size} {SIZES[size][1] // world}", _ms(alone[size]["step_s"]),
-                          _ms(busy[size]["step_s"]), f"{x:.2f}", f"{machine.slowdown(world):.2f}"])  # fmt: skip
-    print("\ncompute with every rank busy (one step of each rank's share of the batch; one thread a rank):")
-    print(text_table(header, cells, left=(1,)))
     whole = run(1, 1, micro=True)
-    micro, cells = [], []
+    micro = []
     for size in sizes:
         model, batch = SIZES[size]
         one, many = whole[size]["accumulate_1"], whole[size][f"accumulate_{MICRO}"]
         layers = list(itertools.pairwise(model))  # the planner's own charge: M micro-batches against one
         formula = MICRO * machine.layers_time(layers, batch // MICRO, 4) - machine.layers_time(layers, batch, 4)
         micro.append({"size": size, "batch": batch, "one_s": one, "micro_s": many, "formula_extra_s": formula})
-        cells.append([f"{size} {batch}", _ms(one), _ms(many), _ms((many - one) / (MICRO - 1)),
-                      _ms(formula / (MICRO - 1))])  # fmt: skip
-    print(f"\none process, the whole batch in 1 and in {MICRO} micro-batches (single --accumulate):")
-    print(text_table(["model, batch", "1 ms", f"{MICRO} ms", "ms per extra micro-batch", "the formulas'"], cells,
-                     left=(0,)))  # fmt: skip
-    return {"slowdown": slowdown, "micro_batches": micro}
+    diagnosed = {"slowdown": slowdown, "micro_batches": micro}
+    print(diagnosis_tables(diagnosed))
+    return diagnosed
+
+
+def diagnosis_tables(diagnosed: dict, width="auto") -> str:
+    """:func:`diagnose`'s two measurements as tables fitted to ``width`` (:mod:`dtrain.terminal`)."""
+    busy = [[str(d["ranks"]), f"{d['size']} {d['rows']}", _ms(d["alone_s"]), _ms(d["busy_s"]),
+             faster(1 / d["measured"]), faster(1 / d["calibrated"])] for d in diagnosed["slowdown"]]  # fmt: skip
+    micro = [[f"{m['size']} {m['batch']}", _ms(m["one_s"]), _ms(m["micro_s"]), _ms((m["micro_s"] - m["one_s"]) /
+              (MICRO - 1)), _ms(m["formula_extra_s"] / (MICRO - 1))] for m in diagnosed["micro_batches"]]  # fmt: skip
+    return "\n".join([
+        "", terminal.paragraph("compute with every rank busy (one step of each rank's share of the batch; one thread "
+                               "a rank), against one process alone:", width=width),
+        terminal.table(["ranks", "model, rows each", "alone ms", "all at once ms", "all at once vs alone",
+                        "calibration.json's slowdown"], busy, left=(1,), keys=2, width=width),
+        "", terminal.paragraph(f"one process, the whole batch in 1 and in {MICRO} micro-batches (single "
+                               "--accumulate):", width=width),
+        terminal.table(["model, batch", "1 ms", f"{MICRO} ms", "ms per extra micro-batch",
+                        "the formulas' ms per extra"], micro, width=width),
+    ])  # fmt: skip
 
 
 # --- worlds this machine cannot run ----------------------------------------------------------------------------------
@@ -468,13 +484,14 @@ def run_simulated(worlds: list, machine) -> list:
     return out
 
 
-def simulated_table(rows: list) -> str:
-    header = ["ranks", "batch", "configuration", "B/step plan", "tracer", "=", "once B", "state B plan", "held", "="]
+def simulated_table(rows: list, width="auto") -> str:
+    header = ["ranks", "batch", "configuration", "B/step plan", "B/step tracer", "B equal", "once B", "state B plan",
+              "state B held", "state equal"]  # fmt: skip
     cells = [[str(r["world"]), str(r["batch_size"]), r["label"], f"{r['predicted_sent_per_step']:,.0f}",
               f"{r['measured_sent_per_step']:,.0f}", "yes" if r["bytes_equal"] else "NO",
               "-" if r["once"] < 0.5 else f"{r['once']:,.0f}", f"{r['predicted_state']:,.0f}",
               f"{r['measured_state']:,.0f}", "yes" if r["state_equal"] else "NO"] for r in rows]  # fmt: skip
-    return text_table(header, cells, left=(2,))
+    return terminal.table(header, cells, left=(2,), keys=3, groups=(3, 7), width=width)
 
 
 # --- the command -----------------------------------------------------------------------------------------------------
@@ -511,18 +528,19 @@ def main() -> None:
             parser.error(f"--sizes: {s!r} is not one of {', '.join(SIZES)}")
     sim_worlds = [int(w) for w in args.sim_worlds.split(",") if w.strip()]
     if rounds < 2:
-        print("(one round: bytes are total / steps, so what is sent once a run, ps-sync's first pull and gossip's "
-              "final average, counts against them)")  # fmt: skip
+        say("(one round: bytes are total / steps, so what is sent once a run, ps-sync's first pull and gossip's final "
+            "average, counts against them)")  # fmt: skip
 
     began, load_before = time.perf_counter(), os.getloadavg()
     if not args.no_refit:
         print("refitting this machine's compute rates (one BLAS thread, ~40 s) ...", flush=True)
     stored = hardware.load(hardware.THIS)
     machine, fit = this_machine(not args.no_refit)
-    print(f"compute rates: {rates_line(machine)}" + ("" if args.no_refit else f" (calibration.json's: "
-          f"{rates_line(stored)})"))  # fmt: skip
-    print(f"slowdown of busy cores (calibration.json): {machine.slowdowns}; dtrain's latency per message: "
-          + ", ".join(f"{p} ranks {m.alpha * 1e6:.0f} us" for p, m in sorted(machine.loaded.items())))  # fmt: skip
+    say(f"compute rates: {rates_line(machine)}" + ("" if args.no_refit else f" (calibration.json's: "
+        f"{rates_line(stored)})"), hanging="  ")  # fmt: skip
+    say(f"slowdown of busy cores (calibration.json): {machine.slowdowns}; dtrain's latency per message: "
+        + ", ".join(f"{p} ranks {m.alpha * 1e6:.0f} us" for p, m in sorted(machine.loaded.items())),
+        hanging="  ")  # fmt: skip
 
     blocks = []
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as scratch:
@@ -531,21 +549,23 @@ def main() -> None:
                 blocks.append(run_block(world, size, machine, rounds, budget, Path(scratch)))
 
     table = factors(blocks)
-    print("\npredicted / measured step time by paradigm family (factor: the worst, max(r, 1/r))")
+    print()
+    say("predicted / measured step time by paradigm family (off by: the worst's factor, max(r, 1/r))")
     print(factors_table(table))
     missed = [f for f in table if f["family"] in TARGETS and f["factor"] > FACTOR]
-    print(f"targets (ddp, zero, tp, pp within {FACTOR}x): "
-          + ("met" if not missed else "missed by " + ", ".join(f"{f['family']} at {f['ranks']} ranks "
-             f"({f['factor']:.2f}x)" for f in missed)))  # fmt: skip
+    say(f"targets (ddp, zero, tp, pp within {FACTOR}x): "
+        + ("met" if not missed else "missed by " + ", ".join(f"{f['family']} at {f['ranks']} ranks "
+           f"({f['factor']:.2f}x)" for f in missed)), hanging="  ")  # fmt: skip
     print("first choices:")
     for b in blocks:
-        print(f"  {b['ranks']} ranks, {b['size']}: {b['verdict']['text']}")
+        say(f"{b['ranks']} ranks, {b['size']}: {b['verdict']['text']}", "  ", "    ")
 
     diagnosed = {} if args.no_diagnose else diagnose(worlds, sizes, machine)
 
     simulated = []
     if sim_worlds:
-        print(f"\nsimulated worlds ({', '.join(map(str, sim_worlds))} ranks), {'-'.join(map(str, SIM_SIZES))}:")
+        print(f"\nsimulated worlds ({', '.join(map(str, sim_worlds))} ranks), {'-'.join(map(str, SIM_SIZES))}:",
+              flush=True)  # fmt: skip
         simulated = run_simulated(sim_worlds, machine)
         print(simulated_table(simulated))
 
@@ -559,10 +579,11 @@ def main() -> None:
                 for e in b["configurations"] if "failed" in e]  # fmt: skip
     seconds = time.perf_counter() - began
     counted = sum("measured_s" in e for b in blocks for e in b["configurations"]) + len(simulated)
-    print(f"\ncounts: {counted - len(wrong)} of {counted} configurations equal to the plan's, bytes and state"
-          + ("" if not wrong else "; DIFFERENT: " + "; ".join(wrong)))  # fmt: skip
+    print()
+    say(f"counts: {counted - len(wrong)} of {counted} configurations equal to the plan's, bytes and state"
+        + ("" if not wrong else "; DIFFERENT: " + "; ".join(wrong)), hanging="  ")  # fmt: skip
     for line in failures:
-        print(f"FAILED: {line}")
+        say(f"FAILED: {line}", hanging="  ")
     print(f"took {seconds / 60:.1f} min")
 
     if args.json:

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_util import exit_if_failed, rotated, run_meta, samples_for, write_json
+from bench_util import exit_if_failed, faster, rotated, run_meta, samples_for, say, write_json
 
-from dtrain import checkpoint
+from dtrain import checkpoint, terminal
 
 RANKS, BATCH = 4, 240  # (240: split evenly by 4 ranks, ps-sync's 3 workers, pp's 2 replicas x 4 micro-batches)
 PARADIGMS = {
@@ -101,6 +101,26 @@ def write_costs(sizes, repeats: int = 5) -> list[dict]:
     return rows
 
 
+def runs_table(rows: list[dict], width="auto") -> str:
+    """The runs' medians (``runs`` of the JSON) as a table fitted to ``width`` (:mod:`dtrain.terminal`)."""
+    header = ["paradigm", "plain s", "ckpt s", "per ckpt s", "killed s", "killed vs plain", "steps lost", "redone s",
+              "restart s", "same weights", "plain range s", "killed range s"]  # fmt: skip
+    cells = [[r["paradigm"], f"{r['plain_s']:.2f}", f"{r['checkpointed_s']:.2f}", f"{r['per_checkpoint_s']:.3f}",
+              f"{r['killed_s']:.2f}", faster(1 / r["killed_vs_plain"]), str(r["steps_lost"]), f"{r['redone_s']:.2f}",
+              f"{r['restart_s']:.2f}", "PASS" if r["same_weights"] else "FAIL",
+              *("..".join(f"{v:.2f}" for v in r["range_s"][k]) for k in ("plain", "killed"))]
+             for r in rows]  # fmt: skip
+    return terminal.table(header, cells, left=(0, 9), width=width)
+
+
+def writes_table(writes: list[dict], width="auto") -> str:
+    """One checkpoint's write against the raw write (``writes`` of the JSON), fitted to ``width``."""
+    header = ["parameters", "MB", "save ms", "raw ms", "save vs raw", "Young's interval at M = 1 h"]
+    cells = [[f"{w['parameters']:,d}", f"{w['bytes'] / 1e6:.1f}", f"{1e3 * w['save_s']:.1f}",
+              f"{1e3 * w['raw_s']:.1f}", faster(1 / w["ratio"]), f"{w['young_s']:.1f} s"] for w in writes]  # fmt: skip
+    return terminal.table(header, cells, left=(), width=width)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="steps of the run (default %(default)s)")
@@ -120,10 +140,6 @@ def main() -> None:
                 folder = Path(scratch) / str(round_)
                 runs[(paradigm, kind)].append(run(kind, paradigm, args.steps, args.every, folder))
     failed, rows = [], []
-    print(f"{RANKS} ranks, 784-512-512-10, batch {BATCH}, {args.steps} steps, a checkpoint every {args.every}; "
-          f"medians of {args.rounds} round(s)")  # fmt: skip
-    print(f"{'paradigm':9s} {'plain s':>8s} {'ckpt s':>7s} {'per ckpt':>9s} {'killed s':>9s} {'x plain':>8s} "
-          f"{'lost':>5s} {'redone s':>9s} {'restart s':>10s}  same weights   plain / killed min..max")  # fmt: skip
     for paradigm in paradigms:
         plain, ckpt, killed = (statistics.median(x["wall_s"] for x in runs[(paradigm, k)]) for k in KINDS)
         checkpoints = args.steps // args.every + 1  # every N steps, and the end's (the plain run writes none)
@@ -140,16 +156,13 @@ def main() -> None:
                "range_s": {k: [min(x["wall_s"] for x in runs[(paradigm, k)]),
                                max(x["wall_s"] for x in runs[(paradigm, k)])] for k in KINDS}}  # fmt: skip
         rows.append(row)
-        print(f"{paradigm:9s} {plain:8.2f} {ckpt:7.2f} {row['per_checkpoint_s']:9.3f} {killed:9.2f} "
-              f"{row['killed_vs_plain']:8.2f} {lost:5d} {redone:9.2f} {row['restart_s']:10.2f}  "
-              f"{'PASS' if same else 'FAIL'}           {'..'.join(f'{v:.2f}' for v in row['range_s']['plain'])} / "
-              f"{'..'.join(f'{v:.2f}' for v in row['range_s']['killed'])}")  # fmt: skip
+    say(f"{RANKS} ranks, 784-512-512-10, batch {BATCH}, {args.steps} steps, a checkpoint every {args.every}; "
+        f"medians of {args.rounds} round(s)", hanging="  ")  # fmt: skip
+    print(runs_table(rows))
     writes = write_costs([100_000, 1_000_000, 10_000_000])
-    print("\none checkpoint's write (params + momentum, float32) against the same bytes written raw (tofile + fsync):")
-    print(f"{'parameters':>11s} {'MB':>6s} {'save ms':>8s} {'raw ms':>7s} {'x raw':>6s}  Young's interval at M = 1 h")
-    for w in writes:
-        print(f"{w['parameters']:11,d} {w['bytes'] / 1e6:6.1f} {1e3 * w['save_s']:8.1f} {1e3 * w['raw_s']:7.1f} "
-              f"{w['ratio']:6.2f}  {w['young_s']:.1f} s")  # fmt: skip
+    print()
+    say("one checkpoint's write (params + momentum, float32) against the same bytes written raw (tofile + fsync):")
+    print(writes_table(writes))
     meta = run_meta(ranks=RANKS, steps=args.steps, every=args.every, rounds=args.rounds,
                     minutes=round((time.time() - started) / 60, 1))  # fmt: skip
     write_json(args.json, {**meta, "runs": rows, "writes": writes, "failed": failed})

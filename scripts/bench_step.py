@@ -11,7 +11,7 @@ All three start from the same weights (dtrain's initialisation), and the script 
 first loss before timing anything.
 
 The machines are noisy, so the three are measured *interleaved* (one step of each, repeated) and compared by their
-medians; ratios are against the hand-written NumPy step measured in the same run.
+medians; each one's speed is against the hand-written NumPy step measured in the same run ("1.05x slower").
 
     python scripts/bench_step.py                 # 200 interleaved rounds
     python scripts/bench_step.py --json out.json
@@ -31,8 +31,9 @@ import statistics
 import time
 
 import numpy as np
-from bench_util import forward_by_hand, run_meta, write_json
+from bench_util import faster, forward_by_hand, run_meta, say, write_json
 
+from dtrain import terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
 from dtrain.nn import MLP
 from dtrain.optim import SGD
@@ -117,6 +118,15 @@ class TorchStep:
         return loss.item()
 
 
+def table(results: dict, width="auto") -> str:
+    """The implementations' steps (``results`` of the JSON) as a table fitted to ``width`` (:mod:`dtrain.terminal`):
+    each one's speed against the hand-written NumPy step's."""
+    cells = [[name, f"{1e3 * r['median_s']:.2f}", f"{r['samples_per_s']:,.0f}",
+              "-" if name == "numpy" else faster(1 / r["time_ratio_vs_numpy"])]
+             for name, r in results.items() if name != "dtrain_over_torch_samples_per_s"]  # fmt: skip
+    return terminal.table(["impl", "ms per step", "samples/s", "vs numpy"], cells, width=width)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200, help="interleaved timed rounds (default %(default)s)")
@@ -152,18 +162,15 @@ def main():
 
     base = statistics.median(times["numpy"])
     results = {}
-    print(
-        f"one step of MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, 1 thread, "
-        f"{args.rounds} interleaved rounds (median)"
-    )
-    print(f"{'impl':8s} {'ms/step':>9s} {'samples/s':>11s} {'time / numpy':>13s}")
     for name, ts in times.items():
         med = statistics.median(ts)
         results[name] = {"median_s": med, "samples_per_s": BATCH / med, "time_ratio_vs_numpy": med / base}
-        print(f"{name:8s} {1e3 * med:9.2f} {BATCH / med:11,.0f} {med / base:13.3f}")
+    say(f"one step of MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, float32, 1 thread, {args.rounds} interleaved "
+        "rounds (median)", hanging="  ")  # fmt: skip
+    print(table(results))
     if "torch" in results:
         speed = results["dtrain"]["samples_per_s"] / results["torch"]["samples_per_s"]
-        print(f"dtrain samples/s / torch samples/s = {speed:.3f}")
+        print(f"dtrain: {faster(speed, 'torch')} (samples/s)")
         results["dtrain_over_torch_samples_per_s"] = speed
     if args.json:
         meta = run_meta(sizes=SIZES, batch=BATCH, rounds=args.rounds, numpy=np.__version__,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtrain import terminal
 from dtrain.report import training_steps  # noqa: F401  (the benchmarks' too)
 
 
@@ -61,8 +62,71 @@ def write_results(out, name: str, data: dict, text: str | None = None) -> list[P
         written.append(out / f"{name}.txt")
         written[-1].write_text(text.rstrip("\n") + "\n")
     written.append(write_json(out / f"{name}.json", data))
-    print(f"\nwrote {' and '.join(map(str, written))}")
+    print()
+    say(f"wrote {' and '.join(map(str, written))}", hanging="  ")
     return written
+
+
+def say(text: str = "", indent: str = "", hanging: str | None = None) -> None:
+    """Print a line of prose wrapped to the terminal (:func:`dtrain.terminal.paragraph`; later lines start with
+    ``hanging``)."""
+    print(terminal.paragraph(text, indent, hanging) if text else "", flush=True)
+
+
+class Record:
+    """What a benchmark prints, kept twice: fitted to the terminal as it is printed (:mod:`dtrain.terminal`), and
+    whole for the .txt file that records the run (``text()``: every row of a table on one line, every line whole).
+    ``echo=False`` prints nothing yet: a part made before its turn, printed by the record it is added to."""
+
+    def __init__(self, echo: bool = True) -> None:
+        self.echo = echo
+        self.shown: list[str] = []  # as printed
+        self.lines: list[str] = []  # whole
+
+    def _keep(self, shown: str, whole: str) -> None:
+        if self.echo:
+            print(shown, flush=True)
+        self.shown.append(shown)
+        self.lines.append(whole)
+
+    def say(self, text: str = "", indent: str = "", hanging: str | None = None) -> None:
+        """A line of prose: wrapped on the terminal (later lines start with ``hanging``), whole in the record."""
+        self._keep(terminal.paragraph(text, indent, hanging) if text else "", indent + text)
+
+    def table(self, header: list[str], rows: list[list[str]], **options) -> None:
+        """A table (:func:`dtrain.terminal.table`, ``options`` its own): fitted on the terminal, full width in the
+        record."""
+        self._keep(terminal.table(header, rows, **options), terminal.table(header, rows, **options, width=None))
+
+    def add(self, part: Record) -> None:
+        """Another record's lines after these (printed now if this record prints)."""
+        for shown, whole in zip(part.shown, part.lines):
+            self._keep(shown, whole)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def faster(ratio: float | None, whose: str = "") -> str:
+    """A ratio of speeds (the other's time over ours: above 1, ours is faster) in dtrain's words
+    (:func:`dtrain.terminal.speed`): "1.50x faster than MPI", "1.16x slower than MPI", "as fast as MPI"; without
+    ``whose`` (a column whose header names the other), "1.50x faster", "1.16x slower", "as fast"."""
+    if not ratio or ratio <= 0:
+        return "-"
+    text = terminal.speed(1.0, ratio, whose or "-")
+    return text if whose else text.removesuffix(" than -").removesuffix(" as -")
+
+
+def faster_range(low: float | None, high: float | None) -> str:
+    """The range of a speed ratio (see :func:`faster`) in the same words: "1.12-1.32x faster", "2.78-3.70x slower",
+    "1.04x slower to 1.11x faster"."""
+    if not low or not high:
+        return "-"
+    if low > 1:
+        return f"{low:.2f}-{high:.2f}x faster"
+    if high < 1:
+        return f"{1 / high:.2f}-{1 / low:.2f}x slower"
+    return f"{faster(low)} to {faster(high)}"
 
 
 def exit_if_failed(checks: list[str]) -> None:

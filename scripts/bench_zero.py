@@ -18,7 +18,7 @@ From each run's metrics.json:
   broadcast, evaluation and the final gather are other labels), divided by the steps; checked per rank, exactly,
   against ``costs["sent_per_step"]``.
 * **time**: the samples/s of the last epoch (the first pays start-up). Each round runs every contender of an (N,
-  optimizer) once, in an order that rotates from round to round; the ratio to ddp is the median over rounds of that
+  optimizer) once, in an order that rotates from round to round; the speed against ddp is the median over rounds of that
   round's ratio, so a slow minute on the shared machine hits both sides.
 
 Any check that fails is printed as FAIL and the script exits non-zero.
@@ -36,8 +36,11 @@ import tempfile
 from pathlib import Path
 
 from bench_util import (
+    Record,
     add_round_flags,
     exit_if_failed,
+    faster,
+    faster_range,
     rotated,
     samples_for,
     sent_per_rank,
@@ -117,8 +120,12 @@ def check(results: dict, n: int, layers: list[int]) -> list[str]:
     return lines
 
 
-def report(all_results: dict) -> tuple[list[str], list[str]]:
-    lines, checks = [], []
+def report(all_results: dict) -> tuple[Record, list[str]]:
+    """The tables (a Record, not printed yet) and the checks."""
+    part, checks = Record(echo=False), []
+    header = ["contender", "params MB", "grads MB", "optim MB", "total MB", "formula MB", "paper MB",
+              "held, x ddp", "sent MB per step", "formula MB per step", "sent, x ddp", "samples/s", "vs ddp",
+              "vs ddp, range"]  # fmt: skip
     for (hidden, world, optimizer), results in all_results.items():
         sizes = model_sizes(hidden)
         n = parameter_count(sizes)
@@ -127,16 +134,14 @@ def report(all_results: dict) -> tuple[list[str], list[str]]:
         base = results["ddp"]
         base_held = sum(base[0]["held"][0].values())
         base_sent = max(base[0]["sent"]) / base[0]["steps"]
-        lines += [
-            "",
-            f"N = {world}, {optimizer} (k = {k} optimizer buffer{'s' if k > 1 else ''}), "
-            f"{'-'.join(map(str, sizes))}, n = {n:,} parameters ({4 * n / MB:.2f} MB in float32), "
-            f"largest layer {max(layers):,} ({4 * max(layers) / MB:.2f} MB)",
-            "MB held per rank (the fullest rank; measured = the ledger's peaks, ddp: its cost function)",
-            f"{'contender':10s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'total':>8s} {'formula':>8s} "
-            f"{'paper':>8s} {'x ddp':>6s} | {'sent MB/step':>12s} {'formula':>8s} {'x ddp':>6s} | "
-            f"{'samples/s x ddp [min..max]':>27s}",
-        ]
+        part.say()
+        part.say(f"N = {world}, {optimizer} (k = {k} optimizer buffer{'s' if k > 1 else ''}), "
+                 f"{'-'.join(map(str, sizes))}, n = {n:,} parameters ({4 * n / MB:.2f} MB in float32), "
+                 f"largest layer {max(layers):,} ({4 * max(layers) / MB:.2f} MB)", hanging="  ")  # fmt: skip
+        part.say("MB held per rank (the fullest rank; measured = the ledger's peaks, ddp: its cost function); vs ddp: "
+                 "the speed against ddp's (samples/s, the median over rounds of each round's ratio, and the range)",
+                 hanging="  ")  # fmt: skip
+        cells = []
         for contender, runs in results.items():
             stage, first = CONTENDERS[contender][0], runs[0]
             fullest = max(range(world), key=lambda r: sum(first["held"][r].values()))
@@ -146,23 +151,25 @@ def report(all_results: dict) -> tuple[list[str], list[str]]:
             sent = max(first["sent"]) / first["steps"]
             sent_formula = max(first["sent_formula"]) / first["steps"]
             ratios = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(runs, base)]
-            lines.append(
-                f"{contender:10s} {held['parameters'] / MB:8.2f} {held['gradients'] / MB:8.2f} "
-                f"{held['optimizer'] / MB:8.2f} {sum(held.values()) / MB:8.2f} {formula / MB:8.2f} {paper / MB:8.2f} "
-                f"{sum(held.values()) / base_held:6.3f} | {sent / MB:12.3f} {sent_formula / MB:8.3f} "
-                f"{sent / base_sent:6.3f} | {statistics.median(ratios):8.2f} [{min(ratios):.2f}..{max(ratios):.2f}]"
-                f" {statistics.median(r['samples_per_s'] for r in runs):7,.0f}/s"
-            )
+            mine = contender == "ddp"
+            cells.append([contender, *(f"{held[kind] / MB:.2f}" for kind in KINDS), f"{sum(held.values()) / MB:.2f}",
+                          f"{formula / MB:.2f}", f"{paper / MB:.2f}", f"{sum(held.values()) / base_held:.3f}x",
+                          f"{sent / MB:.3f}", f"{sent_formula / MB:.3f}", f"{sent / base_sent:.3f}x",
+                          f"{statistics.median(r['samples_per_s'] for r in runs):,.0f}",
+                          "-" if mine else faster(statistics.median(ratios)),
+                          "-" if mine else faster_range(min(ratios), max(ratios))])  # fmt: skip
+        part.table(header, cells, groups=(1, 8, 11))
         psi = n  # the paper's mixed-precision Adam (K = 12) for the same model, for scale
         paper_mp = {"ddp": 16 * psi, "zero 1": 4 * psi + 12 * psi / world, "zero 2": 2 * psi + 14 * psi / world,
                     "zero 3": 16 * psi / world}  # fmt: skip
-        lines.append(
+        part.say(
             "the paper's own mixed-precision Adam for this model (fp16 weights and gradients, fp32 master copy and "
-            "moments): " + ", ".join(f"{c} {v / MB:.1f} MB" for c, v in paper_mp.items())
+            "moments): " + ", ".join(f"{c} {v / MB:.1f} MB" for c, v in paper_mp.items()),
+            hanging="  ",
         )
         where = f"{'-'.join(map(str, sizes))}, N = {world}, {optimizer}"
         checks += [f"{line[:4]}  {where}: {line[6:]}" for line in check(results, n, layers)]
-    return lines, checks
+    return part, checks
 
 
 def plot(all_results: dict, path: Path) -> None:
@@ -237,18 +244,19 @@ def main() -> None:
             all_results[hidden, world, optimizer] = results
 
     command = "python scripts/bench_zero.py" + (" --quick" if args.quick else f" --repeats {args.repeats}")
-    lines, checks = report(all_results)
-    header = [
-        f"# {command}",
-        f"# float32, synthetic data (784 features), global batch {args.batch_size}, {args.epochs} epochs of "
-        f"{args.steps} steps (the last timed), ring reduce-scatter/all-gather (zero) and ring all-reduce (ddp, one "
-        f"bucket); {args.repeats} interleaved round(s); 'formula' = costs(), 'paper' = the ZeRO paper's per-stage "
-        "formula in dtrain's terms (one precision, no master copy; no layer in flight)",
-    ]
-    text = "\n".join(header + lines + ["", *checks])
-    print(text)
+    part, checks = report(all_results)
+    out = Record()
+    out.say(f"# {command}")
+    out.say(f"# float32, synthetic data (784 features), global batch {args.batch_size}, {args.epochs} epochs of "
+            f"{args.steps} steps (the last timed), ring reduce-scatter/all-gather (zero) and ring all-reduce (ddp, one "
+            f"bucket); {args.repeats} interleaved round(s); 'formula' = costs(), 'paper' = the ZeRO paper's per-stage "
+            "formula in dtrain's terms (one precision, no master copy; no layer in flight)", hanging="  ")  # fmt: skip
+    out.add(part)
+    out.say()
+    for line in checks:
+        out.say(line, hanging="      ")
     raw = {f"{h} N={w} {o}": results for (h, w, o), results in all_results.items()}
-    write_results(args.out, "zero", {"command": command, "results": raw}, text)
+    write_results(args.out, "zero", {"command": command, "results": raw}, out.text())
     plot(all_results, Path(args.out) / "zero.png")
     print(f"and {args.out}/zero.png")
     exit_if_failed(checks)

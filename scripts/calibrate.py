@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_util import faster
+
+from dtrain import terminal
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 OUTPUT = Path(__file__).resolve().parents[1] / "dtrain" / "collectives" / "calibration.json"
@@ -226,9 +229,20 @@ def measure(nranks: int, mode: str):
 
 
 def print_fit(title, times, alpha, beta) -> None:
-    print(f"\n{title}\n{'bytes':>10s} {'measured':>12s} {'fit':>12s}")
-    for n, t in zip(SIZES, times):
-        print(f"{n:10d} {t * 1e6:10.2f}us {(alpha + beta * n) * 1e6:10.2f}us")
+    print()
+    print(terminal.paragraph(title, hanging="  "))
+    cells = [[str(n), f"{t * 1e6:.2f}", f"{(alpha + beta * n) * 1e6:.2f}"] for n, t in zip(SIZES, times)]
+    print(terminal.table(["bytes", "measured us", "fit us"], cells, left=()))
+
+
+def shapes_table(shapes: list[dict]) -> str:
+    """measure_compute's shapes: each one's measured step against the fitted rates' (a table fitted to the
+    terminal)."""
+    cells = [["-".join(map(str, shape["sizes"])), str(shape["rows"]), str(shape["microbatches"]),
+              f"{shape['seconds'] * 1e3:.3f}", f"{shape['fitted'] * 1e3:.3f}",
+              f"{shape['fitted'] / shape['seconds']:.2f}"] for shape in shapes]  # fmt: skip
+    header = ["model", "rows", "micro-batches", "measured ms", "fitted ms", "fitted / measured"]
+    return terminal.table(header, cells, indent="  ")
 
 
 def gpu_preset(path: str) -> None:
@@ -243,18 +257,17 @@ def gpu_preset(path: str) -> None:
         raise SystemExit(f"--gpu: {missing}")
     gpu = backend.select_gpu(0)
     compute = measure_compute(GPU_SHAPES, device="gpu")
-    print(f"compute on {gpu['name']}: {compute['flops'] / 1e12:.1f} TFLOP/s in matrix products, "
-          f"{compute['layer_s'] * 1e6:.0f} us per layer, {compute['step_s'] * 1e6:.0f} us per step, "
-          f"{compute['memory_bandwidth'] / 1e9:.0f} GB/s updates")  # fmt: skip
-    for shape in compute["shapes"]:
-        print(f"  {'-'.join(map(str, shape['sizes'])):28s} rows {shape['rows']:5d} in {shape['microbatches']}: "
-              f"measured {shape['seconds'] * 1e3:8.3f} ms, fitted {shape['fitted'] * 1e3:8.3f} ms")  # fmt: skip
+    print(terminal.paragraph(f"compute on {gpu['name']}: {compute['flops'] / 1e12:.1f} TFLOP/s in matrix products, "
+                             f"{compute['layer_s'] * 1e6:.0f} us per layer, {compute['step_s'] * 1e6:.0f} us per step, "
+                             f"{compute['memory_bandwidth'] / 1e9:.0f} GB/s updates", hanging="  "))  # fmt: skip
+    print(shapes_table(compute["shapes"]))
     links = measure(2, "gpu")
     staged, host = fit(SIZES, links["staged"]), fit(SIZES, links["host"])
     gamma = gpu_reduce_time_per_byte()
     print_fit(f"ping-pong of GPU buffers, 2 ranks sharing the GPU ({links['why']})", links["staged"], *staged)
     print_fit("ping-pong of host buffers, the same 2 ranks", links["host"], *host)
-    print(f"GPU reduction: {gamma * 1e12:.3f} ps per byte ({1e-9 / gamma:.0f} GB/s of reduced bytes)")
+    print(terminal.paragraph(f"GPU reduction: {gamma * 1e12:.3f} ps per byte ({1e-9 / gamma:.0f} GB/s of reduced "
+                             "bytes)", hanging="  "))  # fmt: skip
     date, memory = time.strftime("%F"), cupy.cuda.runtime.getDeviceProperties(gpu["index"])["totalGlobalMem"]
     link = {"alpha": staged[0], "bandwidth": 1.0 / staged[1], "gamma": gamma}
     preset = {
@@ -289,18 +302,10 @@ def fit_compute() -> dict:
     from dtrain.hardware import measure_compute
 
     compute = measure_compute()
-    print(
-        f"compute: {compute['flops'] / 1e9:.1f} GFLOP/s in matrix products, {compute['layer_s'] * 1e6:.0f} us per "
-        f"layer, {compute['step_s'] * 1e6:.0f} us per step, {compute['memory_bandwidth'] / 1e9:.1f} GB/s updates"
-    )
-    for shape in compute["shapes"]:
-        shown = "-".join(map(str, shape["sizes"]))
-        measured, fitted = shape["seconds"] * 1e3, shape["fitted"] * 1e3
-        print(
-            f"  {shown:28s} rows {shape['rows']:4d} in {shape['microbatches']}: measured {measured:8.3f} ms, fitted "
-            f"{fitted:8.3f} ms "
-            f"({fitted / measured:.2f}x)"
-        )
+    print(terminal.paragraph(f"compute: {compute['flops'] / 1e9:.1f} GFLOP/s in matrix products, "
+                             f"{compute['layer_s'] * 1e6:.0f} us per layer, {compute['step_s'] * 1e6:.0f} us per step, "
+                             f"{compute['memory_bandwidth'] / 1e9:.1f} GB/s updates", hanging="  "))  # fmt: skip
+    print(shapes_table(compute["shapes"]))
     return {**compute, "command": "python " + " ".join(sys.argv), "date": time.strftime("%F")}
 
 
@@ -343,16 +348,17 @@ def main() -> None:
         slowdown = statistics.median(busy / one for busy, one in zip(loaded["busy_step_s"], alone))
         by_ranks[str(p)] = {"alpha": a, "beta": b, "gamma": loaded["gamma"], "seconds": loaded["seconds"],
                             "alpha_dtrain": loaded["alpha_dtrain"], "slowdown": slowdown}  # fmt: skip
-        print(
-            f"dtrain's own all-reduce: {loaded['alpha_dtrain'] * 1e6:.1f} us per message; compute with all {p} "
-            f"ranks busy: {by_ranks[str(p)]['slowdown']:.2f}x one process alone"
-        )
+        print(terminal.paragraph(f"dtrain's own all-reduce: {loaded['alpha_dtrain'] * 1e6:.1f} us per message; "
+                                 f"compute with all {p} ranks busy: {faster(1 / by_ranks[str(p)]['slowdown'])} than "
+                                 "one process alone", hanging="  "))  # fmt: skip
         print_fit(f"ring step, all {p} ranks at once", loaded["seconds"], a, b)
         summary.append((f"{p} ranks busy", a, b, loaded["gamma"]))
-    print(f"\n{'':14s} {'alpha':>10s} {'beta':>16s} {'gamma':>16s}   ({kernels.backend_name()} kernels)")
+    cells = []
     for name, a, b, g in summary:
         bandwidth = 1e-9 / b if b else float("inf")  # the fit clamps a negative beta to 0
-        print(f"{name:14s} {a * 1e6:8.2f}us {b * 1e9:7.4f} ns/B {bandwidth:5.1f}GB/s {g * 1e9:7.4f} ns/B")
+        cells.append([name, f"{a * 1e6:.2f}", f"{b * 1e9:.4f}", f"{bandwidth:.1f}", f"{g * 1e9:.4f}"])
+    print(f"\nthe fits (gamma: the {kernels.backend_name()} kernels)")
+    print(terminal.table(["", "alpha us", "beta ns/B", "bandwidth GB/s", "gamma ns/B"], cells))
     if args.dry_run:
         return
     calibration = {

@@ -27,7 +27,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_util import train_metrics, write_results
+from bench_util import Record, faster, train_metrics, write_results
 
 from dtrain import report
 
@@ -107,38 +107,42 @@ def main() -> None:
         }
     base = rows["ddp"]
     command = f"python scripts/compare_paradigms.py --epochs {args.epochs} --repeats {args.repeats}"
-    lines = [
-        f"# {command}",
-        f"# digits, {args.ranks} ranks, global batch {args.batch_size}, {args.epochs} epochs, seed {args.seed}; "
-        f"wall time: median of {args.repeats} interleaved jobs; bytes: training traffic from the tracer; "
-        "DTRAIN_KERNELS=numpy",
-        "",
-        f"{'paradigm':20s} {'test acc':>9s} {'vs ddp':>7s} {'wall s':>7s} {'x ddp':>6s} {'MB/rank':>9s} "
-        f"{'x ddp':>7s} {'MB max':>8s} {'eval MB':>8s} {'state MB':>9s}",
-    ]
-    for label, r in rows.items():
-        lines.append(
-            f"{label:20s} {100 * r['accuracy']:8.2f}% {100 * (r['accuracy'] - base['accuracy']):+6.2f} "
-            f"{r['wall_s']:7.2f} {r['wall_s'] / base['wall_s']:6.2f} {r['bytes_mean'] / 1e6:9.2f} "
-            f"{r['bytes_mean'] / base['bytes_mean']:7.3f} {r['bytes_max'] / 1e6:8.2f} "
-            f"{r['evaluation_bytes'] / 1e6:8.2f} {r['state_bytes'] / 1e6:9.3f}"
-        )
+    out = Record()
+    out.say(f"# {command}")
+    out.say(f"# digits, {args.ranks} ranks, global batch {args.batch_size}, {args.epochs} epochs, seed {args.seed}; "
+            f"wall time: median of {args.repeats} interleaved jobs; vs ddp: the speed against ddp's (its wall time "
+            "over this one's); bytes: training traffic from the tracer; DTRAIN_KERNELS=numpy",
+            hanging="  ")  # fmt: skip
+    out.say()
+    out.table(*paradigm_table(rows), groups=(1, 3, 5))
     h8 = rows["local-sgd H=8"]
     ddp_steps = base["steps"] * statistics.mean(results["ddp"][0]["costs"]["sent_per_step"])  # mean over ranks
     broadcast = base["bytes_mean"] - ddp_steps  # the initial broadcast of rank 0's weights, mean over ranks
     limit = ddp_steps / 8 + broadcast
-    lines += [
-        "",
+    out.say()
+    out.say(
         f"local-sgd H=8 against ddp: {h8['bytes_mean'] / 1e6:.3f} MB per rank, limit 1/8 of ddp's steps plus the "
         f"initial broadcast = {limit / 1e6:.3f} MB ({'met' if h8['bytes_mean'] <= limit else 'NOT met'}); accuracy "
         f"{100 * (h8['accuracy'] - base['accuracy']):+.2f} points "
         f"({'within' if abs(h8['accuracy'] - base['accuracy']) <= 0.015 else 'NOT within'} 1.5 of ddp's)",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    write_results(args.out, "compare_paradigms", {"command": command, "rows": rows}, text)
+        hanging="  ",
+    )
+    write_results(args.out, "compare_paradigms", {"command": command, "rows": rows}, out.text())
     plot(rows, Path(args.out) / "compare_paradigms.png")
     print(f"and {args.out}/compare_paradigms.png")
+
+
+def paradigm_table(rows: dict) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells of the table: a row per paradigm, its accuracy, time and bytes beside ddp's."""
+    base = rows["ddp"]
+    header = ["paradigm", "test acc %", "vs ddp, points", "wall s", "vs ddp", "MB per rank", "MB, x ddp",
+              "MB max", "eval MB", "state MB"]  # fmt: skip
+    cells = [[label, f"{100 * r['accuracy']:.2f}", f"{100 * (r['accuracy'] - base['accuracy']):+.2f}",
+              f"{r['wall_s']:.2f}", "-" if label == "ddp" else faster(base["wall_s"] / r["wall_s"]),
+              f"{r['bytes_mean'] / 1e6:.2f}", f"{r['bytes_mean'] / base['bytes_mean']:.3f}x",
+              f"{r['bytes_max'] / 1e6:.2f}", f"{r['evaluation_bytes'] / 1e6:.2f}", f"{r['state_bytes'] / 1e6:.3f}"]
+             for label, r in rows.items()]  # fmt: skip
+    return header, cells
 
 
 def plot(rows: dict, path: Path) -> None:

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from dtrain import terminal
 from dtrain.comm import sim
 from dtrain.train import TrainConfig, train
 
@@ -48,13 +49,15 @@ RUNS = {
 
 
 def digests() -> dict[str, str]:
-    found = {}
-    for name, (ranks, flags) in RUNS.items():
+    """Every run's digest; a table of them printed at the end (fitted to the terminal), a progress bar meanwhile."""
+    found, cells = {}, []
+    for name, (ranks, flags) in terminal.progress(RUNS.items(), len(RUNS), "runs"):
         started = time.perf_counter()
         config = TrainConfig(**{**BASE, **flags})
         metrics = sim.SimWorld(ranks, timeout=300).run(lambda comm, c=config: train(c, comm))[0]
         found[name] = metrics["weights_sha256"]
-        print(f"{name:28s} {ranks} rank(s)  {found[name][:16]}...  {time.perf_counter() - started:5.1f} s", flush=True)
+        cells.append([name, str(ranks), f"{found[name][:16]}...", f"{time.perf_counter() - started:.1f}"])
+    print(terminal.table(["run", "ranks", "weights sha256", "s"], cells, left=(0, 2)), flush=True)
     return found
 
 
@@ -71,7 +74,8 @@ def main() -> int:
         with open(args.compare) as f:
             before = json.load(f)
         moved = [name for name in before if found.get(name) != before[name]]
-        print(f"{len(before) - len(moved)} of {len(before)} digests unchanged", f"; changed: {moved}" if moved else "")
+        print(terminal.paragraph(f"{len(before) - len(moved)} of {len(before)} digests unchanged"
+                                 + (f"; changed: {', '.join(moved)}" if moved else ""), hanging="  "))  # fmt: skip
         return 1 if moved else 0
     return 0
 
