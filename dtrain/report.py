@@ -130,18 +130,6 @@ def run_summary(metrics: dict) -> dict:
     }
 
 
-def text_table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> str:
-    """Columns as wide as their widest cell, the ``left`` ones aligned left and the others right; a rule under the
-    header."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, [""] * len(header), *rows]:
-        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-    lines[1] = "  ".join("-" * w for w in widths)
-    return "\n".join(lines)
-
-
 def plot_paradigms(plt, runs: dict, path, reference: str | None = None) -> Path:
     """Three panels for runs of several paradigms (``runs``: label -> :func:`run_summary`): the training loss per
     epoch (``reference``'s dashed in black), the final test accuracy against the bytes the busiest rank sent per
