@@ -113,8 +113,7 @@ def faster(ratio: float | None, whose: str = "") -> str:
     ``whose`` (a column whose header names the other), "1.50x faster", "1.16x slower", "as fast"."""
     if not ratio or ratio <= 0:
         return "-"
-    text = terminal.speed(1.0, ratio, whose or "-")
-    return text if whose else text.removesuffix(" than -").removesuffix(" as -")
+    return terminal.speed(1.0, ratio, whose or None)
 
 
 def faster_range(low: float | None, high: float | None) -> str:
