@@ -147,11 +147,6 @@ def say(text: str) -> None:
     mpi.print0(terminal.paragraph(text, hanging=" "))
 
 
-def versus(ours: float, theirs: float, whose: str) -> str:
-    """terminal.speed's words without " than MPI", for a column whose header names MPI: "2.31x faster"."""
-    return terminal.speed(ours, theirs, whose).removesuffix(f" than {whose}").removesuffix(f" as {whose}")
-
-
 say(f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), median of {args.repeats} run(s),"
     " time = slowest rank")  # fmt: skip
 if args.device == "gpu":
@@ -245,7 +240,7 @@ if rank == 0:
         title = r["algorithm"] if r["algorithm"] != "auto" else f"auto -> {r['name']}"
         cells.append([
             title, "yes" if r["ok"] else "NO", f"{1e3 * r['time_s']:.3f}",
-            f"{r['busbw_GBps']:.2f}" if p > 1 else "-", versus(r["time_s"], mpi_time, "MPI") if mpi_time else "-",
+            f"{r['busbw_GBps']:.2f}" if p > 1 else "-", terminal.speed(r["time_s"], mpi_time) if mpi_time else "-",
             f"{1e3 * r['model_s']:.3f}", f"{r['sent'][0]:,d}", f"{r['formula'][0]:,d}",
             "=" if r["sent"] == r["formula"] else "DIFFER",
         ])  # fmt: skip

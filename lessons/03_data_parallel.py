@@ -45,7 +45,7 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier, table
 
 from dtrain import collectives, terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -101,16 +101,6 @@ def heading(text: str) -> None:
     mpi.print0(terminal.paragraph(text, hanging="   "))
 
 
-def show(header: list, rows: list, **how) -> None:
-    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, indent="   ", **how))
-
-
-def versus(ours: float, theirs: float, whose: str) -> str:
-    """terminal.speed's words without " than <whose>", for a column whose header names whose: "2.31x faster"."""
-    return terminal.speed(ours, theirs, whose).removesuffix(f" than {whose}").removesuffix(f" as {whose}")
-
-
 FIRST = {k: world.Split(0 if rank < k else MPI.UNDEFINED, rank) for k in RANKS}  # ranks 0..k-1; others: COMM_NULL
 
 
@@ -155,8 +145,8 @@ own_error, error = np.abs(my_grad - full_grad).max(), np.abs(averaged - full_gra
 rows = world.gather((own_error, error), root=0)
 if rank == 0:
     say("How far from the whole batch's gradient (largest difference):")
-    show(["rank", "its own slice's gradient", "the average"],
-         [[str(r), f"{own:.3f}", f"{avg:.1e}"] for r, (own, avg) in enumerate(rows)], left=())  # fmt: skip
+    table(["rank", "its own slice's gradient", "the average"],
+          [[str(r), f"{own:.3f}", f"{avg:.1e}"] for r, (own, avg) in enumerate(rows)], left=())  # fmt: skip
     say(f"loss: mean of the {p} slice losses {mean_loss:.15f}, whole batch {full_loss:.15f}")
     results["gradient"] = {
         "max_difference": max(avg for _, avg in rows),
@@ -178,10 +168,10 @@ runs = {k: on_first(k, lambda sub: train(config, sub)) for k in RANKS}
 training_ok = True
 if rank == 0:
     curves = {k: [e["train_loss"] for e in runs[k]["epochs"]] for k in RANKS}
-    show(["epoch", *(f"loss on {k}" for k in RANKS), *(f"test accuracy on {k}" for k in RANKS)],
-         [[str(e + 1), *(f"{curves[k][e]:.9f}" for k in RANKS),
-           *(f"{100 * runs[k]['epochs'][e]['test_accuracy']:.2f}%" for k in RANKS)] for e in range(args.epochs)],
-         left=(), groups=(1, 1 + len(RANKS)))  # fmt: skip
+    table(["epoch", *(f"loss on {k}" for k in RANKS), *(f"test accuracy on {k}" for k in RANKS)],
+          [[str(e + 1), *(f"{curves[k][e]:.9f}" for k in RANKS),
+            *(f"{100 * runs[k]['epochs'][e]['test_accuracy']:.2f}%" for k in RANKS)] for e in range(args.epochs)],
+          left=(), groups=(1, 1 + len(RANKS)))  # fmt: skip
     spread = max(abs(a - b) for k in RANKS for a, b in zip(curves[k], curves[1]))
     speeds = ", ".join(f"{k} rank(s) {runs[k]['samples_per_s']:,.0f}" for k in RANKS)
     say(f"largest difference from the 1-rank curve: {spread:.1e}; samples/s: {speeds}")
@@ -272,9 +262,9 @@ for bucket_mb in (0.0, args.bucket_mb):
         m = len(mine["buckets"])
         formula = sum(2 * (p - 1) / p * b for b in mine["buckets"])
         say(f"{m} bucket(s) of {', '.join(f'{b:,}' for b in mine['buckets'])} bytes:")
-        show(["rank", "tracer", "costs()", "2(p-1)/p n", "messages"],
-             [[str(r), f"{measured[r]:,d}", f"{predicted[r]:,d}", f"{formula:,.0f}", str(messages[r])]
-              for r in range(p)], left=())  # fmt: skip
+        table(["rank", "tracer", "costs()", "2(p-1)/p n", "messages"],
+              [[str(r), f"{measured[r]:,d}", f"{predicted[r]:,d}", f"{formula:,.0f}", str(messages[r])]
+               for r in range(p)], left=())  # fmt: skip
         exact = measured == predicted and messages == [2 * (p - 1) * m] * p
         close = all(abs(b - formula) <= 2 * 4 * m for b in measured)  # < one float32 per phase and bucket
         bytes_ok = bytes_ok and exact and close
@@ -292,10 +282,10 @@ heading(f"4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s)
 model = MLP(BIG, seed=0, xp=xp)
 layout = [(where.start, where.stop - where.start, 4) for where in model.param_slices.values()]
 names = list(model.param_slices)
-show(["bucket", "flat_grads slice", "bytes", "parameters"],
-     [[str(b), f"[{start:,}:{stop:,}]", f"{4 * (stop - start):,}", ", ".join(names[i] for i in sorted(members))]
-      for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20))))],
-     left=(1, 3), wrap=(3,))  # fmt: skip
+table(["bucket", "flat_grads slice", "bytes", "parameters"],
+      [[str(b), f"[{start:,}:{stop:,}]", f"{4 * (stop - start):,}", ", ".join(names[i] for i in sorted(members))]
+       for b, (start, stop, members) in enumerate(plan_buckets(layout, int(args.bucket_mb * (1 << 20))))],
+      left=(1, 3), wrap=(3,))  # fmt: skip
 
 if p == 1:
     say("one rank: nothing to all-reduce, so no timeline (run with dtrain launch -n 2 or more)")
@@ -336,7 +326,9 @@ else:
             ms = [rows[0]["ms_per_step"], *mean.values()]
             cells.append([f"overlap {variant}", *(f"{v:.2f}" for v in ms)])
             results.setdefault("overlap", {})[variant] = {"ms_per_step": rows[0]["ms_per_step"], **mean}
-        show(["", "whole step", "backward", "waiting after it", "buckets in flight", "of which during backward"], cells)
+        table(
+            ["", "whole step", "backward", "waiting after it", "buckets in flight", "of which during backward"], cells
+        )
         with_, without = figures["on"][0]["ms_per_step"], figures["off"][0]["ms_per_step"]
         fraction = mean_over_ranks(figures["on"], "hidden_s") / mean_over_ranks(figures["on"], "in_flight_s")
         change = (without - with_) / without
@@ -397,10 +389,10 @@ if rank == 0:
         cells.append([t["model"], str(t["ranks"]), str(t["batch"]), f"{t['gradient_bytes']:,d}",
                       f"{t['mflop_per_rank']:.2f}", f"{t['ms_per_step']:.2f}", f"{t['rest_ms']:.2f}",
                       f"{t['waiting_ms']:.2f}", f"{t['model_ms']:.2f}",
-                      versus(t["ms_per_step"], one["ms_per_step"], "1 rank") if t["ranks"] > 1 else "-"])  # fmt: skip
+                      terminal.speed(t["ms_per_step"], one["ms_per_step"]) if t["ranks"] > 1 else "-"])  # fmt: skip
     # The model and the ranks name a row; what a step computes, then what it took (a second table if need be)
-    show(["model", "ranks", "batch", "gradient bytes", "MFLOP per rank", "ms per step", "rest", "waiting",
-          "cost model", "vs 1 rank"], cells, keys=2, groups=(5,))  # fmt: skip
+    table(["model", "ranks", "batch", "gradient bytes", "MFLOP per rank", "ms per step", "rest", "waiting",
+           "cost model", "vs 1 rank"], cells, keys=2, groups=(5,))  # fmt: skip
     say(
         "(MFLOP per rank ~ 6 N B/p; times in ms; rest: the busiest rank's forward, backward and update, i.e. its step"
         " but for its wait after backward; waiting = ms per step - rest; cost model: the ring all-reduce of the"

@@ -57,7 +57,7 @@ import shutil
 import tempfile
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier, table
 
 from dtrain import checkpoint, terminal
 from dtrain.comm import mpi, usable_cores
@@ -140,11 +140,6 @@ def arrow(src: int, dst: int, columns: int, width: int) -> str:
 def heading(text: str) -> None:
     """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
     mpi.print0(terminal.paragraph(text, hanging="   "))
-
-
-def show(header: list, rows: list, **how) -> None:
-    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, indent="   ", **how))
 
 
 mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); global batch {B} digits\n")
@@ -258,10 +253,10 @@ if rank == 0:
         for name, m in curves.items()
     }
     say("train loss (the global batch's, averaged over the epoch) and test accuracy after each epoch:")
-    show(["epoch", *(f"{name} loss" for name in curves), *(f"{name} accuracy" for name in curves)],
-         [[str(e + 1), *(f"{m['epochs'][e]['train_loss']:.4f}" for m in curves.values()),
-           *(f"{100 * m['epochs'][e]['test_accuracy']:.2f}%" for m in curves.values())] for e in range(args.epochs)],
-         left=(), groups=(1, 1 + len(curves)))  # fmt: skip
+    table(["epoch", *(f"{name} loss" for name in curves), *(f"{name} accuracy" for name in curves)],
+          [[str(e + 1), *(f"{m['epochs'][e]['train_loss']:.4f}" for m in curves.values()),
+            *(f"{100 * m['epochs'][e]['test_accuracy']:.2f}%" for m in curves.values())] for e in range(args.epochs)],
+          left=(), groups=(1, 1 + len(curves)))  # fmt: skip
     say("samples/s: " + ", ".join(f"{name} {m['samples_per_s']:,.0f}" for name, m in curves.items()))
     accuracy = {name: curves[name]["final"]["test_accuracy"] for name in curves}
     gap = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(curves["ps-sync"]["epochs"],
@@ -356,8 +351,8 @@ if rank == 0:
             staleness = f"{st['mean']:.1f}, {st['max']}" if paradigm == "ps-async" else "0"
             cells.append([name, f"{factor:g}x" if factor != 1 else "none", f"{m['samples_per_s']:,.0f}",
                           str(pushes(m)), staleness, f"{row['step_ms']:.2f}", f"{row['wait_ms']:.2f}"])  # fmt: skip
-        show(["run", "straggler", "samples/s", "pushes per worker", "staleness mean, max", "worker 0 ms per step",
-              "of which waiting"], cells, keys=2)  # fmt: skip
+        table(["run", "straggler", "samples/s", "pushes per worker", "staleness mean, max", "worker 0 ms per step",
+               "of which waiting"], cells, keys=2)  # fmt: skip
         find = {(r["paradigm"], r["slow_factor"], r["staleness_bound"]): r for r in rows}
         ratio = find["ps-async", FACTOR, None]["samples_per_s"] / find["ps-sync", FACTOR, None]["samples_per_s"]
         kept = find["ps-sync", FACTOR, None]["samples_per_s"] / find["ps-sync", 1.0, None]["samples_per_s"]
@@ -431,7 +426,7 @@ if rank == 0:
                 paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64"))["sent_per_step"]  # fmt: skip
         link_ok = link_ok and exact
         results["link"]["runs"][label] = {"roles": roles, "sent": sent, "costs": predicted, "received": received}
-    show(["run", "rank", "role", "sent", "costs()", "/ n", "received", "expected"], cells, left=(0, 2, 7), keys=2)
+    table(["run", "rank", "role", "sent", "costs()", "/ n", "received", "expected"], cells, left=(0, 2, 7), keys=2)
     busiest = {label: max(v["sent"]) / n for label, v in results["link"]["runs"].items()}
     say("the busiest link, per step: " + ", ".join(f"{label} {b:.2f} n" for label, b in busiest.items())
         + f" (2(p-1)/p n = {2 * (p - 1) / p:.2f} n)")  # fmt: skip
@@ -445,7 +440,7 @@ if rank == 0:
         projection[label] = [max(ParameterServer.costs(sizes, q, TrainConfig(paradigm="ps-sync", servers=servers(q),
                              dtype="float64"))["sent_per_step"]) / n for q in ps]  # fmt: skip
     projection["ring all-reduce"] = [2 * (q - 1) / q for q in ps]
-    show(["p =", *map(str, ps)], [[label, *(f"{v:.2f}" for v in row)] for label, row in projection.items()])
+    table(["p =", *map(str, ps)], [[label, *(f"{v:.2f}" for v in row)] for label, row in projection.items()])
     results["link"]["projection"] = {"p": ps, **projection}
     say(
         "Every push and every reply goes through the server: its link carries W times a worker's bytes each way,"
@@ -479,9 +474,9 @@ if rank == 0:
         ops = mine["operations"]
         first_broadcast = ops["broadcast/tree"]["bytes_sent"] // (steps + 1)  # the build's, then one per step
         sent.append((ops["reduce/tree"]["bytes_sent"] + ops["broadcast/tree"]["bytes_sent"] - first_broadcast) // steps)
-    show(["rank", "sent per step (tracer)", "costs()", "optimizer state held"],
-         [[str(r), f"{sent[r]:,d}", f"{costs['sent_per_step'][r]:,d}", f"{held[r]['optimizer']:,d}"] for r in range(p)],
-         left=())  # fmt: skip
+    table(["rank", "sent per step (tracer)", "costs()", "optimizer state held"],
+          [[str(r), f"{sent[r]:,d}", f"{costs['sent_per_step'][r]:,d}", f"{held[r]['optimizer']:,d}"]
+           for r in range(p)], left=())  # fmt: skip
     storage_ok = difference < 1e-12 and sent == costs["sent_per_step"]
     storage_ok = storage_ok and [h["optimizer"] for h in held] == costs["optimizer"]
     results["central_storage"] = {"relative_difference": difference, "sent": sent, "held": held}

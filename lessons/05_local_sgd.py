@@ -44,7 +44,17 @@ import math
 import statistics
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, everywhere, lesson_xp, parse_and_start, say, whole_numbers
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    conclude,
+    everywhere,
+    lesson_xp,
+    parse_and_start,
+    say,
+    table,
+    whole_numbers,
+)
 
 from dtrain import parallel, terminal
 from dtrain.backend import to_host, weights_digest
@@ -165,11 +175,6 @@ def heading(text: str) -> None:
     mpi.print0(terminal.paragraph(text, hanging="   "))
 
 
-def show(header: list, rows: list, **how) -> None:
-    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, indent="   ", **how))
-
-
 mpi.print0(terminal.paragraph(
     f"Lesson 5: local SGD on {p} ranks; {'-'.join(map(str, SIZES))} on digits, global batch {B} ({B // p} per rank), "
     f"{PER_EPOCH} steps per epoch"
@@ -201,9 +206,9 @@ for via in ("allreduce", "master"):
     local.finish()
     equality[via] = row
 say(f"How far from ddp's after {STEPS_1} steps (the largest relative difference):")
-show(["--average-via", "averages", "weights", "each rank's momentum buffer, up to", "their mean"],
-     [[via, str(row["averages"]), f"{row['weights']:.1e}", f"{row['own_velocity']:.2f}", f"{row['mean_velocity']:.1e}"]
-      for via, row in equality.items()])  # fmt: skip
+table(["--average-via", "averages", "weights", "each rank's momentum buffer, up to", "their mean"],
+      [[via, str(row["averages"]), f"{row['weights']:.1e}", f"{row['own_velocity']:.2f}", f"{row['mean_velocity']:.1e}"]
+       for via, row in equality.items()])  # fmt: skip
 adam = {}
 for paradigm in ("ddp", "local-sgd"):
     extra = {"sync_every": 1} if paradigm == "local-sgd" else {}
@@ -273,7 +278,7 @@ for name, (cfg, metrics) in runs.items():
     ratios = [a / b for a, b in zip(ddp_bytes, measured)]
     cells.append([name, str(counted), f"{measured[0]:,d}", rest, "yes" if right else "NO", f"{ratios[0]:.2f}"])
     results["bytes"][name] = {"measured": measured, "costs": expected, "averages": counted, "ratio_to_ddp": ratios}
-show(["run", "averages", "bytes sent: rank 0", others, "= costs()", "ddp / this"], cells)
+table(["run", "averages", "bytes sent: rank 0", others, "= costs()", "ddp / this"], cells)
 initial = traced(runs["ddp"][1], ("broadcast/tree",))
 evaluation = traced(runs[f"H={H_MAX}"][1], ("evaluation",))
 results["bytes"]["initial_broadcast"], results["bytes"]["evaluation"] = initial, evaluation
@@ -355,8 +360,8 @@ if rank == 0:
             epoch = drift[h]["per_step"][e * PER_EPOCH : (e + 1) * PER_EPOCH]
             ends = (statistics.mean(epoch), max(epoch), epoch[-1], drift[h]["driver_per_epoch"][e])
             cells[-1] += [f"{v:.4f}" for v in ends]
-    show(["epoch", *(f"H={h} {what}" for h in DRIFT_HS for what in ("mean", "max", "at end", "driver's"))], cells,
-         left=(), groups=tuple(range(1, 1 + 4 * len(DRIFT_HS), 4)))  # fmt: skip
+    table(["epoch", *(f"H={h} {what}" for h in DRIFT_HS for what in ("mean", "max", "at end", "driver's"))], cells,
+          left=(), groups=tuple(range(1, 1 + 4 * len(DRIFT_HS), 4)))  # fmt: skip
     means = [statistics.mean(drift[h]["per_step"]) for h in DRIFT_HS]
     say(
         "Mean distance over all steps: "
@@ -398,8 +403,8 @@ if rank == 0:
         cells.append([name, f"{row['bytes']:,d}", f"{row['bytes'] / accuracy['ddp']['bytes']:.1%}", f"{mean:.2f}%",
                       f"{row['difference']:+.2f}", spread, f"{statistics.mean(row['train_loss']):.4f}",
                       f"{statistics.mean(row['train_time_s']):.2f}"])  # fmt: skip
-    show(["run", "bytes per rank", "of ddp", "test accuracy", "vs ddp", "range over seeds", "train loss", "train s"],
-         cells, groups=(3,))  # fmt: skip
+    table(["run", "bytes per rank", "of ddp", "test accuracy", "vs ddp", "range over seeds", "train loss", "train s"],
+          cells, groups=(3,))  # fmt: skip
     say(
         f"(test accuracy: the mean over the seeds, in %, on {len(digits['float32'].y_test)} test images, so one image"
         f" is {100 / len(digits['float32'].y_test):.2f} points; vs ddp: points; train loss: the ranks' own losses"

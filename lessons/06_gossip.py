@@ -46,7 +46,7 @@ import statistics
 from fractions import Fraction
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say
+from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, table
 
 from dtrain import terminal
 from dtrain.autograd import Tensor, no_grad
@@ -122,11 +122,6 @@ def heading(text: str) -> None:
     mpi.print0(terminal.paragraph(text, hanging="   "))
 
 
-def show(header: list, rows: list, indent: str = "   ", **how) -> None:
-    """A table on rank 0, indented like the section and fitted to the terminal (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, indent=indent, **how))
-
-
 mpi.print0(terminal.paragraph(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}") + "\n")
 if args.device == "gpu":
     mpi.print0(terminal.paragraph("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of"
@@ -141,14 +136,14 @@ heading(f"1. Who averages with whom, and the mixing matrix W of one round, on {p
 if rank == 0:
     graphs = [(t, step) for t in TOPOLOGIES for step in ((0, 1) if t == "random" else (0,))]
     say("Each rank's neighbours:")
-    show(["rank", *(f"{t}, step {step}" if t == "random" else t for t, step in graphs)],
-         [[str(r), *(", ".join(map(str, neighbours(t, p, r, step))) for t, step in graphs)] for r in range(p)],
-         left=range(1, 1 + len(graphs)), wrap=())  # fmt: skip
+    table(["rank", *(f"{t}, step {step}" if t == "random" else t for t, step in graphs)],
+          [[str(r), *(", ".join(map(str, neighbours(t, p, r, step))) for t, step in graphs)] for r in range(p)],
+          left=range(1, 1 + len(graphs)), wrap=())  # fmt: skip
     for topology in ("ring", "exponential"):
         w = mixing_matrix(topology, p)
         say(f"W, {topology} ('.' is 0), row r: what rank r keeps of each rank's weights:")
         fractions = [[str(Fraction(v).limit_denominator(64)) if v else "." for v in row] for row in w]
-        show(["r", *map(str, range(p))], [[str(r), *row] for r, row in enumerate(fractions)], indent="      ", left=())
+        table(["r", *map(str, range(p))], [[str(r), *row] for r, row in enumerate(fractions)], indent="      ", left=())
 matrix_ok = True
 for topology in TOPOLOGIES:
     for step in range(4 if topology == "random" else 1):
@@ -200,8 +195,8 @@ for k in WORLDS:
     cells.append([str(k), f"{row['ring']:.4f}", f"{closed:.4f}", f"{row['exponential']:.4f}",
                   str(len(neighbours("exponential", k, 0))), f"{row['torus']:.4f}" if "torus" in row else "-",
                   f"{row['random']:.4f}", f"{rounds_for(row['ring'])}, {rounds_for(row['exponential'])}"])  # fmt: skip
-show(["ranks", "ring", "closed form", "exponential", "degree", "torus", "random*",
-      "rounds for 1/1000: ring, exponential"], cells, left=())  # fmt: skip
+table(["ranks", "ring", "closed form", "exponential", "degree", "torus", "random*",
+       "rounds for 1/1000: ring, exponential"], cells, left=())  # fmt: skip
 say(
     "(* random: the gap of the expected W over 256 pairings, what a round does on average; one pairing alone splits"
     " the ranks into pairs and has no gap at all.) The ring's gap falls as 1/p^2: on 64 ranks a round removes"
@@ -267,8 +262,8 @@ if rank == 0:
         for top in TOPOLOGIES:
             spreads = rounds[top]["spread"]
             cells[-1] += [f"{spreads[t] / spreads[0]:.2e}", f"{rounds[top]['lambda2'] ** t:.1e}"]
-    show(["t", *(f"{top}{what}" for top in TOPOLOGIES for what in ("", " |lambda_2|^t"))], cells, left=(),
-         groups=tuple(range(1, 1 + 2 * len(TOPOLOGIES), 2)))  # fmt: skip
+    table(["t", *(f"{top}{what}" for top in TOPOLOGIES for what in ("", " |lambda_2|^t"))], cells, left=(),
+          groups=tuple(range(1, 1 + 2 * len(TOPOLOGIES), 2)))  # fmt: skip
     say(
         "A round is an exact weighted average, so the mean of the replicas moves only by rounding; the spread"
         " shrinks by |lambda_2| or more per round (more where the starting point has little of the slowest"
@@ -346,7 +341,7 @@ if rank == 0:
         for topology in ("ring", "exponential"):
             epoch = training[topology]["per_step"][e * PER_EPOCH : (e + 1) * PER_EPOCH]
             cells[-1] += [f"{statistics.mean(epoch):.2e}", f"{training[topology]['driver_per_epoch'][e]:.2e}"]
-    show(["epoch", "ring: mean", "at end", "exponential: mean", "at end"], cells, left=(), groups=(1, 3))
+    table(["epoch", "ring: mean", "at end", "exponential: mean", "at end"], cells, left=(), groups=(1, 3))
     print()
     reference = 100 * runs["ddp"][1]["final"]["test_accuracy"]
     cells = []
@@ -357,7 +352,7 @@ if rank == 0:
         accuracy = 100 * metrics["final"]["test_accuracy"]
         cells.append([name, gap, before, f"{accuracy:.2f}%", f"{accuracy - reference:+.2f}"])
         training.setdefault(name, {})["driver_test_accuracy"] = metrics["final"]["test_accuracy"]
-    show(["run", "spectral gap", "distance before the final average", "test accuracy", "vs ddp"], cells)
+    table(["run", "spectral gap", "distance before the final average", "test accuracy", "vs ddp"], cells)
     ring, exponential = (statistics.mean(training[t]["per_step"]) for t in ("ring", "exponential"))
     say(
         f"Averaged over the {STEPS} steps, the replicas sit {ring:.1e} (ring) and {exponential:.1e} (exponential) of"
@@ -410,7 +405,7 @@ for topology in TOPOLOGIES:
     degree = "1" if topology == "random" else str(degrees[topology])
     cells.append([topology, degree, f"{measured[0] / STEPS:,.0f}", f"{measured[0] / STEPS / N:.2f}",
                   f"{messages[0] / STEPS:.1f}", "yes" if right else "NO", f"{final[0]:,d}"])  # fmt: skip
-show(["run", "degree", "bytes per step (rank 0)", "/ n", "messages per step", "= costs()", "final all-reduce"], cells)
+table(["run", "degree", "bytes per step (rank 0)", "/ n", "messages per step", "= costs()", "final all-reduce"], cells)
 sent["ddp"] = {"measured": ddp_bytes, "messages": ddp_messages}
 ring_allreduce = 2 * (p - 1) / p
 say(

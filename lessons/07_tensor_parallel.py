@@ -48,15 +48,14 @@ block against the unsharded layers, on simulated ranks and under mpiexec.
 """
 
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 from lesson_util import (
     Checks,
     add_device_flag,
+    against_single,
     big_model_parser,
     big_model_widths,
     conclude,
@@ -65,6 +64,7 @@ from lesson_util import (
     say,
     single_reference,
     sleeping_barrier,
+    table,
 )
 
 from dtrain import terminal
@@ -72,7 +72,7 @@ from dtrain.autograd import Tensor
 from dtrain.backend import to_host
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
-from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
+from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, parameter_count
@@ -118,56 +118,6 @@ def traffic(comm) -> dict:
 def heading(text: str) -> None:
     """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
     mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
-
-
-def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
-    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
-
-
-def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tuple, what: str, costs: str,
-                   why: str) -> dict | None:  # fmt: skip
-    """lesson_util.against_single, its two tables fitted to the terminal: on rank 0 (which holds the metrics), every
-    run's loss curve beside ``single``'s and every rank's bytes per step (the traffic labelled with ``prefixes``)
-    beside the run's cost function, then ``why``; on every rank, the claims that every ``what`` follows single's loss
-    curve (to 1e-10) and that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``). Returns
-    the curves on rank 0, None on the others."""
-    curves, training_ok, bytes_ok = None, True, True
-    if checks.comm.Get_rank() == 0:
-        epochs = len(single["epochs"])
-        steps = epochs * steps_per_epoch(single["dataset"]["train_samples"], single["config"]["batch_size"])
-        curves = {"single": [e["train_loss"] for e in single["epochs"]]}
-        curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
-        table(["epoch", *curves], [[f"{e + 1}", *(f"{curves[label][e]:.14f}" for label in curves)]
-                                   for e in range(epochs)], left=())  # fmt: skip
-        worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
-        training_ok = worst < 1e-10
-        say(f"largest relative difference from single: {worst:.1e}")
-        print()
-        say("bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank:")
-        cells = []
-        for label, metrics in runs.items():
-            sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes))
-                    / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
-            exact = sent == metrics["costs"]["sent_per_step"]
-            bytes_ok = bytes_ok and exact
-            cells.append([label, *(f"{s:,.0f}" for s in sent), "yes" if exact else "NO"])
-        ranks = len(cells[0]) - 2
-        table(["", *(f"rank {r}" for r in range(ranks)), "= costs()"], cells, left=(0, ranks + 1))
-        say(why)
-    checks.ok(f"every {what} follows single's loss curve", training_ok)
-    checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)
-    return curves
-
-
-def finish(json_path: str | None, results: dict, checks: Checks) -> None:
-    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
-    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
-    passed (and exits 1 on every rank if not)."""
-    if json_path and checks.comm.Get_rank() == 0:
-        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
-        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
-    conclude(None, results, checks)
 
 
 mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)")
@@ -346,4 +296,4 @@ if rank == 0:
 
 # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-finish(args.json, results, checks)
+conclude(args.json, results, checks)

@@ -47,10 +47,8 @@ under mpiexec.
 """
 
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 from lesson_util import (
@@ -63,6 +61,7 @@ from lesson_util import (
     parse_and_start,
     say,
     single_reference,
+    table,
 )
 
 from dtrain import terminal
@@ -109,11 +108,6 @@ def heading(text: str) -> None:
     mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
 
 
-def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
-    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
-
-
 def zero_config(stage: int, sizes, batch: int, **extra) -> TrainConfig:
     return TrainConfig(paradigm="zero", zero_stage=stage, hidden=tuple(sizes[1:-1]), batch_size=batch,
                        allreduce="ring", timeout=0, device=args.device, **extra)  # fmt: skip
@@ -124,16 +118,6 @@ def built(stage: int, sizes, batch: int, optimizer: str = "sgd") -> Zero:
     zero = Zero(prepare(world, device=args.device, timeout=0), zero_config(stage, sizes, batch, optimizer=optimizer))
     zero.build(lambda: MLP(sizes, seed=0, xp=xp), lambda model: make_optimizer(optimizer, model, 0.01))
     return zero
-
-
-def finish(json_path: str | None, results: dict, checks: Checks) -> None:
-    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
-    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
-    passed (and exits 1 on every rank if not)."""
-    if json_path and checks.comm.Get_rank() == 0:
-        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
-        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
-    conclude(None, results, checks)
 
 
 mpi.print0(f"Lesson 9: ZeRO, sharded data parallelism, on {p} rank(s)")
@@ -395,4 +379,4 @@ if rank == 0:
 
 # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-finish(args.json, results, checks)
+conclude(args.json, results, checks)

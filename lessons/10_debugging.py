@@ -219,18 +219,10 @@ def heading(text: str) -> None:
 
 
 def shell(words, indent: str = "   ") -> None:
-    """A command as you would type it: ``$`` and its words, broken where need be with the shell's own
-    continuation (dtrain.terminal.command; an option too long for a line with its value, a long path, has the
-    value on the next line)."""
-    width, lines = terminal.prose_width(), []
-    for line in terminal.command([str(w) for w in words], indent + "  ").splitlines():
-        option, _, value = line.strip().removesuffix(" \\").partition(" ")
-        if len(line) <= width or not option.startswith("-") or not value:
-            lines.append(line)
-            continue
-        lead = line[: len(line) - len(line.lstrip())]
-        lines += [f"{lead}{option} \\", f"{lead}    {value}" + (" \\" if line.endswith(" \\") else "")]
-    print("\n".join([indent + "$ " + lines[0][len(indent) + 2 :], *lines[1:]]), flush=True)
+    """A command as you would type it: ``$`` and its words, broken where need be with the shell's own continuation
+    (dtrain.terminal.command, which puts an option's value on the next line when the two do not fit one)."""
+    text = terminal.command([str(w) for w in words], indent + "  ")
+    print(indent + "$ " + text[len(indent) + 2 :], flush=True)
 
 
 def quoted(line: str) -> list[str]:

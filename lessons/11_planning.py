@@ -92,7 +92,8 @@ def heading(text: str) -> None:
 
 def bullet(text: str) -> None:
     """An item of a list under a part, wrapped to the terminal; a word longer than the room (an address) is printed
-    whole on a line of its own, standing in less."""
+    whole on a line of its own, standing in less (terminal.paragraph keeps it whole too, but at the item's indentation,
+    past the end of the line: dgx-h100's sources would not fit 80 columns)."""
     width = terminal.prose_width()
     for line in textwrap.wrap(text, width, initial_indent="     - ", subsequent_indent="       ",
                               break_long_words=False, break_on_hyphens=False):  # fmt: skip
@@ -113,7 +114,9 @@ def nbytes(n: float) -> str:
 
 def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
     """Print a table fitted to the terminal (:func:`dtrain.terminal.table`), indented like the rest: the ``left``
-    columns aligned left (text), the others right (numbers); ``fitting``: its keys, groups or notes column."""
+    columns aligned left (text), the others right (numbers); ``fitting``: its keys, groups or notes column. (As
+    lesson_util.table, but this lesson is a plain process that starts its jobs itself, not a rank, and does not import
+    lesson_util: notebook 11 loads this file without lessons/ on its path.)"""
     print(terminal.table(header, rows, left=left, indent="   ", **fitting), flush=True)
 
 

@@ -62,14 +62,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
-from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier, whole_numbers
+from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier, table, whole_numbers
 
 from dtrain import hardware, parallel, report, terminal
 from dtrain.backend import weights_digest
@@ -305,21 +303,6 @@ def speed(bandwidth: float | None) -> str:
 def heading(text: str) -> None:
     """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
     mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
-
-
-def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
-    """A table (on rank 0), fitted to the terminal and indented like the rest (dtrain.terminal.table)."""
-    mpi.print0(terminal.table(header, rows, left=left, indent="   ", **fitting))
-
-
-def finish(json_path: str | None, results: dict, checks: Checks) -> None:
-    """lesson_util.conclude, the line that names the --json file wrapped to the terminal: rank 0 writes the
-    measurements and every claim's verdict to ``json_path`` and says where; then conclude() says whether all checks
-    passed (and exits 1 on every rank if not)."""
-    if json_path and checks.comm.Get_rank() == 0:
-        Path(json_path).write_text(json.dumps({**results, "checks": checks.verdicts}, indent=1))
-        print("\n" + terminal.paragraph(f"measurements written to {json_path}", hanging="  "), flush=True)
-    conclude(None, results, checks)
 
 
 # ------------------------------------------------------------------------------------------------ the lesson
@@ -732,7 +715,7 @@ def main() -> None:
 
     # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
     mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-    finish(args.json, results, checks)
+    conclude(args.json, results, checks)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ job; all of them alike just exit, see dtrain.comm.run)::
     args, world, p, rank = parse_and_start(parser)                          # parses, then the world
     checks = Checks(world)
     checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)
+    table(["epoch", "loss"], rows, left=())                                 # on rank 0, fitted to the terminal
     ...
     conclude(args.json, results, checks)   # --json (with every claim's verdict), then "all checks passed: yes"
 """
@@ -118,6 +119,13 @@ def say(text: str) -> None:
     mpi.print0(terminal.paragraph(text, "   "))
 
 
+def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
+    """Print (on rank 0) a table fitted to the terminal (:func:`dtrain.terminal.table`) and indented like the rest:
+    the ``left`` columns aligned left (text), the others right (numbers); ``fitting``: terminal.table's other
+    keywords (keys, notes, groups, wrap; and indent, three spaces unless given)."""
+    mpi.print0(terminal.table(header, rows, left=left, **{"indent": "   ", **fitting}))
+
+
 def everywhere(flag: bool, comm) -> bool:
     """True on every rank iff ``flag`` is true on every rank."""
     return comm.allreduce(int(bool(flag)), op=_min()) == 1
@@ -189,9 +197,9 @@ def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tu
                    why: str) -> dict | None:  # fmt: skip
     """A lesson's training on real ranks, checked: on rank 0 (which holds the metrics), every run's loss curve beside
     ``single``'s and every rank's bytes per step (the traffic labelled with ``prefixes``) beside the run's cost
-    function, then ``why``; on every rank, the claims that every ``what`` follows single's loss curve (to 1e-10) and
-    that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``). Returns the curves on rank 0,
-    None on the others."""
+    function, two tables fitted to the terminal, then ``why``; on every rank, the claims that every ``what`` follows
+    single's loss curve (to 1e-10) and that every rank's bytes per step equal ``costs`` (``costs()["sent_per_step"]``).
+    Returns the curves on rank 0, None on the others."""
     from dtrain.data import steps_per_epoch
 
     curves, training_ok, bytes_ok = None, True, True
@@ -200,20 +208,22 @@ def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tu
         steps = epochs * steps_per_epoch(single["dataset"]["train_samples"], single["config"]["batch_size"])
         curves = {"single": [e["train_loss"] for e in single["epochs"]]}
         curves.update({label: [e["train_loss"] for e in metrics["epochs"]] for label, metrics in runs.items()})
-        width = max(19, *(len(label) + 2 for label in curves))
-        print(f"   {'epoch':>5s}" + "".join(f"{label:>{width}s}" for label in curves))
-        for e in range(epochs):
-            print(f"   {e + 1:5d}" + "".join(f"{curves[label][e]:{width}.14f}" for label in curves))
+        table(["epoch", *curves], [[f"{e + 1}", *(f"{curves[label][e]:.14f}" for label in curves)]
+                                   for e in range(epochs)], left=())  # fmt: skip
         worst = max(abs(a - b) / abs(b) for c in curves.values() for a, b in zip(c, curves["single"]))
         training_ok = worst < 1e-10
-        print(f"   largest relative difference from single: {worst:.1e}")
-        print("\n   bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank")
+        say(f"largest relative difference from single: {worst:.1e}")
+        print()
+        say("bytes sent per step by each rank (the tracer), and whether they equal costs() on every rank:")
+        cells = []
         for label, metrics in runs.items():
             sent = [sum(o["bytes_sent"] for name, o in mine["operations"].items() if name.startswith(prefixes))
                     / steps for mine in metrics["communication"]["per_rank"]]  # fmt: skip
             exact = sent == metrics["costs"]["sent_per_step"]
             bytes_ok = bytes_ok and exact
-            print(f"   {label:{width}s}" + "".join(f"{s:10,.0f}" for s in sent) + f"   {'yes' if exact else 'NO'}")
+            cells.append([label, *(f"{s:,.0f}" for s in sent), "yes" if exact else "NO"])
+        ranks = len(cells[0]) - 2
+        table(["", *(f"rank {r}" for r in range(ranks)), "= costs()"], cells, left=(0, ranks + 1))
         say(why)
     checks.ok(f"every {what} follows single's loss curve", training_ok)
     checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)

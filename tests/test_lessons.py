@@ -10,27 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi_util import COLUMNS, LESSONS, assert_fits, run_lesson, run_mpi
 
 from dtrain.collectives import ALGORITHMS
-
-
-@pytest.fixture
-def short_tmp():
-    """A fresh folder with a short path, for the files a lesson writes: its last lines name its --json file (printed
-    whole on one line by lesson_util.conclude, as a path cannot be wrapped), and pytest's tmp_path, named after the
-    test, makes that line longer than the COLUMNS it must fit."""
-    folder = Path(tempfile.mkdtemp(prefix="dtrain-"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_lesson_01_single_device_trains():
@@ -84,13 +71,13 @@ def test_lesson_02_exits_nonzero_on_bad_arguments(nranks):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 2, 4])
-def test_lesson_03_data_parallel_checks_its_claims(nranks, short_tmp):
+def test_lesson_03_data_parallel_checks_its_claims(nranks, tmp_path):
     """Lesson 3 checks the gradient average, the loss curves and every rank's bytes; here its measurements file says
     so, and its trace holds each rank's backward and bucket spans."""
-    trace = short_tmp / "trace.json"
+    trace = tmp_path / "trace.json"
     ranks = [k for k in (1, 2, 4) if k <= nranks]
     flags = ["--epochs", "2", "--steps", "8", "--big-batch", "192", "--trace", str(trace)]
-    results, out = run_lesson(nranks, "03_data_parallel.py", flags, short_tmp, claims=(
+    results, out = run_lesson(nranks, "03_data_parallel.py", flags, tmp_path, claims=(
         "the average of the slice gradients is the whole batch's gradient",
         f"the loss curves on {ranks} ranks agree",
         "bytes per step match DataParallel.costs() and 2(p-1)/p n on every rank",
@@ -123,11 +110,11 @@ def test_lesson_03_exits_nonzero_on_bad_arguments():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [3, 4])
-def test_lesson_04_parameter_server_checks_its_claims(nranks, short_tmp):
+def test_lesson_04_parameter_server_checks_its_claims(nranks, tmp_path):
     """Lesson 4 checks ps-sync against one process, bound 0 against ps-sync, the staleness histograms against the
     tracer's pushes and the bound, and every rank's bytes against the cost functions; its measurements file says
     so."""
-    results, _ = run_lesson(nranks, "04_parameter_server.py", ["--epochs", "2", "--quick"], short_tmp, claims=(
+    results, _ = run_lesson(nranks, "04_parameter_server.py", ["--epochs", "2", "--quick"], tmp_path, claims=(
         "ps-sync's weights are one process's on the whole global batch",
         "ps-async reaches 90% test accuracy (with and without a bound)",
         "ps-sync's loss curve is ddp's",

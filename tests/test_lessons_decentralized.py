@@ -10,28 +10,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 from mpi_util import LESSONS, run_lesson, run_mpi
 
 
-@pytest.fixture
-def short_tmp():
-    """A fresh folder with a short path, for the files a lesson writes: its last lines name its --json file (printed
-    whole on one line by lesson_util.conclude, as a path cannot be wrapped), and pytest's tmp_path, named after the
-    test, makes that line longer than the COLUMNS it must fit."""
-    folder = Path(tempfile.mkdtemp(prefix="dtrain-"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.mark.mpi
-def test_lesson_05_local_sgd_checks_its_claims(short_tmp):
+def test_lesson_05_local_sgd_checks_its_claims(tmp_path):
     flags = ["--epochs", "2", "--seeds", "2", "--warmup-sync-steps", "10"]
-    results, out = run_lesson(4, "05_local_sgd.py", flags, short_tmp, timeout=120)
+    results, out = run_lesson(4, "05_local_sgd.py", flags, tmp_path, timeout=120)
     assert len(results["checks"]) == 6, results["checks"]  # every one passed (run_lesson)
     assert "H = 8 on 4 ranks:" in out, out
     assert results["world"] == 4 and results["steps"] == 2 * results["steps_per_epoch"] == 28
@@ -55,8 +42,8 @@ def test_lesson_05_local_sgd_checks_its_claims(short_tmp):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [4, 8])
-def test_lesson_06_gossip_checks_its_claims(nranks, short_tmp):
-    results, _ = run_lesson(nranks, "06_gossip.py", ["--epochs", "2", "--rounds", "6"], short_tmp, timeout=120)
+def test_lesson_06_gossip_checks_its_claims(nranks, tmp_path):
+    results, _ = run_lesson(nranks, "06_gossip.py", ["--epochs", "2", "--rounds", "6"], tmp_path, timeout=120)
     assert len(results["checks"]) == 5, results["checks"]  # every one passed (run_lesson)
     assert results["world"] == nranks and results["topologies"] == ["ring", "exponential", "torus", "random"]
     gaps = results["spectral_gap"][str(nranks)]
