@@ -492,7 +492,7 @@ def _launch(args) -> int:
 
 
 def _launch_and_explain(ranks: int, target: list[str], hosts, oversubscribe: bool, env: dict) -> int:
-    """Run the job; if it failed and no rank said why (a rank killed by a signal), say it in one line, and keep MPI's
+    """Run the job; if a rank was killed or aborted the job without a word, say so in one line, and keep MPI's
     banners off the terminal where the ending is known (:func:`dtrain.supervise.ending`). Its exit status."""
     from dtrain import supervise
     from dtrain.comm import launcher

@@ -389,27 +389,40 @@ _ABORT = re.compile(r"MPI_Abort\(MPI_COMM_WORLD, \d+\) - process (\d+)|MPI_ABORT
 
 @dataclass
 class Ending:
-    """How a failed job ended, as far as the launcher can tell."""
+    """How a failed job ended, as far as the launcher can tell: ``cause`` is "signal" (a rank was killed), "exception"
+    or "watchdog" (dtrain's own report, a traceback or the watchdog's, said it already), "abort" (a rank called
+    MPI_Abort and said nothing more) or "exit" (ranks exited with a failing status: what they printed says why)."""
 
     how: str  # in words: "rank 1 was killed by SIGKILL", "the watchdog found rank 2 stalled", ...
+    cause: str
     rank: int | None = None
     signal: str | None = None
-    reported: bool = False  # dtrain's own report (an exception's traceback, the watchdog's) said it already
-    known: bool = True  # False: neither dtrain nor MPI said what happened (MPI's banners are then worth showing)
+
+    @property
+    def reported(self) -> bool:
+        """dtrain's own report, or the ranks' own words, said what happened."""
+        return self.cause in ("exception", "watchdog", "exit")
+
+    @property
+    def known(self) -> bool:
+        """Somebody (dtrain, or MPI's report of a signal) said what happened: MPI's banners add nothing."""
+        return self.cause != "exit"
 
 
 def ending(watched, fired: list[dict] = ()) -> Ending:
     """Which rank failed and how, from what is known for sure: the fault injector's record (``fired``), dtrain's own
-    report (an exception, the watchdog), MPI's report of a signal, and the order the ranks' processes ended in
-    (:class:`~dtrain.comm.launcher.Endings`); the first of these that speaks is believed."""
+    report (an exception, the watchdog), MPI's report of a signal or of an abort, and the order the ranks' processes
+    ended in (:class:`~dtrain.comm.launcher.Endings`); the first of these that speaks is believed. A rank is named
+    from that order only when one was killed: ranks that all exit by themselves end in no telling order."""
     tail, status = watched.tail, watched.returncode
-    reports = ((_WATCHDOG, "the watchdog found rank {} stalled"), (_EXCEPTION, "rank {} raised an exception"),
-               (_ABORT, "rank {} aborted the job"))  # fmt: skip
+    reports = ((_WATCHDOG, "the watchdog found rank {} stalled", "watchdog"),
+               (_EXCEPTION, "rank {} raised an exception", "exception"),
+               (_ABORT, "rank {} aborted the job", "abort"))  # fmt: skip
     if not fired:
-        for pattern, how in reports:
+        for pattern, how, cause in reports:
             if found := pattern.search(tail):
                 rank = int(next(g for g in found.groups() if g is not None))
-                return Ending(how.format(rank), rank, reported=pattern is not _ABORT)
+                return Ending(how.format(rank), cause, rank)
     rank, signum = None, None
     if found := _OPEN_MPI.search(tail):
         rank, signum = int(found.group(1)), int(found.group(2))
@@ -418,15 +431,17 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
     elif status > 128 and status - 128 in signal.valid_signals():
         signum = status - 128
     name = signal.Signals(signum).name if signum is not None else None
-    if rank is None:
-        rank = watched.first_to_end
     if fired:
         rank, name = fired[-1]["rank"], fired[-1]["signal"]
+    if name is None:
+        return Ending(f"the job's ranks exited with a failing status ({status})", "exit")
+    if rank is None:
+        rank = watched.first_to_end
     who = f"rank {rank}" if rank is not None else "a rank (MPI's report does not say which)"
-    how = f"{who} was killed by {name}" if name is not None else f"{who} failed (the job's exit status {status})"
+    how = f"{who} was killed by {name}"
     if fired:
         how += f" (the fault injector, {faults.ENV_VAR}={fired[-1]['spec']}, at global step {fired[-1]['step']})"
-    return Ending(how, rank, name, known=name is not None or rank is not None)
+    return Ending(how, "signal", rank, name)
 
 
 def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -32,6 +31,7 @@ COMFORTABLE = 32  # a text column as wide as this reads well: wider ones grow on
 NOTES_FLOOR = 40  # notes that would get fewer columns than this read better under the table
 PROSE = 100  # the widest a paragraph runs, however wide the terminal: long lines are hard to read
 NARROWEST = 20  # a $COLUMNS below this is taken as a mistake, not a terminal
+UNKNOWN_SIZE = 80  # a terminal that does not know its width is taken to be this wide (as shutil does)
 
 
 def columns(stream=None) -> int | None:
@@ -42,8 +42,9 @@ def columns(stream=None) -> int | None:
         return int(given)
     stream = sys.stdout if stream is None else stream
     try:
-        if stream.isatty():
-            return max(NARROWEST, shutil.get_terminal_size().columns)
+        if stream.isatty():  # (its own size: stdout may be a pipe while stderr is the terminal)
+            width = os.get_terminal_size(stream.fileno()).columns
+            return max(NARROWEST, width) if width > 0 else UNKNOWN_SIZE  # (script(1) without a terminal says 0)
     except (AttributeError, ValueError, OSError):  # a closed stream, or one with no notion of a terminal
         pass
     return None
@@ -120,6 +121,7 @@ def table(header: list[str], rows: list[list[str]], *, left=(0,), wrap=None, key
     is split; a note is printed after them). ``notes``: a column of long text that may move under the table.
     ``groups``: the columns where a group begins (a split keeps a group together where it can).
     ``width``: "auto" (:func:`columns` of ``stream``), a number, or None (no limit). ``indent`` starts every line.
+    A cell is one line of text, each character one column wide (no tabs, newlines or double-width characters).
     """
     header = [str(h) for h in header]
     rows = [[str(c) for c in row] for row in rows]
@@ -131,7 +133,7 @@ def table(header: list[str], rows: list[list[str]], *, left=(0,), wrap=None, key
     if limit is None or _span(natural) + len(indent) <= limit:  # 1. every cell on one line
         return _render(header, rows, natural, left, wrap, indent)
     room = limit - len(indent)
-    widths = _fit(header, rows, wrap, room)
+    widths = _fit(header, rows, wrap, room, left & wrap)
     if notes is not None and (widths is None or widths[notes] < min(NOTES_FLOOR, natural[notes])):  # 3. notes under
         keep = [i for i in range(len(header)) if i != notes]
         moved = [(" ".join(row[i] for i in range(keys)), row[notes]) for row in rows if row[notes].strip()]
@@ -142,15 +144,16 @@ def table(header: list[str], rows: list[list[str]], *, left=(0,), wrap=None, key
         return "\n".join([body, "", f"{indent}{header[notes] or 'notes'}:", *under])
     if widths is not None:  # 2. wrapped
         return _render(header, rows, widths, left, wrap, indent)
-    blocks = _deal(header, rows, wrap, keys, room, set(groups))  # 4. several tables
-    if blocks is not None:
-        parts = []
-        for block in blocks:
-            sub = [[row[i] for i in block] for row in rows]
-            cells = _fit([header[i] for i in block], sub, _renumber(wrap, block), room)
-            parts.append(_render([header[i] for i in block], sub, cells, _renumber(left, block),
-                                 _renumber(wrap, block), indent))  # fmt: skip
-        return "\n\n".join(parts)
+    parts = []  # 4. several tables
+    for block in _deal(header, rows, wrap, keys, room, set(groups), left & wrap) or []:
+        sub, named = [[row[i] for i in block] for row in rows], [header[i] for i in block]
+        cells = _fit(named, sub, _renumber(wrap, block), room, _renumber(left & wrap, block))
+        if cells is None:
+            break
+        parts.append(_render(named, sub, cells, _renumber(left, block), _renumber(wrap, block), indent))
+    else:
+        if parts:
+            return "\n\n".join(parts)
     return _records(header, rows, keys, room, indent)  # 5. a block per row
 
 
@@ -170,15 +173,17 @@ def _renumber(indices, kept: list[int]) -> set[int]:
     return {kept.index(i) for i in indices if i in kept}
 
 
-def _fit(header, rows, wrap, room: int) -> list[int] | None:
-    """Column widths within ``room``, headers wrapped and ``wrap`` columns wrapped as far as need be; None if even
-    the narrowest they may be does not fit."""
+def _fit(header, rows, wrap, room: int, hanging=frozenset()) -> list[int] | None:
+    """Column widths within ``room``, headers wrapped and ``wrap`` columns wrapped as far as need be (a ``hanging``
+    one's later lines stand in by one); None if even the narrowest they may be does not fit."""
     natural = _natural(header, rows)
     least = []
     for i, head in enumerate(header):
         cells = [row[i] for row in rows]
         if i in wrap:
-            least.append(max(_longest_word([head, *cells]), min(natural[i], WRAP_FLOOR)))
+            longest = _longest_word([head, *cells])
+            narrowest = max(longest, min(natural[i], WRAP_FLOOR))
+            least.append(max(narrowest, longest + 1) if i in hanging and narrowest < natural[i] else narrowest)
         else:
             least.append(max(_longest_word([head]), max((len(c) for c in cells), default=0)))
     if _span(least) > room:
@@ -227,13 +232,14 @@ def _render(header, rows, widths, left, wrap, indent) -> str:
     return "\n".join(out)
 
 
-def _deal(header, rows, wrap, keys: int, room: int, groups=()) -> list[list[int]] | None:
+def _deal(header, rows, wrap, keys: int, room: int, groups=(), hanging=frozenset()) -> list[list[int]] | None:
     """The columns after the ``keys`` dealt, in order, into as few tables as fit ``room``, each led by the keys; a
-    table ends before a column of ``groups`` (where a group of columns starts) rather than inside the group."""
+    table ends before a column of ``groups`` (where a group of columns starts) rather than inside the group, where
+    it can."""
 
     def fits(block) -> bool:
         return _fit([header[j] for j in block], [[r[j] for j in block] for r in rows], _renumber(wrap, block),
-                    room) is not None  # fmt: skip
+                    room, _renumber(hanging, block)) is not None  # fmt: skip
 
     blocks, block = [], list(range(keys))
     for i in range(keys, len(header)):
@@ -244,6 +250,8 @@ def _deal(header, rows, wrap, keys: int, room: int, groups=()) -> list[list[int]
             return None
         starts = [k for k, j in enumerate(block) if j in groups and k > keys]  # (a group begun in this table)
         cut = len(block) if i in groups or not starts else starts[-1]  # (column i starting a group: cut before it)
+        if not fits([*range(keys), *block[cut:], i]):  # (the group does not fit a table of its own: cut inside it)
+            cut = len(block)
         blocks.append(block[:cut])
         block = [*range(keys), *block[cut:], i]
         if not fits(block):
@@ -253,17 +261,30 @@ def _deal(header, rows, wrap, keys: int, room: int, groups=()) -> list[list[int]
 
 
 def _records(header, rows, keys: int, room: int, indent: str) -> str:
-    """Each row as a block: its name, then a line per column (``header  value``), values wrapped to the room."""
-    named = max((len(h) for h in header[keys:]), default=0)
-    named = min(named, room // 3)
+    """Each row as a block: its name, then a line per column (``header  value``), values wrapped to the room; a
+    header too long to stand beside its value has a line of its own. No rows: the headers, as a paragraph."""
+    if not rows or keys >= len(header):  # (no rows, or nothing but names: the headers, then the names)
+        names = [" ".join(row[:keys]) for row in rows]
+        return "\n".join([paragraph(", ".join(header), indent, indent + "  ", room + len(indent)), *names])
+    named = min(max((len(h) for h in header[keys:]), default=0), room // 2)
+
+    def wrapped(text: str, width: int) -> list[str]:
+        return textwrap.wrap(text, max(width, 1), break_long_words=False, break_on_hyphens=False) or [""]
+
     out = []
     for row in rows:
-        out += [indent + line for line in textwrap.wrap(" ".join(row[:keys]), room, subsequent_indent=" ") or [""]]
+        out += wrapped(" ".join(row[:keys]), room)
         for head, cell in zip(header[keys:], row[keys:]):
-            lead = f"  {head[:named].ljust(named)}  "
-            text = textwrap.wrap(cell, max(room - len(lead), 8), break_on_hyphens=False) or [""]
-            out += [indent + (lead if k == 0 else " " * len(lead)) + line for k, line in enumerate(text)]
-    return "\n".join(line.rstrip() for line in out)
+            if len(head) > named:  # (the value under its header, as far in as its longest word lets it)
+                out += [f"  {line}" for line in wrapped(head, room - 2)]
+                inset = next((n for n in (4, 2) if _longest_word([cell]) <= room - n), 0)
+                out += [" " * inset + line for line in wrapped(cell, room - inset)]
+                continue
+            lead = f"  {head.ljust(named)}  "
+            out += [
+                (lead if k == 0 else " " * len(lead)) + line for k, line in enumerate(wrapped(cell, room - len(lead)))
+            ]
+    return "\n".join((indent + line).rstrip() for line in out)
 
 
 STDOUT = "-"  # an output file named "-" is standard output, as every Unix tool reads it
@@ -309,7 +330,7 @@ class Bar:
                 known = os.get_terminal_size(sys.stderr.fileno()).columns > 0
             except OSError:
                 known = False
-            width = {"dynamic_ncols": True} if known else {"ncols": columns(sys.stderr) or 80, "nrows": 24}
+            width = {"dynamic_ncols": True} if known else {"ncols": columns(sys.stderr) or UNKNOWN_SIZE, "nrows": 24}
             self.bar = tqdm(total=total, desc=title, unit=unit, leave=False, **width)
 
     def update(self, done: int) -> None:

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from dtrain.comm import launcher
+from dtrain.comm.banners import WAIT_S, Banners
 
 pytestmark = [
     pytest.mark.mpi,
@@ -284,29 +285,56 @@ prterun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Ki
 """
 
 
-def filtered(text: str, chunk: int) -> tuple[str, str]:
-    """What :class:`launcher.Banners` lets through of ``text`` fed ``chunk`` bytes at a time, and what it held."""
-    banners, data, shown = launcher.Banners(), text.encode(), b""
+def filtered(data: bytes, chunk: int, pause_after: bytes | None = None) -> tuple[bytes, bytes]:
+    """What a :class:`Banners` lets through of ``data`` fed ``chunk`` bytes at a time, and what it held; with
+    ``pause_after``, the stream goes quiet for longer than WAIT_S after that piece."""
+    banners, shown, now = Banners(), b"", 100.0
     for i in range(0, len(data), chunk):
-        shown += banners.feed(data[i : i + chunk])
-    shown += banners.finish()
-    return shown.decode(), banners.held.decode()
+        piece = data[i : i + chunk]
+        shown += banners.feed(piece, now)
+        if pause_after is not None and (data[: i + chunk]).endswith(pause_after):
+            now += WAIT_S + 0.01
+            shown += banners.due(now)
+    return shown + banners.finish(), bytes(banners.held)
+
+
+OURS = b"epoch   1/2  loss 0.8766\n= not MPI's: one equals sign\n\n[1/4] a line of ours\nno newline at the end"
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096])  # however the pipe happens to cut it
 def test_mpis_banners_are_held_and_everything_else_passes_whole(chunk):
-    ours = "epoch   1/2  loss 0.8766\n= not MPI's: one equals sign\n\n[1/4] a line of ours\nno newline at the end"
-    text = ours.replace("[1/4]", MPICH_BOX + "[1/4]") + "\n" + OPEN_MPI_FRAME
-    text += "[mpiexec@vm] Sending Ctrl-C to processes as requested\n[mpiexec@vm] Press Ctrl-C again to force abort"
-    shown, held = filtered(text, chunk)
-    assert shown == ours + "\n"
-    assert held.startswith("\n=====") and "YOU CAN IGNORE" in held and "exited on signal 9" in held
-    assert held.endswith("Press Ctrl-C again to force abort")
+    data = OURS.replace(b"[1/4]", MPICH_BOX.encode() + b"[1/4]") + b"\n" + OPEN_MPI_FRAME.encode()
+    data += b"[mpiexec@vm] Sending Ctrl-C to processes as requested\n[mpiexec@vm] Press Ctrl-C again to force abort"
+    shown, held = filtered(data, chunk)
+    assert shown == OURS + b"\n"
+    assert held.startswith(b"\n=====") and b"YOU CAN IGNORE" in held and b"exited on signal 9" in held
+    assert held.endswith(b"Press Ctrl-C again to force abort")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_a_learners_rules_separators_and_bytes_pass_unchanged(chunk):
+    """Rules of = and of dashes, blank lines, a progress bar redrawn with \\r, CRLF and bytes that are not text:
+    everything a rank prints that is not MPI's own words goes out byte for byte."""
+    ours = (b"=" * 40 + b"\r\n\r\n" + b"-" * 60 + b"\nresults\n" + b"-" * 60 + b"\n[####    ] 40%\r[########] 80%\r"
+            + bytes(range(256)) + b"\n=   not a box\n" + b"=" * 30 + b"\n\n\n")  # fmt: skip
+    assert filtered(ours, chunk) == (ours, b"")
+
+
+def test_nothing_waits_long_held_back():
+    """A line that might begin a banner waits at most WAIT_S: a rule with nothing after it, a prompt without its
+    newline, a bar redrawn in place."""
+    banners, t = Banners(), 10.0
+    assert banners.feed(b"=" * 40 + b"\n", t) == b""  # (the box may follow)
+    assert banners.due(t + WAIT_S / 2) == b"" and banners.due(t + WAIT_S + 0.01) == b"=" * 40 + b"\n"
+    assert banners.feed(b"[step 3 of 9] ", t) == b""  # (a partial line: "[mpiexec@" would begin like this)
+    assert banners.due(t + WAIT_S + 0.01) == b"[step 3 of 9] "
+    assert banners.feed(b"going on\n", t + 1) == b"going on\n"  # the rest of the line follows at once
+    assert banners.feed(b"Type a number: ", t + 2) == b"Type a number: "  # cannot be MPI's: out at once
 
 
 def test_a_frame_of_dashes_that_is_not_about_the_ending_is_shown():
-    notice = "-" * 74 + "\nA notice from Open MPI about something else.\n" + "-" * 74 + "\n"
-    assert filtered(notice, 5) == (notice, "")
+    notice = b"-" * 74 + b"\nA notice from Open MPI about something else.\n" + b"-" * 74 + b"\n"
+    assert filtered(notice, 5) == (notice, b"")
 
 
 def test_a_rank_killed_under_dtrain_launch_is_one_line_of_the_launchers(tmp_path):
@@ -325,3 +353,24 @@ def test_a_ranks_exception_is_its_traceback_without_mpis_abort_line(tmp_path):
                           text=True, cwd=tmp_path, timeout=120)  # fmt: skip
     assert done.returncode == 1 and done.stderr.startswith("uncaught exception (rank 1), ending the job:\nTraceback")
     assert done.stderr.endswith("ValueError: boom\n") and "Abort(" not in done.stdout + done.stderr
+
+
+def test_ranks_that_all_exit_failing_are_their_own_words_only(tmp_path):
+    """sys.exit("why") on every rank: "why", once (dtrain.comm.run), and no line of the launcher's, which would
+    have to guess a culprit among ranks that all ended by themselves."""
+    (tmp_path / "why.py").write_text("import sys\nsys.exit('why')\n")
+    done = subprocess.run([sys.executable, "-m", "dtrain", "launch", "-n", "2", "why.py"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", "why\n")
+
+
+def test_a_reader_that_goes_away_stops_the_job(tmp_path):
+    """``dtrain launch ... | head -2``: once nobody reads, the job stops (as mpiexec alone stops on a closed pipe)
+    and the launcher ends quietly, instead of training on for nobody."""
+    (tmp_path / "talk.py").write_text("import time\nfor i in range(600):\n    print(i, flush=True)\n"
+                                      "    time.sleep(0.05)\n")  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(f"{sys.executable} -m dtrain launch -n 2 talk.py | head -2", shell=True, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.stdout.splitlines() == ["0", "0"] and time.monotonic() - started < 15, done.stderr
+    assert "Traceback" not in done.stderr

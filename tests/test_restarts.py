@@ -381,6 +381,10 @@ def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch
          "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)", 14, 3,
          "the watchdog found rank 1 stalled"),
         ("uncaught exception (rank 0), ending the job:\nTraceback", 1, 2, "rank 0 raised an exception"),
+        ("Abort(3) on node 1 (rank 1 in comm 0): application called MPI_Abort(MPI_COMM_WORLD, 3) - process 1", 3, 0,
+         "rank 1 aborted the job"),
+        # every rank exited by itself (sys.exit("why")): the first to end is not a culprit, and nobody is named
+        ("why\n", 1, 1, "the job's ranks exited with a failing status (1)"),
     ],
 )  # fmt: skip
 def test_how_a_job_ended_is_said_from_what_is_known_for_sure(tail, status, first, said):

@@ -90,6 +90,43 @@ def test_a_very_narrow_terminal_gets_a_block_per_row():
     assert text.splitlines()[0] == "single (1 process)" and "97.77%" in text.splitlines()[1]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sets a pseudo-terminal's size with TIOCSWINSZ")
+@pytest.mark.parametrize(("size", "expected"), [(137, 137), (0, terminal.UNKNOWN_SIZE)])
+def test_columns_measures_the_terminal_of_the_stream_it_is_given(monkeypatch, size, expected):
+    """The stream's own terminal (stdout may be a pipe while stderr is the terminal); one that does not know its
+    size (script(1) without a terminal says 0 columns) is taken to be 80 wide."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, size, 0, 0))
+    with os.fdopen(follower, "w") as stream:
+        assert terminal.columns(stream) == expected
+    os.close(leader)
+
+
+@pytest.mark.parametrize(
+    ("header", "rows", "how", "columns"),
+    [(["name"], [["x" * 30]], {}, 20),  # one column, wider than the room: its one word, whole
+     (["name", "note", "more"], [["k", "a " + "x" * 20, "b " + "y" * 20]], {"left": (0, 1, 2)}, 48),  # hanging lines
+     (["name", "c1", "c2", "c3"], [["abcde", "1" * 5, "2" * 10, "3" * 14]], {"groups": (2,)}, 30),  # a group too wide
+     (["config", "sent/step", "compute ms"], [["tp4 x dp2 1f1b", "1,234,567,890", "0.12"]], {}, 16),  # blocks
+     (["alpha beta", "gamma"], [], {}, 8)],  # no rows
+    ids=["one-column", "hanging", "group", "blocks", "no-rows"],
+)  # fmt: skip
+def test_awkward_tables_fit_without_breaking_a_number(header, rows, how, columns):
+    text = terminal.table(header, rows, width=columns, **how)
+    assert widest(text) <= max([columns] + [len(w) for r in rows for c in r for w in c.split()]), text
+    for row in rows:
+        for cell in row:
+            assert all(word in text.split() for word in cell.split()), (cell, text)  # whole: never cut
+    shown = text.replace(",", " ").split()  # every header but the row names' (a block per row shows the names alone)
+    assert all(word in shown for h in (header[1:] if rows else header) for word in h.split())
+
+
 def test_columns_reads_COLUMNS_then_the_terminal_and_a_pipe_has_no_limit(monkeypatch):
     monkeypatch.setenv("COLUMNS", "97")
     assert terminal.columns(io.StringIO()) == 97

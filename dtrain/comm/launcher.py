@@ -26,7 +26,6 @@ Three things a learner meets here, handled once:
 from __future__ import annotations
 
 import os
-import re
 import select
 import shutil
 import signal
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from dtrain import terminal
 from dtrain.comm import flavours, usable_cores
+from dtrain.comm.banners import WAIT_S, Banners
 from dtrain.comm.flavours import Flavour, Mpich
 from dtrain.comm.hosts import Host, check_fits
 from dtrain.errors import UserError
@@ -87,7 +87,8 @@ def launch_env(nranks: int, base: dict | None = None, flavour: Flavour | None = 
     env = dict(os.environ if base is None else base)
     for name in THREAD_VARIABLES:
         env.setdefault(name, "1")
-    width = terminal.columns()  # a rank's stdout is a pipe to mpiexec: tell it how wide the terminal at its end is
+    # a rank's stdout is a pipe to mpiexec: tell it how wide the terminal at the end of the launcher's is
+    width = terminal.columns(sys.stdout) or terminal.columns(sys.stderr)
     if width is not None:
         env.setdefault("COLUMNS", str(width))
     if nranks > usable_cores():  # the same test as dtrain.comm.wait_mode's, so both agree on 'oversubscribed'
@@ -225,105 +226,10 @@ class Watched:
     seconds: float
     ended: list[int]  # the ranks in the order their processes ended (the first: the one that died, if one did)
     first_to_end: int | None  # the rank that ended first, if that is known for sure (see Endings)
-    banners: str = ""  # MPI's own words on how the job ended, kept off the terminal (see Banners)
+    banners: str = ""  # MPI's own words on how the job ended, kept off the terminal (dtrain.comm.banners)
 
 
 TAIL_BYTES = 64 * 1024  # enough for MPI's report of a dead rank and the tracebacks before it
-
-
-class Banners:
-    """Keeps MPI's own words on how a job ended out of what a person reads, line by line as the job writes.
-
-    When a rank dies, MPICH's process manager prints an 11-line box ("BAD TERMINATION OF ONE OF YOUR APPLICATION
-    PROCESSES ... YOU CAN IGNORE THE BELOW CLEANUP MESSAGES"); on Ctrl-C, "[mpiexec@host] Press Ctrl-C again to force
-    abort"; after an ``MPI_Abort``, "Abort(1) on node 1 ..."; Open MPI frames its own in lines of dashes. The launcher
-    says what happened in a line of its own, so these are held back (:attr:`held`), and given to whoever explains the
-    ending: shown after all if nothing explains it, never lost. Every other line passes at once; a line still being
-    written passes as soon as it cannot be the start of one of these."""
-
-    LINE = re.compile(
-        rb"(=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*"
-        rb"|This typically refers to a problem with your application\."
-        rb"|Please see the FAQ page for debugging suggestions"
-        rb"|\[mpiexec@[^\]]*\] (Sending Ctrl-C to processes as requested|Press Ctrl-C again to force abort)"
-        rb"|\[mpiexec@[^\]]*\] \S+ \(\S+:\d+\): .*"  # hydra's own errors once its proxies are gone
-        rb"|Abort\(\d+\) on node \d+.*MPI_Abort.*|\[[^\]]*\] \*\*\* (An error occurred in|MPI_ABORT was invoked).*)"
-    )  # fmt: skip
-    STARTS = (b"=", b"-", b"YOUR APPLICATION", b"This typically", b"Please see the FAQ", b"[mpiexec@", b"Abort(", b"[")
-    DASHES = re.compile(rb"-{20,}")  # Open MPI's frame around a message
-    OPEN_MPI_ENDING = re.compile(rb"exited on signal|noticed that process rank|MPI_ABORT was invoked|aborted the job")
-
-    def __init__(self):
-        self.held = bytearray()
-        self._line = bytearray()  # the line being written, not yet decided
-        self._passing = False  # the line being written was let through: the rest of it follows
-        self._blank = False  # a blank line held: MPICH's box starts with one
-        self._frame: bytearray | None = None  # inside Open MPI's dashes
-
-    def feed(self, chunk: bytes) -> bytes:
-        """What of ``chunk`` may be shown now."""
-        out = bytearray()
-        for piece in chunk.splitlines(keepends=True):
-            if self._passing:
-                out += piece
-                self._passing = not piece.endswith(b"\n")
-                continue
-            self._line += piece
-            if self._line.endswith(b"\n"):
-                out += self._decide(bytes(self._line))
-                self._line.clear()
-            elif not self._may_be_banner(bytes(self._line)):
-                out += self._unblank() + self._line
-                self._line.clear()
-                self._passing = True
-        return bytes(out)
-
-    def finish(self) -> bytes:
-        """What is left at the end of the stream (a last line without its newline)."""
-        out = bytearray()
-        if self._line:
-            out += self._decide(bytes(self._line))
-            self._line.clear()
-        if self._frame is not None:
-            out += self._frame
-            self._frame = None
-        return bytes(out + self._unblank())
-
-    def _may_be_banner(self, start: bytes) -> bool:
-        return self._frame is not None or any(s.startswith(start) or start.startswith(s) for s in self.STARTS)
-
-    def _decide(self, line: bytes) -> bytes:
-        text = line.rstrip(b"\r\n")
-        if self._frame is not None:  # Open MPI: hold the whole frame, then decide on what it says
-            self._frame += line
-            if not self.DASHES.fullmatch(text):
-                return b""
-            frame, self._frame = bytes(self._frame), None
-            if self.OPEN_MPI_ENDING.search(frame):
-                self.held += frame
-                return b""
-            return frame
-        if self.DASHES.fullmatch(text):
-            self._frame = bytearray(self._unblank() + line)
-            return b""
-        if not text:
-            shown = self._unblank()
-            self._blank = True
-            return shown
-        if self.LINE.fullmatch(text):
-            self.held += self._unblank(held=True) + line
-            return b""
-        return self._unblank() + line
-
-    def _unblank(self, held: bool = False) -> bytes:
-        """A blank line held back: shown (or, before a banner, held with it)."""
-        if not self._blank:
-            return b""
-        self._blank = False
-        if held:
-            self.held += b"\n"
-            return b""
-        return b"\n"
 
 
 def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bool = False, env=None) -> Watched:
@@ -338,27 +244,38 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
     env = launch_env(ranks_per_host(nranks, hosts), env)
     cmd = mpiexec_command(nranks, target, None, hosts, oversubscribe, env)
     tails = (bytearray(), bytearray())
-    banners = (Banners(), Banners())
+    banners = (Banners(), Banners())  # (stdout's and stderr's)
+
+    reader_gone = threading.Event()  # stdout's reader has gone (``dtrain launch ... | head``)
 
     def echo(fd, sink, tail, banner):
         """Copy what comes on ``fd`` to ``sink`` as it comes, but MPI's banners, keeping its end; until the job
         closes the pipe."""
 
         def show(data: bytes) -> None:
+            if not data:
+                return
             try:  # a closed terminal, or a stream without bytes, must not stop the reading (the job would block)
-                if not data:
-                    return
                 if hasattr(sink, "buffer"):
                     sink.buffer.write(data)
                 else:
                     sink.write(data.decode(errors="replace"))
                 sink.flush()
+            except BrokenPipeError:
+                if sink is sys.stdout:  # nobody reads what the job prints: it stops, as under mpiexec alone
+                    reader_gone.set()
             except Exception:
                 pass
 
         try:
-            while chunk := os.read(fd, 65536):
-                show(banner.feed(chunk))
+            while True:
+                if not select.select([fd], [], [], WAIT_S)[0]:
+                    show(banner.due(time.monotonic()))
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                show(banner.feed(chunk, time.monotonic()))
                 tail.extend(chunk)
                 del tail[:-TAIL_BYTES]
             show(banner.finish())
@@ -380,6 +297,9 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
                 if len(job.ranks) < nranks:  # (until every rank has been seen: then nothing is left to look for)
                     for pid in job.note_ranks():
                         endings.watch(pid, job.ranks[pid])
+                if reader_gone.is_set():
+                    job.stop(signal.SIGTERM)
+                    raise BrokenPipeError("the reader of stdout has gone")  # (dtrain's main: exit 0, quietly)
                 time.sleep(0.1)
         except JobInterrupted as interrupted:
             job.stop(interrupted.signum)
@@ -487,7 +407,7 @@ class Job:
     def __init__(self, cmd: list[str], **popen_kwargs):
         self._cmd, self._popen_kwargs = cmd, popen_kwargs
         self.process: subprocess.Popen | None = None
-        self.known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
+        self._known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
         self._hurry = False
         self._previous = {}
         self.received: int | None = None  # the signal that interrupted the job, if one did
@@ -532,7 +452,7 @@ class Job:
         A second signal during the grace period means: now.
         """
         self._hurry_on_next_signal()
-        self.known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
+        self._known.update(_tree(self.process.pid))  # the tree is whole only until mpiexec ends: see it first
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signum)  # mpiexec's process group (its own session: itself, at least)
@@ -542,7 +462,7 @@ class Job:
         while not self._hurry and time.monotonic() < deadline and self._alive():
             self.process.poll()  # reap mpiexec as soon as it ends (a zombie would count as alive)
             time.sleep(0.02)
-        for pid, started in self.known.items():
+        for pid, started in self._known.items():
             _signal(pid, started, signal.SIGKILL)
         self.process.wait()
 
@@ -550,7 +470,7 @@ class Job:
         """The job's processes still running after waiting up to ``within`` seconds for them to end."""
         deadline = time.monotonic() + within
         while True:
-            left = [pid for pid, started in self.known.items() if _running(pid, started)]
+            left = [pid for pid, started in self._known.items() if _running(pid, started)]
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.02)
@@ -561,9 +481,9 @@ class Job:
         A process that is not a rank yet may still become one (forked by MPI's proxy, its program not started), so
         it is looked at again next time; a rank's own children inherit its environment and are not ranks."""
         if self.process.poll() is None:
-            self.known.update(_tree(self.process.pid))
+            self._known.update(_tree(self.process.pid))
         new = []
-        for pid in self.known.keys() - self.ranks.keys():
+        for pid in self._known.keys() - self.ranks.keys():
             stat = _stat(pid)
             rank = _rank_of(pid) if stat is not None and stat[1] not in self.ranks else None
             if rank is not None:
@@ -585,8 +505,8 @@ class Job:
 
     def _alive(self) -> bool:
         if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
-            self.known.update(_tree(self.process.pid))
-        return any(_running(pid, started) for pid, started in self.known.items())
+            self._known.update(_tree(self.process.pid))
+        return any(_running(pid, started) for pid, started in self._known.items())
 
 
 _said: set[str] = set()
