@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpi_util import assert_fits
 
 from dtrain import exercises
 from dtrain.exercises import checker
@@ -94,7 +95,7 @@ def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expect
     assert checker.check(exercise_id, tmp_path, mpi=False) == 1
     out = capsys.readouterr().out
     assert ("FAIL" in out or "DEADLOCK" in out) and flat(expected) in flat(out), out  # (lesson 10's bugs hang)
-    assert max(map(len, out.splitlines())) <= 80, out
+    assert_fits(out, 80)
 
 
 def test_every_subject_has_a_planted_bug():
@@ -128,7 +129,7 @@ def run_ring(source: str, folder: Path, capsys, monkeypatch) -> str:
     (folder / "ring.py").write_text(source)
     assert checker.check("2.1", folder, mpi=False) == 1
     out = capsys.readouterr().out
-    assert max(map(len, out.splitlines())) <= 80, out
+    assert_fits(out, 80)
     return out
 
 
@@ -239,7 +240,7 @@ def test_a_deadlock_names_the_case_and_every_ranks_ring_step(tmp_path, capsys, m
         "DEADLOCK on 2 ranks in case 5 of 7 (2 ranks, 40003 float64 elements; rank r's chunk r holds its values, the "
         "rest -1; this rank's chunk: 160,016 bytes); every rank in ring step 0 of the all-gather: deadlock:"
     ) in flat(out), out
-    assert max(map(len, out.splitlines())) <= 80, out
+    assert_fits(out, 80)
 
 
 def test_init_never_overwrites(tmp_path, capsys):
@@ -353,7 +354,7 @@ def test_list_fits_80_columns(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dtrain", "exercises", "list", "--path", str(tmp_path)],
                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert max(map(len, done.stdout.splitlines())) <= 80, done.stdout
+    assert_fits(done.stdout, 80)
     assert "not checked since its file changed" in flat(done.stdout) and "2.1" in done.stdout, done.stdout
 
 

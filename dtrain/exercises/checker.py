@@ -87,7 +87,8 @@ def show_list(folder) -> int:
     progress = read_progress(folder)
     rows = [[e.id, e.file, e.function, status_of(e, folder, progress), f"{e.title} ({e.lesson_script})"]
             for e in exercises.catalogue()]  # fmt: skip
-    say(f"your exercises in {folder}/ (check one: dtrain exercises check ID --path {folder})")
+    say(f"your exercises in {folder}/; check one with:")
+    print(terminal.command(["dtrain", "exercises", "check", "ID", "--path", str(folder)], "  "))
     print(terminal.table(["exercise", "file", "function", "status", "what (lesson script)"], rows, left=range(5),
                          wrap=(3, 4), notes=4))  # fmt: skip
     return 0
