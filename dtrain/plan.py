@@ -335,7 +335,7 @@ def device_of(args) -> str:
     if args.device is not None and args.device != machine.device:
         instead = f"--machine {hw.GPU_MEASURED} (a GPU measured by dtrain) or a GPU preset" if args.device == "gpu" \
             else f"--machine {hw.THIS} (this machine's CPUs)"  # fmt: skip
-        raise ConfigError(f"--device {args.device} with --machine {args.machine}, whose ranks compute on "
+        raise ConfigError(f"--device {args.device} on {args.machine}, whose ranks compute on "
                           f"{machine.device.upper()}s: leave --device out, or give {instead}")  # fmt: skip
     return machine.device
 

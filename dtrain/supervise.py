@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import signal
 import sys
 import time
@@ -118,10 +119,11 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
     if folder is None and is_train(target):  # (given to dtrain train instead: the launcher takes it from there)
         folder = _train_args(target).checkpoint_dir
     if folder is None:
+        shown = shlex.join(target[:3]) + (" ..." if len(target) > 3 else "")
         raise UserError(
             "--max-restarts needs --checkpoint-dir DIR, given to dtrain launch before the target (dtrain launch -n "
-            f"{ranks} --max-restarts {max_restarts} --checkpoint-dir DIR {' '.join(target[:3])} ...): a restart goes "
-            "on from the last checkpoint there"
+            f"{ranks} --max-restarts {max_restarts} --checkpoint-dir DIR {shown}): a restart goes on from the last "
+            "checkpoint there"
         )
     min_ranks = ranks if min_ranks is None else min_ranks
     if not 1 <= min_ranks <= ranks:
@@ -236,11 +238,19 @@ def _check_folder(config, folder: Path, explicit_resume: bool) -> bool:
 
 
 def _finished(config, folder: Path) -> str | None:
-    """How far the job went, if the folder's checkpoint is its end (every one of ``--epochs`` done); else None."""
+    """How far the job went, if it has finished: the folder's checkpoint is its end (every one of ``--epochs``
+    done) and what the run writes after it (metrics.json, the trace) is there and newer; else None (a run that died
+    between its last checkpoint and its metrics goes on from that checkpoint, and writes them)."""
     meta = checkpoint.load(folder)["meta"]
     if meta["epoch"] <= config.epochs:
         return None
-    return f"{meta['epoch'] - 1} epoch(s), global step {meta['global_step']}"
+    written = checkpoint.path_in(folder).stat().st_mtime
+    outputs = [Path(config.out) / "metrics.json"] if config.out else []
+    outputs += [Path(config.trace)] if config.trace and config.trace != "-" else []
+    if any(not out.exists() or out.stat().st_mtime < written for out in outputs):
+        return None
+    epochs = meta["epoch"] - 1
+    return f"{epochs} epoch{'s' * (epochs != 1)}, global step {meta['global_step']}"
 
 
 def _check_paradigm(config, world: int) -> None:
@@ -326,7 +336,8 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
             return watched.returncode
         lost = "" if attempt.steps_lost is None else f"; {attempt.steps_lost} step(s) lost"
         where = f"the checkpoint at global step {restart_from}" if restart_from is not None else "the beginning"
-        _say(f"dtrain launch: {attempt.ended}{lost}. Restarting in {job.delay_s:g} s from {where} "
+        told = f"; MPI's own report is in {log}" if watched.banners else ""
+        _say(f"dtrain launch: {attempt.ended}{lost}{told}. Restarting in {job.delay_s:g} s from {where} "
              f"(restart {len(attempts)} of {job.max_restarts})")  # fmt: skip
         time.sleep(job.delay_s)
         ranks = _ranks_now(job, ranks)

@@ -81,11 +81,11 @@ def command(words: list[str], indent: str = "", width: int | str | None = "auto"
     own continuation (a backslash ending a line), the later lines standing in by four; an option stays on the line
     of its value."""
     room = prose_width(width) - 2  # (" \\")
-    pieces = []  # an option and its value (if the two fit a line), or one word
+    pieces = []  # an option and its value; apart only if the value alone fits a line and the two do not
     for word in map(shlex.quote, words):
         joined = f"{pieces[-1]} {word}" if pieces else ""
-        if pieces and pieces[-1].startswith("-") and " " not in pieces[-1] and not word.startswith("-") and len(
-                indent) + 4 + len(joined) <= room:  # fmt: skip
+        option = pieces and pieces[-1].startswith("-") and " " not in pieces[-1] and not word.startswith("-")
+        if option and (len(indent) + 4 + len(joined) <= room or len(indent) + 4 + len(word) > room):
             pieces[-1] = joined
         else:
             pieces.append(word)

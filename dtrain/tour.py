@@ -167,7 +167,8 @@ def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: floa
     run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *target])
     cmd, started = launcher.mpiexec_command(entry.ranks, target), time.monotonic()
     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
-        with launcher.Job(cmd, env=launcher.launch_env(entry.ranks, env), stdout=out, stderr=err, text=True) as job:
+        with launcher.Job(cmd, "dtrain tour", env=launcher.launch_env(entry.ranks, env), stdout=out, stderr=err,
+                          text=True) as job:  # fmt: skip
             while job.process.poll() is None:  # (Ctrl-C: JobInterrupted from here; the Job stops every rank)
                 if time.monotonic() - started > timeout:
                     job.stop(signal.SIGKILL)

@@ -290,7 +290,7 @@ def test_plan_for_the_gpu_uses_the_measured_preset_and_says_device_gpu(tmp_path)
     assert "--device gpu" in result.stdout.split("run it:")[1].split("\n\n")[0]
     refused = dtrain_plan("--device", "gpu", "--machine", "this", "--check", "1")
     assert refused.returncode == 2 and refused.stderr == (
-        "dtrain: error: --device gpu with --machine this, whose ranks compute on CPUs: leave --device out, or give "
+        "dtrain: error: --device gpu on this, whose ranks compute on CPUs: leave --device out, or give "
         "--machine lent-h100 (a GPU measured by dtrain) or a GPU preset\n")  # fmt: skip
 
 
@@ -301,9 +301,9 @@ def test_a_gpu_preset_plans_for_its_gpus_and_the_command_says_so():
     assert result.returncode == 0, result.stderr
     command = result.stdout.split("run it:")[1].split("\n\n")[0]
     assert "--device gpu" in command and command.strip().startswith("dtrain launch -n ")
-    refused = dtrain_plan("--machine", "dgx-h100", "--device", "cpu")
+    refused = dtrain_plan("--preset", "dgx-h100", "--device", "cpu")
     assert refused.returncode == 2 and refused.stderr == (
-        "dtrain: error: --device cpu with --machine dgx-h100, whose ranks compute on GPUs: leave --device out, or "
+        "dtrain: error: --device cpu on dgx-h100, whose ranks compute on GPUs: leave --device out, or "
         "give --machine this (this machine's CPUs)\n")  # fmt: skip
 
 

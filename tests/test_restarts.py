@@ -110,13 +110,19 @@ def test_launching_a_finished_job_again_says_so_and_runs_nothing(tmp_path):
     restart = ["--max-restarts", "1", "--checkpoint-dir", "ck"]
     first, metrics = dtrain_launch(tmp_path, "first", restart, flags)
     assert first.returncode == 0 and metrics is not None, first.stderr
-    again, _ = dtrain_launch(tmp_path, "again", restart, flags)
+    written = (tmp_path / "first" / "metrics.json").stat().st_mtime_ns
+    again, _ = dtrain_launch(tmp_path, "first", restart, flags)
     assert again.returncode == 0 and again.stdout == ""
+    assert (tmp_path / "first" / "metrics.json").stat().st_mtime_ns == written  # nothing ran
     assert again.stderr == (
-        "dtrain launch: the job in ck has already finished (1 epoch(s), global step 29): nothing to run; to start "
+        "dtrain launch: the job in ck has already finished (1 epoch, global step 29): nothing to run; to start "
         "afresh remove ck or give another --checkpoint-dir (more --epochs goes on from it)\n"
     )
-    assert not (tmp_path / "again").exists()
+    # a run that died after its last checkpoint, before its metrics: the same command goes on and writes them
+    (tmp_path / "first" / "metrics.json").unlink()
+    resumed, metrics_again = dtrain_launch(tmp_path, "first", restart, flags)
+    assert resumed.returncode == 0 and "from the checkpoint at global step 29" in resumed.stderr, resumed.stderr
+    assert metrics_again["weights_sha256"] == metrics["weights_sha256"]
 
 
 def test_the_checkpoint_folder_given_to_the_target_is_the_launchers(tmp_path):
@@ -129,7 +135,7 @@ def test_the_checkpoint_folder_given_to_the_target_is_the_launchers(tmp_path):
     other = subprocess.run([*command[:9], "script.py"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert other.returncode == 2 and other.stderr == (
         "dtrain: error: --max-restarts needs --checkpoint-dir DIR, given to dtrain launch before the target (dtrain "
-        "launch -n 2 --max-restarts 1 --checkpoint-dir DIR script.py ...): a restart goes on from the last "
+        "launch -n 2 --max-restarts 1 --checkpoint-dir DIR script.py): a restart goes on from the last "
         "checkpoint there\n"
     )
 

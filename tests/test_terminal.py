@@ -143,6 +143,8 @@ def test_a_command_breaks_between_options_with_the_shells_continuation():
     assert widest(text) <= 50 and all(line.endswith(" \\") for line in text.splitlines()[:-1])
     assert shlex.split(text.replace("\\\n", " ")) == words  # a shell reads the same words back
     assert not any(line.split()[-2].startswith("-") for line in text.splitlines()[:-1])  # an option beside its value
+    too_long = terminal.command(["dtrain", "--hidden", ",".join(["6144"] * 12), "--lr", "0.1"], width=40)
+    assert too_long.splitlines()[1].strip().startswith("--hidden 6144,")  # (no option left dangling at a line's end)
     long = terminal.command(["dtrain", "--checkpoint-dir", "/a/long/folder/for/checkpoints"], width=40)
     assert widest(long) <= 40 and long.splitlines() == [
         "dtrain --checkpoint-dir \\",

@@ -305,7 +305,7 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
             job.stop(interrupted.signum)
             for reader in readers:
                 reader.join(timeout=5)
-            name = "Ctrl-C" if interrupted.signum == signal.SIGINT else signal.Signals(interrupted.signum).name
+            name = signal_name(interrupted.signum)
             left = job.left(within=GRACE_S)  # (a process killed a moment ago may take that moment to end)
             _say(f"dtrain launch: stopped by {name}; every rank ended" if not left else
                  f"dtrain launch: stopped by {name}; processes {left} could not be ended")  # fmt: skip
@@ -404,8 +404,8 @@ class Job:
     A signal this process ignores (``nohup`` ignores SIGHUP) stays ignored.
     """
 
-    def __init__(self, cmd: list[str], **popen_kwargs):
-        self._cmd, self._popen_kwargs = cmd, popen_kwargs
+    def __init__(self, cmd: list[str], who: str = "dtrain launch", **popen_kwargs):
+        self._cmd, self._popen_kwargs, self.who = cmd, popen_kwargs, who  # (who: the command that speaks)
         self.process: subprocess.Popen | None = None
         self._known: dict[int, int] = {}  # every process of the job seen so far: pid -> its start time
         self._hurry = False
@@ -442,8 +442,8 @@ class Job:
     def _interrupted(self, signum, frame):
         self.received = signum
         self._hurry_on_next_signal()  # from here on, a second signal cuts the grace short: it never skips the cleanup
-        _say(f"{signal.Signals(signum).name}: stopping the job: mpiexec and every rank ({GRACE_S:g} s to end, then "
-             "killed; Ctrl-C again: killed now)")  # fmt: skip
+        _say(f"{self.who}: {signal_name(signum)}: stopping every rank ({GRACE_S:g} s to end, then killed; Ctrl-C "
+             "again: now)")  # fmt: skip
         raise JobInterrupted(signum)  # unwinds communicate(); the caller or __exit__ stops the job
 
     def stop(self, signum: int) -> None:
@@ -507,6 +507,11 @@ class Job:
         if self.process.poll() is None:  # while mpiexec lives, what it starts belongs to the job
             self._known.update(_tree(self.process.pid))
         return any(_running(pid, started) for pid, started in self._known.items())
+
+
+def signal_name(signum: int) -> str:
+    """A signal as a person at a terminal calls it: "Ctrl-C" for SIGINT, else its name ("SIGTERM")."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 _said: set[str] = set()
