@@ -45,9 +45,19 @@ def raised(exercise, exc: BaseException, path: Path, rank: int | None, grade: Gr
     at = grade.where() if grade is not None else ""
     lead = f"{who}, {at}" if who and at else f"{who} " if who else at
     text = f"{lead}raised {type(exc).__name__}: {exc}{where(exc, path)}"
-    if "truncat" in str(exc).lower():  # (MPI_ERR_TRUNCATE, the simulator's and MPICH's words)
+    if _truncated(exc):
         text += "\na message larger than the buffer that receives it: a receive's buffer must hold the whole message"
     return outcome("error", text, rank=rank)
+
+
+def _truncated(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI's error class MPI_ERR_TRUNCATE (mpi4py's), or the simulator's error of that name."""
+    error_class = getattr(exc, "Get_error_class", None)
+    if error_class is not None:
+        from mpi4py import MPI
+
+        return error_class() == MPI.ERR_TRUNCATE
+    return "(MPI_ERR_TRUNCATE)" in str(exc)  # (dtrain.comm.simcomm names the class it stands for)
 
 
 def run_sim(exercise, path: Path, sizes: list[int]) -> dict:
