@@ -318,7 +318,7 @@ LEGEND = (
     "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what dtrain "
     "plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with --device "
     "gpu, the lent-h100 preset of dtrain/hardware.json, or '-' where the device has none).",
-    "sent B/step, msgs/step: what the busiest rank sent per training step (the tracer's count; not evaluation's, a "
+    "sent B/step, msgs per step: what the busiest rank sent per training step (the tracer's count; not evaluation's, a "
     "checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer state "
     "the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same. The run's wall "
     "time and samples/s are in tour.json.",
