@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the mpiexec command and the environment it adds; start nothing"
     )
     launch.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT")
-    restarts = launch.add_argument_group("restarts after a dead rank (dtrain.supervise)")
+    restarts = launch.add_argument_group("restarts after a dead rank (dtrain.launch.restarts)")
     restarts.add_argument(
         "--max-restarts",
         type=int,
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m MODULE does")
     launch.add_argument("target", nargs=argparse.REMAINDER, help="script and its arguments (or the module's)")
 
-    from dtrain import tour
+    from dtrain.course import tour
 
     t = sub.add_parser(
         "tour",
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan(sub, defaults, dtypes, optimizers) -> None:
-    from dtrain import hardware
+    from dtrain.plan import hardware
 
     p = sub.add_parser(
         "plan",
@@ -292,7 +292,7 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
         "--machine",
         "--preset",
         metavar="NAME",
-        help=f"the hardware, one of the presets: {', '.join(hardware.presets())} (dtrain/hardware.json, with "
+        help=f"the hardware, one of the presets: {', '.join(hardware.presets())} (dtrain/plan/hardware.json, with "
         "sources; this: this machine's CPUs, calibration.json's links and compute rates) (default: this, or "
         f"{hardware.GPU_MEASURED} with --device gpu)",
     )
@@ -345,7 +345,7 @@ def _add_paradigm_flags(train_parser, parallel) -> None:
 
 def main(argv=None) -> int:
     from dtrain.comm import mpi
-    from dtrain.comm.launcher import JobInterrupted
+    from dtrain.launch.jobs import JobInterrupted
 
     if mpi.launched_size() > 1:  # a rank of a job: first set up how a failure ends the job (before any mistake)
         mpi.install_excepthook()
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
         if args.command == "exercises":
             return _exercises(args)
         if args.command == "tour":
-            from dtrain.tour import tour
+            from dtrain.course.tour import tour
 
             return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout, args.device)
         if args.command == "plan":
@@ -422,7 +422,7 @@ LAUNCH_VALUED = ("-n", "--ranks", "--timeout", "--hostfile", "--hosts", "--max-r
 
 
 def _module_args_are_the_targets(argv: list[str]) -> list[str]:
-    """``dtrain launch -n 3 -m dtrain.comm.where --json f``: what follows ``-m MODULE`` is the module's, as with
+    """``dtrain launch -n 3 -m dtrain.launch.where --json f``: what follows ``-m MODULE`` is the module's, as with
     ``python -m``, even where it looks like an option of ``launch`` (argparse would take ``--json`` as launch's).
 
     Only a ``-m`` among launch's own options counts (not a script's ``-m`` after the script), and only once ``-n``
@@ -446,8 +446,9 @@ def _module_args_are_the_targets(argv: list[str]) -> list[str]:
 
 
 def _launch(args) -> int:
-    from dtrain.comm import hosts as hostlists
-    from dtrain.comm import launcher, watchdog
+    from dtrain.comm import watchdog
+    from dtrain.launch import hosts as hostlists
+    from dtrain.launch import mpiexec
 
     target = args.target[1:] if args.target[:1] == ["--"] else args.target  # "launch -n 2 -- -c CODE"
     if args.module:
@@ -473,17 +474,17 @@ def _launch(args) -> int:
         flags = ", ".join("--" + name.replace("_", "-") for name in restarting)
         raise UserError(f"{flags}: only with --max-restarts K (the launcher's restarts after a dead rank)")
     if args.max_restarts is not None:
-        from dtrain import supervise
+        from dtrain.launch import restarts
 
-        job = supervise.prepare(args.ranks, target, args.checkpoint_dir, args.max_restarts, args.min_ranks,
-                                supervise.DEFAULT_RESTART_DELAY_S if args.restart_delay is None else args.restart_delay,
+        job = restarts.prepare(args.ranks, target, args.checkpoint_dir, args.max_restarts, args.min_ranks,
+                                restarts.DEFAULT_RESTART_DELAY_S if args.restart_delay is None else args.restart_delay,
                                 args.hostfile, args.hosts, args.oversubscribe, env)  # fmt: skip
         if not args.dry_run:
-            return supervise.run(job)
+            return restarts.run(job)
         target = job.target
     if args.dry_run:
-        added = launcher.launch_env(launcher.ranks_per_host(args.ranks, hosts), env)
-        cmd = launcher.mpiexec_command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=added)
+        added = mpiexec.environment(mpiexec.ranks_per_host(args.ranks, hosts), env)
+        cmd = mpiexec.command(args.ranks, target, hosts=hosts, oversubscribe=args.oversubscribe, env=added)
         print(" ".join(shlex.quote(word) for word in cmd))
         for name in sorted(set(added) - set(os.environ)):
             print(f"  {name}={added[name]}")
@@ -493,24 +494,23 @@ def _launch(args) -> int:
 
 def _launch_and_explain(ranks: int, target: list[str], hosts, oversubscribe: bool, env: dict) -> int:
     """Run the job; if a rank was killed or aborted the job without a word, say so in one line, and keep MPI's
-    banners off the terminal where the ending is known (:func:`dtrain.supervise.ending`). Its exit status."""
-    from dtrain import supervise
-    from dtrain.comm import launcher
+    banners off the terminal where the ending is known (:func:`dtrain.launch.restarts.ending`). Its exit status."""
+    from dtrain.launch import launcher, restarts
 
     watched = launcher.launch_watched(ranks, target, hosts, oversubscribe, env)
     status = watched.returncode
     if status in (0, EXIT_USER_ERROR):  # (a mistake in what was asked: dtrain has said it, once)
-        supervise.keep_banners(watched, known=status == EXIT_USER_ERROR)
+        restarts.keep_banners(watched, known=status == EXIT_USER_ERROR)
         return status
-    found = supervise.ending(watched)
-    supervise.keep_banners(watched, found.known)
+    found = restarts.ending(watched)
+    restarts.keep_banners(watched, found.known)
     if not found.reported:
         sys.stderr.write(f"dtrain launch: {found.how}; the job ended with mpiexec's exit status {status}\n")
     return status
 
 
 def _exercises(args) -> int:
-    from dtrain.exercises import checker
+    from dtrain.course.exercises import checker
 
     if args.action == "init":
         return checker.init(args.path)

@@ -1,6 +1,6 @@
 """A rank's side of failures: the fault injector, which makes one rank die at a chosen step on purpose (so that
 restarting can be tested and taught), and the marks a supervising launcher reads (``dtrain launch --max-restarts``,
-:mod:`dtrain.supervise`): the last step done, and the attempts before this one.
+:mod:`dtrain.launch.restarts`): the last step done, and the attempts before this one.
 
     DTRAIN_FAULT=RANK:STEP[:SIGNAL[:WHERE]]     e.g. DTRAIN_FAULT=2:7, 1:12:TERM, 0:8:KILL:checkpoint
 
@@ -177,7 +177,7 @@ def write_synced(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# --- what a supervising launcher reads and writes (dtrain.supervise) --------------------------------------------------
+# --- what a supervising launcher reads and writes (dtrain.launch.restarts) ------------------------------------------
 PROGRESS_ENV = "DTRAIN_PROGRESS"  # a file where rank 0 keeps the number of the last global step it finished
 ATTEMPTS_ENV = "DTRAIN_ATTEMPTS"  # a JSON file: the launcher's record of the attempts before this one
 

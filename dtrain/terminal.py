@@ -287,6 +287,16 @@ def _records(header, rows, keys: int, room: int, indent: str) -> str:
     return "\n".join((indent + line).rstrip() for line in out)
 
 
+def tell(text: str) -> None:
+    """One line (or a few) for a person on stderr, if stderr can still take it: a closed terminal or pipe must not
+    stop what is being done (a job's cleanup). Messages stay whole lines, for grep and for logs."""
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 STDOUT = "-"  # an output file named "-" is standard output, as every Unix tool reads it
 
 

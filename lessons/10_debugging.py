@@ -11,7 +11,7 @@ This lesson makes each of these happen on purpose, shows what you would see, and
     dtrain launch -n 4 --timeout 5 lessons/10_debugging.py --part stall   # one broken program, as you would meet it
 
 It runs with python, not under dtrain launch: its broken programs must fail, so each one runs as a job of its own
-(dtrain.comm.launcher.launch, with a time limit), and the lesson prints what the job printed and checks that the
+(dtrain.launch.launcher.launch, with a time limit), and the lesson prints what the job printed and checks that the
 message to look for is there. `--part NAME` runs one of them on the ranks you start yourself (the names: --help).
 
 What you will see:
@@ -88,7 +88,8 @@ from pathlib import Path
 import numpy as np
 
 from dtrain import checkpoint, collectives, terminal
-from dtrain.comm import launcher, mpi, sim
+from dtrain.comm import mpi, sim
+from dtrain.launch import launcher
 
 HERE = Path(__file__).resolve()
 STALLED, SLOW = 2, 2  # the rank that stalls in part 3, the straggler of part 5

@@ -4,7 +4,8 @@ runs and held to runs on this machine.
 Lessons 3 to 9 each taught one way of spreading a step over ranks. Which one to use is a question of numbers: the
 compute a rank saves against the messages it adds, the memory a rank has against the state it must hold. Each
 paradigm states those numbers as code (``costs()``: bytes sent and held, exact; ``activations()``; ``step_time()``:
-seconds on some hardware), and ``dtrain plan`` (dtrain/plan.py) asks every registered paradigm for every grid it could
+seconds on some hardware), and ``dtrain plan`` (dtrain/plan/planner.py) asks every registered paradigm for every grid it
+could
 run on, prices each, rules out what cannot run or does not fit, and marks the fastest that makes single's updates.
 It runs nothing. This lesson asks it five questions; the first is answered by measurement too:
 
@@ -13,7 +14,7 @@ It runs nothing. This lesson asks it five questions; the first is answered by me
     python lessons/11_planning.py --png plan.png   # part 5's plan for 64 ranks, drawn (time and memory by kind)
 
 It runs with python, not under dtrain launch: the measured runs of part 1 are jobs of their own, started by
-dtrain.plan_check.measure (dtrain train under mpiexec, as `dtrain plan --check` runs them).
+dtrain.plan.check.measure (dtrain train under mpiexec, as `dtrain plan --check` runs them).
 
 What you will see:
   1. when not to distribute: a digits-sized MLP (64-64-64-64-10), single against the best configuration on 2 and 4
@@ -28,7 +29,7 @@ What you will see:
   4. what ZeRO buys when memory is the limit: a model whose ddp state does not fit a rank, each stage's parameters,
      gradients and optimizer state per rank against the ZeRO paper's formula (plus the layer in flight), which
      stages fit, what they cost, and what the planner picks when every paradigm may compete;
-  5. the same questions on a real cluster: DGX H100 nodes (dtrain/hardware.json, every number with its source),
+  5. the same questions on a real cluster: DGX H100 nodes (dtrain/plan/hardware.json, every number with its source),
      an MLP of about a billion parameters with Adam on 8, 64 and 512 ranks: what the planner picks and why.
 
 Every check compares the planner with an independent oracle (the tracer's bytes, the formulas) and prints an OK line;
@@ -61,13 +62,14 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain import hardware, parallel, plan_check, terminal
+from dtrain import parallel, terminal
 from dtrain.comm import mpi
 from dtrain.errors import ConfigError
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import parameter_count
 from dtrain.parallel.zero_shards import KINDS, paper_formula
-from dtrain.plan import Model, Row, figure, plan, price, why
+from dtrain.plan import Model, Row, figure, hardware, plan, price, why
+from dtrain.plan import check as plan_check
 
 MIB, GIB = 1 << 20, 1 << 30
 SMALL = Model([64, 64, 64, 64, 10], batch_size=64)  # digits-sized: 64 pixels, three hidden layers of 64, 10 classes
@@ -163,7 +165,8 @@ def contenders(model: Model, machine, worlds=(2, 4)) -> dict[str, Row]:
 
 
 def single_breakdown(model: Model, machine) -> dict:
-    """single's predicted step on ``machine``, in the planner's own terms (dtrain/hardware.py): the arithmetic of the
+    """single's predicted step on ``machine``, in the planner's own terms (dtrain/plan/hardware.py): the arithmetic of
+    the
     matrix products, which splitting the batch divides, and what it does not divide: the fixed cost of each layer
     (the interpreter, NumPy's calls), and the optimizer's update with the step's own overhead."""
     layers = list(itertools.pairwise(model.sizes))
@@ -580,7 +583,7 @@ def main(argv=None) -> int:
     model = cluster_model(args.cluster_batch)
     heading(f"5. A real cluster: {preset.about}")
     say(model.describe())
-    say("what the preset assumes, and where each number comes from (dtrain/hardware.json):")
+    say("what the preset assumes, and where each number comes from (dtrain/plan/hardware.json):")
     for about, source in sources(args.preset).items():
         bullet(f"{about}: {source}")
     hides = "as long as it lasts" if preset.hidden >= 1 else f"for {preset.hidden:.0%} of the time it lasts"

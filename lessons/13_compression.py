@@ -26,7 +26,7 @@ What you will see:
      loss, the test accuracy, and for top-k how many weights never moved at all;
   4. fp16 against bf16: the trained gradient scaled down (x 1e-4 ... x 1e-8) and up through each format: how many
      entries flush to zero or overflow, and what loss scaling saves;
-  5. when compression pays: bytes saved against arithmetic added, in the cost model (dtrain.hardware,
+  5. when compression pays: bytes saved against arithmetic added, in the cost model (dtrain.plan.hardware,
      dtrain.collectives.costmodel): the predicted step of each method on this machine and on a slow link
      (1 Gbit/s, 50 us a message, one rank a node), for the digits MLP and an MNIST-sized one, and the link
      bandwidth below which each method's step is the shorter.
@@ -69,7 +69,7 @@ import time
 import numpy as np
 from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier, table, whole_numbers
 
-from dtrain import hardware, parallel, report, terminal
+from dtrain import parallel, report, terminal
 from dtrain.backend import weights_digest
 from dtrain.collectives.costmodel import Machine
 from dtrain.comm import mpi, sim
@@ -79,6 +79,7 @@ from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import compression
 from dtrain.parallel.data_parallel import DataParallel
+from dtrain.plan import hardware
 from dtrain.train import TrainConfig, evaluate, train
 
 TOPS = (1, 2, 4)  # section 1: the singular values counted
@@ -224,7 +225,8 @@ def arithmetic_seconds(cfg: TrainConfig, sizes, repeats: int) -> float:
 
 
 def exchange_seconds(cfg: TrainConfig, sizes, p: int, machine) -> float:
-    """Seconds of one step's exchange on ``machine`` (a :class:`dtrain.hardware.Hardware`): the alpha-beta-gamma time
+    """Seconds of one step's exchange on ``machine`` (a :class:`dtrain.plan.hardware.Hardware`): the alpha-beta-gamma
+    time
     of dtrain's ring (dtrain.collectives.costmodel's formulas, on the machine's link) at the sizes the method sends:
     ddp, an all-reduce of n elements of s bytes; fp16/bf16, of n elements of 2 bytes; top-k, an all-gather of p x 2k
     elements (an index and a value each); PowerSGD, all-reduces of the P's, the Q's and the biases."""

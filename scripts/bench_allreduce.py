@@ -159,7 +159,7 @@ def main() -> None:
         return
 
     from dtrain.collectives import ALGORITHMS
-    from dtrain.comm import launcher
+    from dtrain.launch import launcher
 
     unknown = set(args.algorithms.split(",")) - set(ALGORITHMS)
     if unknown:

@@ -56,8 +56,9 @@ from bench_util import (
     write_json,
 )
 
-from dtrain import hardware, terminal
+from dtrain import terminal
 from dtrain.parallel.data_parallel import DataParallel
+from dtrain.plan import hardware
 from dtrain.report import training_traffic
 from dtrain.train import TrainConfig
 

@@ -427,7 +427,7 @@ def main() -> None:
         return
     cli_flags = [] if args.no_cli else (args.cli_flags or [""])
 
-    from dtrain.comm import launcher
+    from dtrain.launch import launcher
 
     out = Record()
 

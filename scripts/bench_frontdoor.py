@@ -194,7 +194,7 @@ def main() -> None:
         run_ranks(args)
         return
 
-    from dtrain.comm import launcher
+    from dtrain.launch import launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench_util import Record, faster, run_meta, write_results
 
-from dtrain.comm import flavours
+from dtrain.launch import flavours
 
 SIZES = ["4KiB", "1MiB", "16MiB"]
 HERE = Path(__file__).resolve().parent

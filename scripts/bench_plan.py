@@ -12,11 +12,11 @@ models, its predicted step time, bytes and state beside what the runs measured.
 The models (``--sizes``): ``small`` 64-64-64-64-10 on a global batch of 96, ``mlp`` 784-512-512-10 on 256 (the
 planner's default; on 4 ranks it rules out a parameter server with 3 workers, which cannot split 256), ``wide``
 784-2048-2048-10 on 240 (a batch every configuration's check accepts). Each configuration is a row of
-:func:`dtrain.plan.plan`, and what it predicts is held against :func:`dtrain.plan_check.measure` (``dtrain train``
+:func:`dtrain.plan.plan`, and what it predicts is held against :func:`dtrain.plan.check.measure` (``dtrain train``
 under this environment's ``mpiexec``, synthetic data of the model's shape, 2 epochs, the last one timed)::
 
     step time    predicted: compute + communication + bubble (row.time) on this machine's rates; the compute rates
-                 are refitted at the start of this run (dtrain.hardware.measure_compute on one BLAS thread, in a
+                 are refitted at the start of this run (dtrain.plan.hardware.measure_compute on one BLAS thread, in a
                  subprocess; calibration.json is not written), the links and the slowdown of shared cores are
                  calibration.json's. Measured: the median over the rounds; the ratio is predicted / measured.
     bytes/step   predicted: the paradigm's costs() per rank (the table shows the busiest's, row.sent_per_step).
@@ -38,7 +38,7 @@ What is timed: every configuration the planner prices that fits here, but of the
 memory), local SGD at its smallest H (it averages most often) and gossip on the ring; ``ddp ring, overlapped`` too (the
 planner prices it as ddp ring here: a CPU hides nothing behind backward). Each (ranks, model) block runs all its
 configurations once per round, the order rotated each round, so that a slow minute on this VM falls on all of them
-alike; the rounds follow one another within the block. The steps per epoch: :func:`dtrain.plan_check.steps_for` of the
+alike; the rounds follow one another within the block. The steps per epoch: :func:`dtrain.plan.check.steps_for` of the
 predicted step with ``--budget`` seconds (5 to 50 steps), one more each round (local SGD: H more, whole periods).
 
 Then worlds this machine cannot run: 16, 32 and 64 simulated ranks (dtrain.comm.sim: threads, the same tracer), a
@@ -70,12 +70,13 @@ from pathlib import Path
 
 from bench_util import faster, rotated, run_meta, say, write_json
 
-from dtrain import hardware, kernels, parallel, report, terminal
+from dtrain import kernels, parallel, report, terminal
 from dtrain import plan as planner
 from dtrain.comm import sim
-from dtrain.comm.launcher import THREAD_VARIABLES
 from dtrain.errors import UserError
-from dtrain.plan_check import measure, steps_for
+from dtrain.launch.launcher import THREAD_VARIABLES
+from dtrain.plan import hardware
+from dtrain.plan.check import measure, steps_for
 from dtrain.train import train
 
 SIZES = {"small": ([64, 64, 64, 64, 10], 96), "mlp": ([784, 512, 512, 10], 256), "wide": ([784, 2048, 2048, 10], 240)}
@@ -89,9 +90,9 @@ TOLERANCE = 1e-6  # bytes: a steady-state count is a difference of integers over
 
 # --- this machine, now ---------------------------------------------------------------------------------------------
 def refit_compute() -> dict:
-    """dtrain.hardware.measure_compute in a subprocess with one BLAS thread (as a rank runs) and the NumPy kernels
+    """dtrain.plan.hardware.measure_compute in a subprocess with one BLAS thread (as a rank runs) and the NumPy kernels
     (as measure() runs them): the four compute rates fitted to dtrain's own steps, now."""
-    code = "import json; from dtrain.hardware import measure_compute; print(json.dumps(measure_compute()))"
+    code = "import json; from dtrain.plan.hardware import measure_compute; print(json.dumps(measure_compute()))"
     env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, "1")}
     env.setdefault(kernels.ENV_VAR, "numpy")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
@@ -350,7 +351,7 @@ MICRO = 8  # micro-batches of the micro-batch check (the pipeline's 4P at P = 2)
 
 def one_step(sizes, rows: int, accumulate: int = 1, steps: int = 6) -> float:
     """Seconds per step of ``single`` on ``rows`` rows in ``accumulate`` micro-batches, on this process (the second of
-    two epochs): dtrain.hardware.step_seconds, with micro-batches."""
+    two epochs): dtrain.plan.hardware.step_seconds, with micro-batches."""
     from dtrain.train import TrainConfig
 
     config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
@@ -501,7 +502,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"models, of {', '.join(SIZES)} (default all)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per block (default 3; --quick 2)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds of predicted steps per epoch (dtrain.plan_check.steps_for: 5 to 50 steps; "
+                        help="seconds of predicted steps per epoch (dtrain.plan.check.steps_for: 5 to 50 steps; "
                         "default 0.5, --quick 0.25)")  # fmt: skip
     parser.add_argument("--sim-worlds", default="16,32,64", help="simulated rank counts ('' for none)")
     parser.add_argument("--quick", action="store_true", help="small and mlp, 2 rounds, half the steps, 16 simulated")

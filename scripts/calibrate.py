@@ -16,12 +16,13 @@ script also measures a ring step with all p ranks at once (each sends n bytes ri
 ``Sendrecv``; the slowest rank counts) and the reduction with all p ranks reducing at once, and fits alpha, beta and
 gamma for that p. With more ranks than cores these are the numbers that predict what an algorithm will take.
 
-The compute rates ``dtrain plan`` prices a step with (:mod:`dtrain.hardware`: FLOP/s of the matrix products, seconds
+The compute rates ``dtrain plan`` prices a step with (:mod:`dtrain.plan.hardware`: FLOP/s of the matrix products,
+seconds
 per layer and per step besides them, the update's memory bandwidth) are fitted to dtrain's own training steps on one
-thread (:func:`dtrain.hardware.measure_compute`) and written under ``"compute"``.
+thread (:func:`dtrain.plan.hardware.measure_compute`) and written under ``"compute"``.
 
-``--gpu FILE`` measures a machine with a GPU for ``dtrain plan --device gpu``, as a preset of dtrain/hardware.json
-(to paste there under a name): the compute rates of dtrain's steps on the GPU (:data:`dtrain.hardware.GPU_SHAPES`),
+``--gpu FILE`` measures a machine with a GPU for ``dtrain plan --device gpu``, as a preset of dtrain/plan/hardware.json
+(to paste there under a name): the compute rates of dtrain's steps on the GPU (:data:`dtrain.plan.hardware.GPU_SHAPES`),
 the ping-pong of GPU buffers between two ranks sharing the GPU, staged through pinned host memory as this MPI needs
 (:class:`dtrain.comm.staging.StagedComm`), beside the same ping-pong of host buffers, and gamma of the GPU's
 reduction kernel. calibration.json is not touched: it describes the machine the repository's CPU numbers come from.
@@ -40,7 +41,7 @@ ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 for _name in ONE_THREAD:
     os.environ.setdefault(_name, "1")
 
-from dtrain.comm.launcher import THREAD_VARIABLES
+from dtrain.launch.launcher import THREAD_VARIABLES
 
 assert set(ONE_THREAD) == set(THREAD_VARIABLES), "the launcher's thread variables changed: update ONE_THREAD"
 
@@ -152,7 +153,7 @@ def dtrain_stack(comm, reps: int = 200) -> dict:
 
     from dtrain import collectives
     from dtrain.comm.prepare import prepare
-    from dtrain.hardware import step_seconds
+    from dtrain.plan.hardware import step_seconds
 
     p = comm.Get_size()
     traced, buf, samples = prepare(comm.Dup(), events=False), np.zeros(2, dtype=np.float32), []
@@ -218,7 +219,7 @@ def worker(result_path: str, mode: str) -> None:
 
 
 def measure(nranks: int, mode: str):
-    from dtrain.comm import launcher
+    from dtrain.launch import launcher
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
@@ -246,11 +247,11 @@ def shapes_table(shapes: list[dict]) -> str:
 
 
 def gpu_preset(path: str) -> None:
-    """``--gpu FILE``: this GPU machine as a dtrain/hardware.json preset (see the module's docstring)."""
+    """``--gpu FILE``: this GPU machine as a dtrain/plan/hardware.json preset (see the module's docstring)."""
     import cupy
 
     from dtrain import backend
-    from dtrain.hardware import GPU_SHAPES, measure_compute
+    from dtrain.plan.hardware import GPU_SHAPES, measure_compute
 
     missing = backend.gpu_missing()
     if missing:
@@ -279,9 +280,9 @@ def gpu_preset(path: str) -> None:
         "memory_bandwidth": compute["memory_bandwidth"], "intra": link, "inter": link,
         "sources": {
             "flops, layer_s, step_s": f"fitted to dtrain's own steps on the GPU ({date}): python "
-            "scripts/calibrate.py --gpu (dtrain.hardware.measure_compute, GPU_SHAPES, the asynchronous model); "
+            "scripts/calibrate.py --gpu (dtrain.plan.hardware.measure_compute, GPU_SHAPES, the asynchronous model); "
             "efficiency 1: the fit is already what dtrain sustains",
-            "memory_bandwidth": "a 1 GiB device-to-device copy, bytes read and written (dtrain.hardware."
+            "memory_bandwidth": "a 1 GiB device-to-device copy, bytes read and written (dtrain.plan.hardware."
             "device_memory_bandwidth)",
             "memory": "the node's GPUs' totalGlobalMem, read through CuPy: ranks beyond one per GPU share it (and the "
             "GPU: devices_per_node)",
@@ -298,8 +299,8 @@ def gpu_preset(path: str) -> None:
 
 
 def fit_compute() -> dict:
-    """dtrain.hardware's compute rates, fitted on this process (one BLAS thread, as a rank), with the command."""
-    from dtrain.hardware import measure_compute
+    """dtrain.plan.hardware's compute rates, fitted on this process (one BLAS thread, as a rank), with the command."""
+    from dtrain.plan.hardware import measure_compute
 
     compute = measure_compute()
     print(terminal.paragraph(f"compute: {compute['flops'] / 1e9:.1f} GFLOP/s in matrix products, "
@@ -326,7 +327,7 @@ def main() -> None:
         return
 
     from dtrain import kernels
-    from dtrain.hardware import step_seconds
+    from dtrain.plan.hardware import step_seconds
 
     compute = fit_compute()
     if args.compute:

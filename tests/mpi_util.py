@@ -13,7 +13,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from dtrain.comm import launcher
+from dtrain.launch import launcher
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 

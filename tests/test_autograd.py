@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dtrain.autograd import Tensor, activation_bytes, no_grad, softmax_cross_entropy, unbroadcast
-from dtrain.exercises.checks.autograd import finite_differences
+from dtrain.course.exercises.checks.autograd import finite_differences
 from dtrain.nn import MLP
 
 EPS = 1e-6  # central differences in float64: truncation ~EPS^2, rounding ~1e-16 / EPS, both far below the tolerance

@@ -426,6 +426,6 @@ def test_dash_is_standard_output_for_every_output_file_and_the_words_for_people_
     plotted = subprocess.run([sys.executable, "-m", "dtrain", "plot", str(runs / "a"), "-o", "-"], cwd=tmp_path,
                              capture_output=True, timeout=TIMEOUT)  # fmt: skip
     assert plotted.returncode == 0 and plotted.stdout.startswith(b"\x89PNG\r\n\x1a\n"), plotted.stderr
-    where = ok(dtrain("launch", "-n", 2, "-m", "dtrain.comm.where", "--json", "-", cwd=tmp_path))
+    where = ok(dtrain("launch", "-n", 2, "-m", "dtrain.launch.where", "--json", "-", cwd=tmp_path))
     assert len(json.loads(where.stdout)["ranks"]) == 2 and "ranks 0-1" in where.stderr
     assert not (tmp_path / "-").exists()

@@ -5,7 +5,8 @@ import pytest
 from mpi_util import run_mpi
 
 import dtrain.comm as dc
-from dtrain.comm import launcher, sim
+from dtrain.comm import sim
+from dtrain.launch import mpiexec
 
 
 @pytest.fixture
@@ -96,16 +97,16 @@ def test_collectives_under_mpiexec_are_correct_with_either_wait(monkeypatch, mod
 
 
 def test_launch_env_gives_one_thread_per_rank_and_yields_when_oversubscribed():
-    env = launcher.launch_env(64, base={})
-    assert all(env[name] == "1" for name in launcher.THREAD_VARIABLES)
+    env = mpiexec.environment(64, base={})
+    assert all(env[name] == "1" for name in mpiexec.THREAD_VARIABLES)
     assert env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
-    assert "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in launcher.launch_env(1, base={})
-    assert launcher.launch_env(64, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's choice wins
+    assert "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in mpiexec.environment(1, base={})
+    assert mpiexec.environment(64, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the user's choice wins
 
 
 def test_launch_refuses_zero_ranks_before_starting_anything():
     with pytest.raises(ValueError, match="number of ranks must be >= 1"):
-        launcher.mpiexec_command(0, ["x.py"])
+        mpiexec.command(0, ["x.py"])
 
 
 def test_requests_wrapped_by_the_tracer_are_polled_not_blocked_on(monkeypatch):

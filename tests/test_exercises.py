@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from mpi_util import assert_fits
 
-from dtrain import exercises
-from dtrain.exercises import checker
+from dtrain.course import exercises
+from dtrain.course.exercises import checker
 
 BUGS = Path(__file__).resolve().parent / "exercise_bugs"
 ALL = exercises.catalogue()

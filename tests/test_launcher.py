@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from dtrain.comm import launcher
-from dtrain.comm.banners import WAIT_S, Banners
+from dtrain.launch import jobs, launcher, processes
+from dtrain.launch.banners import WAIT_S, Banners
 
 pytestmark = [
     pytest.mark.mpi,
@@ -28,7 +28,7 @@ pytestmark = [
 RANKS = 4
 # mpiexec and hydra's proxy, then the ranks
 JOB_PROCESSES = RANKS + 2
-ENDED_WITHIN_S = launcher.GRACE_S + 5
+ENDED_WITHIN_S = jobs.GRACE_S + 5
 
 TRAIN = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", "1000", "--no-progress"]
 HUNG = """
@@ -78,7 +78,7 @@ class Started:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"the job ended early:\n{''.join(self.stdout)}{''.join(self.stderr)}"
-            tree = launcher._tree(self.process.pid)
+            tree = processes.tree(self.process.pid)
             if len(tree) >= 1 + JOB_PROCESSES and ready("".join(self.stdout)):
                 return tree
             time.sleep(0.2)
@@ -96,7 +96,7 @@ def left_of(tree: dict[int, int], within: float) -> list[int]:
     """The processes of ``tree`` still running after waiting up to ``within`` seconds for them to end."""
     deadline = time.monotonic() + within
     while True:
-        left = [pid for pid, started in tree.items() if launcher._running(pid, started)]
+        left = [pid for pid, started in tree.items() if processes.running(pid, started)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
@@ -104,7 +104,7 @@ def left_of(tree: dict[int, int], within: float) -> list[int]:
 
 def kill_all(tree):
     for pid, started in tree.items():
-        launcher._signal(pid, started, signal.SIGKILL)
+        processes.send(pid, started, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +199,7 @@ def test_the_launchers_timeout_stops_every_process_of_the_job(tmp_path):
 
     def watch():  # the tree as it is while the job runs (the launcher holds the main thread)
         while not seen.get("done"):
-            tree = {pid: t for pid, t in launcher._tree(os.getpid()).items() if pid != os.getpid()}
+            tree = {pid: t for pid, t in processes.tree(os.getpid()).items() if pid != os.getpid()}
             if len(tree) >= JOB_PROCESSES:
                 seen.setdefault("tree", tree)
             time.sleep(0.2)
@@ -244,18 +244,18 @@ def test_an_aborted_job_leaves_no_shared_memory_behind(tmp_path, monkeypatch):
 
     First the same job with the cleanup turned off, to see that there is something to clean up: the segment is there.
     """
-    shm = launcher.SHARED_MEMORY
+    shm = processes.SHARED_MEMORY
     if not shm.is_dir():
         pytest.skip("no /dev/shm here")
     script = tmp_path / "aborts.py"
     script.write_text(ABORTS)
-    free = launcher.free_shared_memory
+    free = processes.free_shared_memory
 
     def aborted_job_leaves(**patch) -> set:
         before, started = set(shm.glob("mpich_shm_*")), time.time()
         with monkeypatch.context() as m:
             for name, value in patch.items():
-                m.setattr(launcher, name, value)
+                m.setattr(processes, name, value)  # (the Job calls processes.free_shared_memory)
             result = launcher.launch(2, [str(script)], timeout=60, capture=True)
         assert result.returncode != 0, result
         left = set(shm.glob("mpich_shm_*")) - before
@@ -368,10 +368,11 @@ def test_ranks_that_all_exit_failing_are_their_own_words_only(tmp_path):
 def test_a_reader_that_goes_away_stops_the_job(tmp_path):
     """``dtrain launch ... | head -2``: once nobody reads, the job stops (as mpiexec alone stops on a closed pipe)
     and the launcher ends quietly, instead of training on for nobody."""
-    (tmp_path / "talk.py").write_text("import time\nfor i in range(600):\n    print(i, flush=True)\n"
-                                      "    time.sleep(0.05)\n")  # fmt: skip
+    (tmp_path / "talk.py").write_text("import os, time\nfor i in range(600):\n"
+                                      "    if os.environ.get('PMI_RANK') == '0':  # (one rank: lines whole)\n"
+                                      "        print(i, flush=True)\n    time.sleep(0.05)\n")  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(f"{sys.executable} -m dtrain launch -n 2 talk.py | head -2", shell=True, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.stdout.splitlines() == ["0", "0"] and time.monotonic() - started < 15, done.stderr
+    assert done.stdout.splitlines() == ["0", "1"] and time.monotonic() - started < 15, done.stderr
     assert "Traceback" not in done.stderr

@@ -21,7 +21,8 @@ import pytest
 from mpi_util import COLUMNS, LESSONS, assert_fits
 
 from dtrain import collectives
-from dtrain.comm import launcher, sim, watchdog
+from dtrain.comm import sim, watchdog
+from dtrain.launch import launcher
 
 LESSON = LESSONS / "10_debugging.py"
 

@@ -1,6 +1,6 @@
 """Lesson 11 (planning) reports what the planner says, and the planner's figures hold against oracles computed here.
 
-The lesson runs with python (its measured runs are jobs of their own, started through dtrain.plan_check.measure); the
+The lesson runs with python (its measured runs are jobs of their own, started through dtrain.plan.check.measure); the
 test runs it once with --quick and reads its --json, then holds each figure against what it computes itself: plan()
 called here for the same models and machines, both sides of the tp/ddp crossover, the bubble formula, the ZeRO
 paper's formula written out again plus the layer in flight, the preset's best on each rank count. The functions that
@@ -22,8 +22,7 @@ import sys
 import pytest
 from mpi_util import COLUMNS, LESSONS, assert_fits
 
-from dtrain import hardware
-from dtrain.plan import Model, plan
+from dtrain.plan import Model, hardware, plan
 
 LESSON = LESSONS / "11_planning.py"
 _spec = importlib.util.spec_from_file_location("lesson_11_planning", LESSON)

@@ -1,4 +1,4 @@
-"""The notebooks' live parts (dtrain/live.py): %%px cells on real MPI ranks, started and stopped by the notebook.
+"""The notebooks' live parts (dtrain/course/live.py): %%px cells on real MPI ranks, started and stopped by the notebook.
 
 nbmake runs the notebooks with DTRAIN_LIVE=0 (conftest.py), so there their live sections only say they are skipped.
 Here the live sections of notebooks 2, 3 and 8 (their cells tagged "live") run once, each in a kernel of its own with
@@ -23,9 +23,9 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
-from dtrain import live
 from dtrain.collectives import costmodel
-from dtrain.comm import launcher
+from dtrain.course import live
+from dtrain.launch import mpiexec
 from dtrain.parallel import schedules
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.pipeline import Pipeline
@@ -130,7 +130,7 @@ def test_the_watcher_kills_the_cluster_once_its_starter_dies(tmp_path):
     profile.mkdir()
     starter = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
-from dtrain import live
+from dtrain.course import live
 sleeper = [sys.executable, "-c", "import time; time.sleep(60)", {str(profile)!r}]
 quiet = dict(start_new_session=True, stdout=subprocess.DEVNULL)  # (not the pipe the test reads)
 roots = [subprocess.Popen(sleeper, **quiet),
@@ -225,7 +225,7 @@ def test_live_part_of_the_notebook_runs_on_4_mpi_ranks(name, check, tmp_path):
         match = re.search(r"^4 live ranks up in ([\d.]+) s: one MPI.COMM_WORLD of 4 ipyparallel engines, started by "
                           r"(\S+)", outputs[0], flags=re.MULTILINE)  # fmt: skip
         assert match, outputs[0]
-        assert match.group(2) == str(launcher.mpiexec_path())  # this environment's mpiexec
+        assert match.group(2) == str(mpiexec.path())  # this environment's mpiexec
         check(outputs)
         assert re.fullmatch(r"cluster stopped in [\d.]+ s: engines, mpiexec and the controller\n", outputs[-1])
     finally:

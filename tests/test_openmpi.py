@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtrain.comm import flavours
+from dtrain.launch import flavours
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "mpi_scripts" / "check_collectives.py"
@@ -62,7 +62,7 @@ def dtrain(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
 
 def test_the_virtualenvs_mpi4py_runs_on_open_mpi(tmp_path):
     out = tmp_path / "where.json"
-    result = dtrain("launch", "-n", 3, "-m", "dtrain.comm.where", "--json", out, cwd=tmp_path, timeout=120)
+    result = dtrain("launch", "-n", 3, "-m", "dtrain.launch.where", "--json", out, cwd=tmp_path, timeout=120)
     where = json.loads(out.read_text())
     assert where["library"].startswith("Open MPI"), where["library"]
     assert [r["rank"] for r in where["ranks"]] == [0, 1, 2] and {r["node_size"] for r in where["ranks"]} == {3}

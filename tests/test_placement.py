@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.comm import flavours, hosts, launcher
-from dtrain.comm.hosts import Host
 from dtrain.errors import UserError
+from dtrain.launch import flavours, hosts, launcher, mpiexec
+from dtrain.launch.hosts import Host
 from tests.mpi_util import LESSONS
 
 MPICH_VERSION = """HYDRA build details:
@@ -74,10 +74,10 @@ def test_more_ranks_than_slots_needs_oversubscribe():
 
 
 def test_ranks_per_host_fills_each_host_then_wraps():
-    assert launcher.ranks_per_host(6, None) == 6
-    assert launcher.ranks_per_host(4, [Host("a", 2), Host("b", 2)]) == 2
-    assert launcher.ranks_per_host(5, [Host("a", 2), Host("b", 2)]) == 3
-    assert launcher.ranks_per_host(3, [Host("a", 4), Host("b", 4)]) == 3
+    assert mpiexec.ranks_per_host(6, None) == 6
+    assert mpiexec.ranks_per_host(4, [Host("a", 2), Host("b", 2)]) == 2
+    assert mpiexec.ranks_per_host(5, [Host("a", 2), Host("b", 2)]) == 3
+    assert mpiexec.ranks_per_host(3, [Host("a", 4), Host("b", 4)]) == 3
 
 
 @pytest.mark.parametrize(
@@ -96,14 +96,14 @@ def test_which_mpi_an_mpiexec_belongs_to(text, kind, name, version):
 
 
 def test_the_environments_own_mpiexec_is_detected():
-    found = flavours.detect(launcher.mpiexec_path())
+    found = flavours.detect(mpiexec.path())
     assert type(found) in (flavours.Mpich, flavours.OpenMpi), found
 
 
 def _command(monkeypatch, text, *, root=False, **kwargs):
     monkeypatch.setattr(flavours, "detect", lambda path: flavours.read_version(text))
     monkeypatch.setattr(flavours, "running_as_root", lambda: root)
-    return launcher.mpiexec_command(4, ["-m", "dtrain.comm.where"], **kwargs)
+    return mpiexec.command(4, ["-m", "dtrain.launch.where"], **kwargs)
 
 
 def test_each_mpi_gets_its_own_spelling(monkeypatch):
@@ -124,10 +124,10 @@ def test_each_mpi_gets_its_own_spelling(monkeypatch):
 
 def test_each_mpi_gets_its_own_yielding_wait():
     many = 64  # more ranks than this machine's cores
-    assert launcher.launch_env(many, {}, flavours.Mpich("MPICH"))["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
-    env = launcher.launch_env(many, {}, flavours.OpenMpi("Open MPI", "5.0.6"))
+    assert mpiexec.environment(many, {}, flavours.Mpich("MPICH"))["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
+    env = mpiexec.environment(many, {}, flavours.OpenMpi("Open MPI", "5.0.6"))
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "1" and "MPIR_CVAR_ENABLE_HEAVY_YIELD" not in env
-    assert "OMPI_MCA_mpi_yield_when_idle" not in launcher.launch_env(1, {}, flavours.OpenMpi("Open MPI", "5.0.6"))
+    assert "OMPI_MCA_mpi_yield_when_idle" not in mpiexec.environment(1, {}, flavours.OpenMpi("Open MPI", "5.0.6"))
 
 
 def test_an_unknown_mpiexec_is_said_once_and_the_launch_goes_on(tmp_path, capsys):
@@ -156,17 +156,17 @@ def run_cli(*args, cwd):
     ],
 )
 def test_bad_placement_is_one_line_and_exit_2(tmp_path, args, says):
-    result = run_cli(*args, "-m", "dtrain.comm.where", cwd=tmp_path)
+    result = run_cli(*args, "-m", "dtrain.launch.where", cwd=tmp_path)
     assert result.returncode == 2, result
     assert says in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert result.stdout == ""
 
 
 def test_dry_run_prints_the_command_and_starts_nothing(tmp_path):
-    result = run_cli("--dry-run", "--hosts", "a:2,b:2", "-n", "4", "-m", "dtrain.comm.where", cwd=tmp_path)
+    result = run_cli("--dry-run", "--hosts", "a:2,b:2", "-n", "4", "-m", "dtrain.launch.where", cwd=tmp_path)
     assert result.returncode == 0, result
     command, *env = result.stdout.splitlines()
-    assert command.startswith(str(launcher.mpiexec_path())) and " -n 4 " in command and "a:2,b:2" in command
+    assert command.startswith(str(mpiexec.path())) and " -n 4 " in command and "a:2,b:2" in command
     assert "  OMP_NUM_THREADS=1" in env
 
 
@@ -190,10 +190,10 @@ def _launch(nranks, target, hostfile, **kwargs):
 
 @pytest.mark.mpi
 def test_where_shows_the_ranks_placed_by_the_hostfile(tmp_path, this_machine_twice):
-    if type(flavours.detect(launcher.mpiexec_path())) is not flavours.Mpich:
+    if type(flavours.detect(mpiexec.path())) is not flavours.Mpich:
         pytest.skip("MPICH's hydra makes one shared-memory node per host name; another MPI may not")
     out = tmp_path / "where.json"
-    result = _launch(4, ["-m", "dtrain.comm.where", "--json", str(out)], this_machine_twice, cwd=tmp_path)
+    result = _launch(4, ["-m", "dtrain.launch.where", "--json", str(out)], this_machine_twice, cwd=tmp_path)
     ranks = json.loads(out.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     # the hostfile's first name gets ranks 0-1, its second 2-3: MPI's nodes follow
@@ -204,7 +204,7 @@ def test_where_shows_the_ranks_placed_by_the_hostfile(tmp_path, this_machine_twi
     assert "MPI sees 2 nodes on the one machine" in result.stdout
 
     out.unlink()
-    dealt = _launch(4, ["-m", "dtrain.comm.where", "--json", str(out)], this_machine_twice, cwd=tmp_path,
+    dealt = _launch(4, ["-m", "dtrain.launch.where", "--json", str(out)], this_machine_twice, cwd=tmp_path,
                     oversubscribe=True)  # fmt: skip
     assert "4 ranks on 1 machine" in dealt.stdout
 
@@ -212,7 +212,7 @@ def test_where_shows_the_ranks_placed_by_the_hostfile(tmp_path, this_machine_twi
 @pytest.mark.mpi
 def test_a_lesson_runs_on_the_nodes_a_hostfile_makes(tmp_path, this_machine_twice):
     """Lesson 2's hierarchical all-reduce on real nodes (MPI's, not emulated): right values, the formula's bytes."""
-    if type(flavours.detect(launcher.mpiexec_path())) is not flavours.Mpich:
+    if type(flavours.detect(mpiexec.path())) is not flavours.Mpich:
         pytest.skip("MPICH's hydra makes one shared-memory node per host name; another MPI may not")
     flags = ["--size-mib", "0.25", "--repeats", "2", "--algorithms", "hierarchical,hierarchical_rs,ring,mpi"]
     out = _launch(4, [str(LESSONS / "02_allreduce.py"), *flags], this_machine_twice, cwd=tmp_path).stdout
@@ -228,14 +228,14 @@ def test_a_lesson_runs_on_the_nodes_a_hostfile_makes(tmp_path, this_machine_twic
 
 def test_what_follows_the_module_is_the_modules_even_when_it_looks_like_launchs(tmp_path):
     result = run_cli(
-        "--dry-run", "-n", "2", "-m", "dtrain.comm.where", "--json", "w.json", "--hosts", "x", cwd=tmp_path
+        "--dry-run", "-n", "2", "-m", "dtrain.launch.where", "--json", "w.json", "--hosts", "x", cwd=tmp_path
     )
     assert result.returncode == 0, result
-    assert result.stdout.splitlines()[0].endswith("-m dtrain.comm.where --json w.json --hosts x")
+    assert result.stdout.splitlines()[0].endswith("-m dtrain.launch.where --json w.json --hosts x")
 
 
 def test_launchs_own_options_after_the_module_and_a_scripts_own_m_are_left_alone(tmp_path):
-    result = run_cli("--dry-run", "-m", "dtrain.comm.where", "-n", "3", cwd=tmp_path)  # as argparse always read it
+    result = run_cli("--dry-run", "-m", "dtrain.launch.where", "-n", "3", cwd=tmp_path)  # as argparse always read it
     assert result.returncode == 0 and " -n 3 " in result.stdout, result
     script = tmp_path / "s.py"
     script.write_text("")

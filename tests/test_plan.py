@@ -17,12 +17,13 @@ import textwrap
 
 import pytest
 
-from dtrain import hardware, parallel, report
+from dtrain import parallel, report
 from dtrain import plan as planner
 from dtrain.collectives import costmodel
 from dtrain.collectives.costmodel import Machine
 from dtrain.comm import sim
 from dtrain.errors import ConfigError
+from dtrain.plan import hardware
 from dtrain.train import train
 
 SMALL = planner.Model([16, 8, 8, 8, 4], batch_size=24)
@@ -90,7 +91,8 @@ def test_a_paradigm_joins_the_plan_by_registering(tmp_path):
                 return [("mine on every rank", {"allreduce": "ring"}, world)]
     """)
     )
-    code = ("from dtrain import plan, hardware; rows = plan.plan(plan.Model([16, 8, 4], 24), 4, hardware.load('this'));"
+    code = ("from dtrain import plan; from dtrain.plan import hardware; "
+            "rows = plan.plan(plan.Model([16, 8, 4], 24), 4, hardware.load('this'));"
             "print([(r.label, r.sent_per_step) for r in rows if r.paradigm in ('mine', 'ddp')])")  # fmt: skip
     env = {"DTRAIN_PARADIGMS": "mine", "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
@@ -221,7 +223,7 @@ def test_check_runs_the_best_here_and_counts_agree(tmp_path):
 
 def test_check_needs_this_machine():
     with pytest.raises(Exception, match=r"--machine this \(with --device cpu\)"):
-        from dtrain import plan_check
+        from dtrain.plan import check as plan_check
 
         plan_check.check([], SMALL, 1, hardware.load("dgx-h100"))
 

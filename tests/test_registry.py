@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from dtrain.comm import launcher
+from dtrain.launch import launcher
 
 MODULE = "learner_paradigm"
 PARADIGM = textwrap.dedent('''

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from test_launcher import Started, kill_all, left_of
 
-from dtrain import checkpoint, faults, supervise
+from dtrain import checkpoint, faults
 from dtrain.errors import ConfigError
+from dtrain.launch import restarts
 
 COMMON = ["--epochs", "2", "--batch-size", "48", "--checkpoint-every", "10", "--quiet", "--no-progress"]
 PARADIGMS = {
@@ -63,16 +64,16 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_weights_are_those_of_a_run_n
     assert result.returncode == 0, result.stderr
     assert metrics["weights_sha256"] == whole["weights_sha256"]
     assert [e["test_loss"] for e in metrics["epochs"]] == [e["test_loss"] for e in whole["epochs"]]
-    restarts = metrics["restarts"]
-    assert restarts["count"] == 1 and restarts["steps_lost"] == 3  # killed after step 23; checkpoint at step 20
-    first = restarts["attempts"][0]
+    attempts = metrics["restarts"]
+    assert attempts["count"] == 1 and attempts["steps_lost"] == 3  # killed after step 23; checkpoint at step 20
+    first = attempts["attempts"][0]
     assert (first["rank"], first["signal"], first["reached_step"]) == (1, "SIGKILL", 23) and first["exit_status"]
     assert "rank 1 was killed by SIGKILL" in result.stderr
     assert "from the checkpoint at global step 20" in result.stderr
     assert faults.fired(tmp_path / "ck")[0]["step"] == 23  # recorded: the restart went past step 23 alive
     # MPI's own box about the dead rank is in the folder's mpi.log, not on the terminal: the launcher said it
     assert "BAD TERMINATION" not in result.stdout + result.stderr
-    assert "BAD TERMINATION" in (tmp_path / "ck" / supervise.MPI_LOG).read_text()
+    assert "BAD TERMINATION" in (tmp_path / "ck" / restarts.MPI_LOG).read_text()
 
 
 @pytest.mark.mpi
@@ -311,9 +312,9 @@ def test_launching_the_same_job_again_goes_on_from_its_checkpoint_and_another_ru
 def test_a_checkpoint_written_without_the_launcher_is_gone_on_from_only_with_resume(tmp_path):
     folder = write_checkpoint(tmp_path, "--hidden", "16")
     target = ["-m", "dtrain", "train", "--paradigm", "ddp", "--hidden", "16", "--epochs", "2"]
-    with pytest.raises(supervise.UserError, match="a run not started by dtrain launch --max-restarts"):
-        supervise.prepare(2, target, folder, 1, None, 0.0)
-    job = supervise.prepare(2, [*target, "--resume"], folder, 1, None, 0.0)
+    with pytest.raises(restarts.UserError, match="a run not started by dtrain launch --max-restarts"):
+        restarts.prepare(2, target, folder, 1, None, 0.0)
+    job = restarts.prepare(2, [*target, "--resume"], folder, 1, None, 0.0)
     assert not job.fresh and "--checkpoint-dir" in job.target and "--resume" not in job.target
     assert job.train_config.batch_size == 64  # pinned: a restart on fewer ranks keeps the global batch
 
@@ -394,7 +395,7 @@ def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch
     ],
 )  # fmt: skip
 def test_how_a_job_ended_is_said_from_what_is_known_for_sure(tail, status, first, said):
-    attempt = supervise.Attempt(1, 4, None)
+    attempt = restarts.Attempt(1, 4, None)
     watched = SimpleNamespace(tail=tail, returncode=status, first_to_end=first)
-    supervise._explain(attempt, watched, [])
+    restarts._explain(attempt, watched, [])
     assert attempt.ended == said

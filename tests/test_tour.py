@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from dtrain import backend, tour
+from dtrain import backend
+from dtrain.course import tour
 
 BOOM = textwrap.dedent('''
     """A learner's paradigm whose rank 1 fails at its first step."""

@@ -13,7 +13,7 @@ Which file does what:
 ``launcher``    outside the ranks: ``mpiexec`` with the machine's settings; the job stopped whole (Ctrl-C, timeout)
 ``flavours``    which MPI an ``mpiexec`` belongs to (MPICH, Open MPI), and each one's spelling of a job's needs
 ``hosts``       hostfiles and ``--hosts`` lists: read, checked against ``-n``, handed to ``mpiexec``
-``where``       ``-m dtrain.comm.where``: which machine, node and cores every rank landed on
+``where``       ``-m dtrain.launch.where``: which machine, node and cores every rank landed on
 ``sim``         a simulated world of N ranks as threads, with exact deadlock detection (notebooks, fast tests)
 ``simcomm``     the simulated world's communicator: mpi4py's buffer API over shared queues
 ``wrapper``     the base of every communicator wrapper (calls as records, wrapped sub-communicators, innermost)

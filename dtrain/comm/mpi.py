@@ -1,6 +1,6 @@
 """Inside a rank: the real world of ranks under ``mpiexec``, and how a rank that fails ends the job, saying so once.
 
-(Starting and stopping a job from outside is :mod:`dtrain.comm.launcher`'s.)
+(Starting and stopping a job from outside is :mod:`dtrain.launch.launcher`'s.)
 
 A crash on one rank hangs the others: rank 2 raises, rank 0 waits forever in ``Recv`` for a message rank 2 will never
 send. So a rank that fails must end the job, and say why, once, not once per rank:

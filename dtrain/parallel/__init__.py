@@ -59,7 +59,7 @@ as evaluation's).
 Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
 tests hold them against the tracer's counts, and a planner can rank paradigms without running any: ``dtrain plan``
 asks each registered paradigm for its :meth:`Paradigm.configurations`, and prices each with :meth:`Paradigm.costs`,
-:meth:`Paradigm.activations` and :meth:`Paradigm.step_time` (seconds from :mod:`dtrain.hardware`'s rates), so a new
+:meth:`Paradigm.activations` and :meth:`Paradigm.step_time` (seconds from :mod:`dtrain.plan.hardware`'s rates), so a new
 paradigm is in the plan once it says those.
 """
 
@@ -280,7 +280,7 @@ class Paradigm:
 
     @classmethod
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
-        """Predicted seconds of one step on its slowest rank, on ``hardware`` (:class:`dtrain.hardware.Hardware`):
+        """Predicted seconds of one step on its slowest rank, on ``hardware`` (:class:`dtrain.plan.hardware.Hardware`):
         ``compute``, ``communication`` (what compute does not hide) and a pipeline's ``bubble``. By default a whole
         replica on its slice of the batch, and nothing to send."""
         return {"compute": cls.replica_compute(sizes, world, config, hardware), "communication": 0.0, "bubble": 0.0}

@@ -157,7 +157,7 @@ def costs_per_rank(sizes, world: int, shape, schedule: str, M: int, V: int, conf
 
 def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, hardware) -> dict:
     """Seconds of one step of the replica the slowest pipeline rank is on: compute, communication and the bubble
-    (the module docstring's formula); ``hardware``: :class:`dtrain.hardware.Hardware`."""
+    (the module docstring's formula); ``hardware``: :class:`dtrain.plan.hardware.Hardware`."""
     b, P, slow = resolve_dtype(config.dtype).itemsize, shape.pp, hardware.slowdown(world)
     stages, rows = P * V, config.batch_size // (shape.dp * M)
     bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)

@@ -35,8 +35,8 @@ from __future__ import annotations
 import functools
 import importlib
 
+from dtrain.course.exercises.grading import Exercise
 from dtrain.errors import UserError
-from dtrain.exercises.grading import Exercise
 
 # The subjects, in the course's order: each is a module of checks/ that lists its exercises (``EXERCISES``) beside
 # the checks that grade them.
@@ -57,7 +57,8 @@ SUBJECTS = (
 @functools.cache
 def catalogue() -> tuple[Exercise, ...]:
     """Every exercise, in the course's order (lesson, then number)."""
-    found = [e for subject in SUBJECTS for e in importlib.import_module(f"dtrain.exercises.checks.{subject}").EXERCISES]
+    checks = [importlib.import_module(f"dtrain.course.exercises.checks.{subject}") for subject in SUBJECTS]
+    found = [e for check in checks for e in check.EXERCISES]
     return tuple(sorted(found, key=lambda e: tuple(int(part) for part in e.id.split("."))))
 
 

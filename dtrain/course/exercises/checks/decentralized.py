@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.checks.collectives import Recorder, rank_values
-from dtrain.exercises.grading import MPI, Exercise, plural
+from dtrain.course.exercises.checks.collectives import Recorder, rank_values
+from dtrain.course.exercises.grading import MPI, Exercise, plural
 from dtrain.parallel import gossip
 
 EXERCISES = (
     Exercise("5.1", "local SGD's averaging step", "local_sgd.py", "local_sgd_step",
              ("comm", "flat", "step", "sync_every"), "dtrain.parallel.local_sgd:local_sgd_step",
-             "dtrain.exercises.checks.decentralized:local_sgd_step", (1, 2, 3, 4, 5), MPI,
+             "dtrain.course.exercises.checks.decentralized:local_sgd_step", (1, 2, 3, 4, 5), MPI,
              "if step % sync_every == 0: all-reduce flat (the sum over ranks, e.g. "
              "dtrain.collectives.allreduce(comm, flat, 'sum', 'ring')), divide by p, return True; else send nothing "
              "and return False"),
     Exercise("6.1", "one gossip round", "gossip.py", "gossip_step", ("comm", "flat", "neighbours"),
-             "dtrain.parallel.gossip:gossip_step", "dtrain.exercises.checks.decentralized:gossip_step",
+             "dtrain.parallel.gossip:gossip_step", "dtrain.course.exercises.checks.decentralized:gossip_step",
              (2, 3, 4, 5, 6, 8), MPI,
              "Irecv each neighbour's flat into a buffer of its own, Isend flat to each neighbour, wait for all; then "
              "flat = (flat + the received ones) / (d + 1), d = len(neighbours)"),

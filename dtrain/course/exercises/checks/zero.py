@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.collectives import costmodel
-from dtrain.exercises.grading import MPI, RINGS, Exercise, plural
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural
 
 EXERCISES = (
     Exercise("9.1", "the ZeRO step (reduce-scatter, update a chunk, all-gather)", "zero.py", "zero_step",
              ("comm", "params", "grads", "optimizer_step"), "dtrain.parallel.zero:zero_step",
-             "dtrain.exercises.checks.zero:zero_step", RINGS, MPI,
+             "dtrain.course.exercises.checks.zero:zero_step", RINGS, MPI,
              "collectives.reduce_scatter(comm, grads, \"avg\") leaves this rank's chunk of the average in grads; "
              "then optimizer_step(); then collectives.allgather(comm, params)"),
 )  # fmt: skip

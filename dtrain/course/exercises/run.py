@@ -1,6 +1,7 @@
-"""One part of a check, in a process of its own: ``python -m dtrain.exercises.run sim|mpi ID FILE RESULT [RANKS]``.
+"""One part of a check, in a process of its own:
+``python -m dtrain.course.exercises.run sim|mpi ID FILE RESULT [RANKS]``.
 
-The checker (:mod:`dtrain.exercises.checker`) starts this with a time limit, so that nothing a learner writes (an
+The checker (:mod:`dtrain.course.exercises.checker`) starts this with a time limit, so that nothing a learner writes (an
 endless loop, a receive that nothing matches) can hang it:
 
 * ``sim``: the check on simulated ranks, for each world size in RANKS (comma-separated; none for an exercise that
@@ -20,9 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from dtrain import exercises
+from dtrain.course import exercises
+from dtrain.course.exercises.grading import Grade, Wrong, place
 from dtrain.errors import UserError
-from dtrain.exercises.grading import Grade, Wrong, place
 from dtrain.loading import load_function, where
 
 SIM_TIMEOUT_S = 30.0  # a simulated world that runs this long is looping, not computing

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dtrain import exercises, terminal
+from dtrain import terminal
+from dtrain.course import exercises
 from dtrain.errors import UserError
 
 STUBS = Path(__file__).parent / "stubs"
@@ -170,7 +171,7 @@ def run_sim(exercise, path: Path) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "result.json"
         sizes = ",".join(map(str, exercise.sim_ranks))
-        cmd = [sys.executable, "-m", "dtrain.exercises.run", "sim", exercise.id, str(path), str(result), sizes]
+        cmd = [sys.executable, "-m", "dtrain.course.exercises.run", "sim", exercise.id, str(path), str(result), sizes]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=SIM_LIMIT_S, env=child_env())
         except subprocess.TimeoutExpired:
@@ -183,10 +184,10 @@ def run_sim(exercise, path: Path) -> dict:
 
 
 def run_mpi(exercise, path: Path, ranks: int) -> dict:
-    from dtrain.comm import launcher
+    from dtrain.launch import launcher
 
     with tempfile.TemporaryDirectory() as scratch:
-        target = ["-m", "dtrain.exercises.run", "mpi", exercise.id, str(path), scratch]
+        target = ["-m", "dtrain.course.exercises.run", "mpi", exercise.id, str(path), scratch]
         env = {**child_env(), "DTRAIN_TIMEOUT": f"{WAIT_LIMIT_S:g}"}
         try:
             done = launcher.launch(ranks, target, timeout=MPI_LIMIT_S, capture=True, env=env)

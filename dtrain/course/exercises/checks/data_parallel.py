@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.grading import Exercise
+from dtrain.course.exercises.grading import Exercise
 
 EXERCISES = (
     Exercise("3.1", "which gradient buckets may start", "buckets.py", "buckets_to_start",
              ("missing", "started", "bucket"), "dtrain.parallel.buckets:buckets_to_start",
-             "dtrain.exercises.checks.data_parallel:buckets_to_start",
+             "dtrain.course.exercises.checks.data_parallel:buckets_to_start",
              hint="count the parameter off (missing[bucket] -= 1), then walk from bucket `started` on and stop at the "
                   "first bucket that still waits for a parameter: every rank must start the same all-reduces in the "
                   "same order, or their messages cross"),
     Exercise("3.2", "cutting the flat gradient into buckets", "buckets.py", "plan_buckets",
              ("parameters", "bucket_bytes"), "dtrain.parallel.buckets:plan_buckets",
-             "dtrain.exercises.checks.data_parallel:plan_buckets",
+             "dtrain.course.exercises.checks.data_parallel:plan_buckets",
              hint="walk the parameters from the last one back (backward makes the last layer's gradient first), "
                   "add each to the open bucket, and close the bucket as soon as it holds >= bucket_bytes bytes"),
 )  # fmt: skip

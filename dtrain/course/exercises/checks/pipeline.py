@@ -11,18 +11,18 @@ and 1F1B holds at most P - s micro-batches' activations on stage s, GPipe all M.
 
 from __future__ import annotations
 
-from dtrain.exercises.grading import Exercise
+from dtrain.course.exercises.grading import Exercise
 from dtrain.parallel import schedules
 from dtrain.parallel.instructions import Compute, Instruction
 
 EXERCISES = (
     Exercise("8.1", "the 1F1B schedule", "schedules.py", "one_f_one_b", ("stages", "microbatches"),
-             "dtrain.parallel.schedules:one_f_one_b_order", "dtrain.exercises.checks.pipeline:one_f_one_b",
+             "dtrain.parallel.schedules:one_f_one_b_order", "dtrain.course.exercises.checks.pipeline:one_f_one_b",
              hint="stage s: P - s - 1 forwards first (warm-up, at most M), then pairs (the next forward, the oldest "
                   "backward) while forwards are left, then the backwards left; lessons/08_pipeline_parallel.py and "
                   "schedules.py's docstring draw it"),
     Exercise("8.2", "the GPipe schedule", "schedules.py", "gpipe", ("stages", "microbatches"),
-             "dtrain.parallel.schedules:gpipe_order", "dtrain.exercises.checks.pipeline:gpipe",
+             "dtrain.parallel.schedules:gpipe_order", "dtrain.course.exercises.checks.pipeline:gpipe",
              hint="every stage: the M forwards, micro-batch 0 first, then the M backwards in the same order"),
 )  # fmt: skip
 SIZES = ((1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (5, 3), (4, 2))  # (P, M), M < P among them

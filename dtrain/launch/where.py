@@ -1,4 +1,4 @@
-"""``dtrain launch -n 8 --hostfile h -m dtrain.comm.where``: where did every rank land?
+"""``dtrain launch -n 8 --hostfile h -m dtrain.launch.where``: where did every rank land?
 
 The first thing to run on a new cluster, before any training: it prints one line per rank (its machine, its place
 among the ranks that share that machine's memory, its process, the cores it may run on) and one line per machine.
@@ -114,7 +114,7 @@ def report(ranks: list[dict], library: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="dtrain.comm.where", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dtrain.launch.where", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--json", metavar="FILE", help="also write every rank's record to FILE (-: to stdout, the report to stderr)"
     )

@@ -55,9 +55,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dtrain import checkpoint, faults
-from dtrain.comm import hosts as hostlists
-from dtrain.comm import launcher
 from dtrain.errors import EXIT_USER_ERROR, ConfigError, UserError
+from dtrain.launch import hosts as hostlists
+from dtrain.launch import launcher
 
 DEFAULT_RESTART_DELAY_S = 2.0
 ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attempts so far (metrics.json "restarts")
@@ -265,7 +265,7 @@ def _check_paradigm(config, world: int) -> None:
 # --- running it --------------------------------------------------------------------------------------------------
 def run(job: Job) -> int:
     """Start the job, and again after each failure, up to ``job.max_restarts`` times; the exit status of the last try
-    (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.comm.launcher.JobInterrupted`: no restart.
+    (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.launch.jobs.JobInterrupted`: no restart.
     A job whose folder holds its last checkpoint has finished: that is said, and nothing runs."""
     if job.finished is not None:
         _say(f"dtrain launch: the job in {job.folder} has already finished ({job.finished}): nothing to run; to "
@@ -423,7 +423,7 @@ class Ending:
 def ending(watched, fired: list[dict] = ()) -> Ending:
     """Which rank failed and how, from what is known for sure: the fault injector's record (``fired``), dtrain's own
     report (an exception, the watchdog), MPI's report of a signal or of an abort, and the order the ranks' processes
-    ended in (:class:`~dtrain.comm.launcher.Endings`); the first of these that speaks is believed. A rank is named
+    ended in (:class:`~dtrain.launch.endings.Endings`); the first of these that speaks is believed. A rank is named
     from that order only when one was killed: ranks that all exit by themselves end in no telling order."""
     tail, status = watched.tail, watched.returncode
     reports = ((_WATCHDOG, "the watchdog found rank {} stalled", "watchdog"),
@@ -463,7 +463,7 @@ def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:
 
 
 def keep_banners(watched, known: bool, log: Path | None = None, title: str = "") -> None:
-    """MPI's own banners on how a job ended (:class:`~dtrain.comm.launcher.Banners`): appended to ``log`` (the run's
+    """MPI's own banners on how a job ended (:class:`~dtrain.launch.banners.Banners`): appended to ``log`` (the run's
     folder's ``mpi.log``) if there is one, and shown on stderr only if nothing else explained the ending."""
     if not watched.banners:
         return

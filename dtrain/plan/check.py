@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from dtrain import kernels, report, terminal
-from dtrain.comm import launcher
 from dtrain.errors import UserError
-from dtrain.plan import flag_words
+from dtrain.launch import launcher
+from dtrain.plan.planner import flag_words
 
 EPOCHS = 2
 
@@ -70,7 +70,7 @@ def measure(row, model, folder, steps: int, timeout: float = 300.0) -> Measured:
 def check(rows, model, count: int, machine) -> int:
     """Run the ``count`` best configurations that fit here (``dtrain plan --check K``); print predicted beside
     measured, and whether the planner's first choice was the measured fastest. 1 if a count differed."""
-    from dtrain.hardware import GPU_MEASURED, THIS
+    from dtrain.plan.hardware import GPU_MEASURED, THIS
 
     here = GPU_MEASURED if model.device == "gpu" else THIS  # (the machine the runs happen on, as measured)
     if machine.name != here:

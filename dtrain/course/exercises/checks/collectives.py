@@ -15,29 +15,31 @@ import numpy as np
 
 from dtrain.collectives import hierarchical
 from dtrain.comm.wrapper import CommWrapper, forward
-from dtrain.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
+
+HERE = __name__  # (each exercise's check is a function of this module)
 
 EXERCISES = (
     Exercise("2.1", "ring all-reduce", "ring.py", "ring_allreduce", ("comm", "buf"),
-             "dtrain.collectives.ring:allreduce", "dtrain.exercises.checks.collectives:ring_allreduce", RINGS, MPI,
+             "dtrain.collectives.ring:allreduce", f"{HERE}:ring_allreduce", RINGS, MPI,
              "a reduce-scatter (p - 1 steps: send a chunk to the right, add the chunk from the left into yours) "
              "then an all-gather (p - 1 steps: pass the finished chunks on); lessons/02_allreduce.py draws it"),
     Exercise("2.2", "binomial-tree broadcast", "tree.py", "tree_broadcast", ("comm", "buf", "root"),
-             "dtrain.collectives.tree:broadcast", "dtrain.exercises.checks.collectives:tree_broadcast", RINGS, MPI,
+             "dtrain.collectives.tree:broadcast", f"{HERE}:tree_broadcast", RINGS, MPI,
              "v = (rank - root) % p; receive from v - lowbit(v) (the root receives nothing), then send to v + m for "
              "m = lowbit(v) / 2, lowbit(v) / 4, ..., 1 (the root: every power of two below p) while v + m < p; add "
              "root back (mod p) to every partner"),
     Exercise("2.3", "binomial-tree reduce", "tree.py", "tree_reduce", ("comm", "buf", "root"),
-             "dtrain.collectives.tree:reduce", "dtrain.exercises.checks.collectives:tree_reduce", RINGS, MPI,
+             "dtrain.collectives.tree:reduce", f"{HERE}:tree_reduce", RINGS, MPI,
              "v = (rank - root) % p; for mask = 1, 2, 4, ...: if v & mask, send buf to v - mask and stop; else if "
              "v + mask < p, receive from v + mask and add; partners are (v -/+ mask + root) % p"),
     Exercise("2.4", "recursive-doubling all-reduce", "doubling.py", "doubling_allreduce", ("comm", "buf"),
-             "dtrain.collectives.doubling:allreduce", "dtrain.exercises.checks.collectives:doubling_allreduce",
+             "dtrain.collectives.doubling:allreduce", f"{HERE}:doubling_allreduce",
              (1, 2, 3, 4, 5, 6, 7, 8), MPI,
              "p' = the largest power of two <= p, r = p - p'; ranks < 2r fold (odd sends to even - 1, which adds); "
              "the p' left exchange whole buffers with v XOR 1, 2, 4, ...; then each even rank < 2r sends back"),
     Exercise("2.5", "hierarchical all-reduce", "hierarchical.py", "hierarchical_allreduce", ("topology", "buf"),
-             "dtrain.collectives.hierarchical:allreduce", "dtrain.exercises.checks.collectives:hierarchical_allreduce",
+             "dtrain.collectives.hierarchical:allreduce", f"{HERE}:hierarchical_allreduce",
              (1, 2, 3, 4, 5, 6, 8), MPI,
              "tree.reduce(topology.node, buf, 0); if topology.leaders is not None: ring.allreduce(topology.leaders, "
              "buf); tree.broadcast(topology.node, buf, 0)  (from dtrain.collectives import ring, tree)"),
@@ -105,7 +107,8 @@ def summed(call, comm, grade, lengths, first: int = 1, about: str = "", cases: i
 def ring_allreduce(fn, comm, grade) -> None:
     """``fn(comm, buf)`` leaves the sum over all ranks in every rank's ``buf``, sending 2(p - 1) messages per rank and
     2(p - 1) n elements over all ranks (each chunk once around the ring to be reduced, once to be shared). The
-    function gets a :class:`~dtrain.exercises.grading.StepLog`: a failure names the ring's step it happened in."""
+    function gets a :class:`~dtrain.course.exercises.grading.StepLog`: a failure names the ring's step it happened
+    in."""
     p = comm.Get_size()
     log = grade.log(comm, ring_steps(p), keep=True)
     for buf in summed(lambda buf: fn(log, buf), comm, grade, sizes(p)):

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.comm.hosts import Host, host_list
+from dtrain.launch.hosts import Host, host_list
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,16 @@ from functools import partial
 
 import numpy as np
 
-from dtrain.exercises.grading import Exercise
+from dtrain.course.exercises.grading import Exercise
 
 EXERCISES = (
     Exercise("1.1", "the backward of a matrix product", "backward.py", "matmul_backward", ("grad", "a", "b"),
-             "dtrain.autograd:matmul_backward", "dtrain.exercises.checks.autograd:matmul_backward",
+             "dtrain.autograd:matmul_backward", "dtrain.course.exercises.checks.autograd:matmul_backward",
              hint="write C[i, j] = sum_t A[i, t] B[t, j] and ask which C's each A[i, t] (each B[t, j]) reaches: "
                   "grad_a has a's shape (m, k), grad_b has b's (k, n); only one product of grad with b (with a) "
                   "has that shape"),
     Exercise("1.2", "the backward of a linear layer", "backward.py", "linear_backward", ("grad_out", "x", "weight"),
-             "dtrain.nn:linear_backward", "dtrain.exercises.checks.autograd:linear_backward",
+             "dtrain.nn:linear_backward", "dtrain.course.exercises.checks.autograd:linear_backward",
              hint="y = x @ W + b is a matrix product (exercise 1.1) and an add that broadcasts b to every row of the "
                   "batch: each row's gradient reaches b, so grad_bias adds them up"),
 )  # fmt: skip

@@ -8,7 +8,7 @@ very check ``dtrain train`` makes), and then, from the paradigm's own formulas::
     state each rank holds                 costs()        parameters, gradients, optimizer state: exact, likewise
     activations kept for backward         activations()  what autograd keeps of one micro-batch
     seconds per step                      step_time()    compute + communication + bubble, from the hardware's
-                                                         rates (dtrain.hardware) and the cost model's formulas
+                                                         rates (dtrain.plan.hardware) and the cost model's formulas
 
 A configuration fits when the memory its fullest rank needs is at most what a rank has. The best is the fastest
 that fits *and makes single's updates* (ddp, ZeRO, parameter servers, tensor and pipeline parallelism: the same
@@ -21,18 +21,16 @@ the measurement: the planner is held to its own runs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from dtrain import hardware as hw
 from dtrain import parallel, terminal
-from dtrain.errors import ConfigError, UserError
+from dtrain.errors import ConfigError
+from dtrain.plan import hardware as hw
 from dtrain.train import TrainConfig
 
 GIB = 1 << 30
@@ -63,7 +61,7 @@ class Model:
     def describe(self) -> str:
         widths = self.sizes if len(self.sizes) <= 8 else [*self.sizes[:3], "...", *self.sizes[-2:]]
         return (f"MLP {'-'.join(map(str, widths))} ({len(self.sizes) - 1} layers, {self.parameters:,} parameters, "
-                f"{_bytes(self.parameters * np.dtype(self.dtype).itemsize)} of {self.dtype}), global batch "
+                f"{nbytes(self.parameters * np.dtype(self.dtype).itemsize)} of {self.dtype}), global batch "
                 f"{self.batch_size}, {self.optimizer}" + (f" (momentum {self.momentum:g})" if self.optimizer == "sgd"
                                                            else ""))  # fmt: skip
 
@@ -167,7 +165,7 @@ def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.H
     available = machine.per_rank_memory(ranks)
     row.fits = row.memory["total"] <= available
     if not row.fits:
-        row.ruled_out = f"needs {_bytes(row.memory['total'])} per rank, a rank has {_bytes(available)}"
+        row.ruled_out = f"needs {nbytes(row.memory['total'])} per rank, a rank has {nbytes(available)}"
     return row
 
 
@@ -175,7 +173,7 @@ def _per_rank(value, ranks: int) -> list[float]:
     return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)] * ranks
 
 
-def _bytes(n: float) -> str:
+def nbytes(n: float) -> str:
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -231,7 +229,7 @@ def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_
     where = machine.about if machine.name == hw.THIS else f"{machine.name}: {machine.about}"
     lines = [terminal.paragraph(f"plan: {model.describe()}", hanging="  ", width=width),
              terminal.paragraph(f"on {world} rank(s) of {where}", "  ", "    ", width),
-             f"  memory per rank: {_bytes(machine.per_rank_memory(world))}", ""]  # fmt: skip
+             f"  memory per rank: {nbytes(machine.per_rank_memory(world))}", ""]  # fmt: skip
     priced = [r for r in rows if r.time]
     shown = priced if show_all else priced[:20]
     unit, scale = ("ms", 1e3) if max((r.total for r in shown), default=0) < 10 else ("s", 1)
@@ -243,9 +241,9 @@ def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_
         mark = "*" if r.best else "" if r.same_updates else "~"
         times = [_figure(t[k] * scale) for k in ("total", "compute", "communication")]
         cells.append([mark, r.label, *times, _figure(t["bubble"] * scale) if t["bubble"] > 1e-9 else "-",
-                      _bytes(r.sent_per_step), *(_bytes(m[k]) for k in ("parameters", "gradients", "optimizer",
+                      nbytes(r.sent_per_step), *(nbytes(m[k]) for k in ("parameters", "gradients", "optimizer",
                                                                           "activations")),
-                      _bytes(m["total"]), "yes" if r.fits else "NO"])  # fmt: skip
+                      nbytes(m["total"]), "yes" if r.fits else "NO"])  # fmt: skip
     lines.append(terminal.table(header, cells, left=(0, 1), keys=2, groups=(2, 7), width=width))
     if len(priced) > len(shown):
         lines.append(f"  ... and {len(priced) - len(shown)} more (--all shows every one)")
@@ -363,44 +361,3 @@ def machine_of(args, world: int) -> hw.Hardware:
     if "memory" in changes and machine.cores:
         changes["memory"] *= machine.ranks_on_node(world)  # (--memory is per rank; this machine's is per node)
     return dataclasses.replace(machine, **changes) if changes else machine
-
-
-def command(args) -> int:
-    """``dtrain plan``: the table (or --json), the figure (--png), the check (--check)."""
-    model = model_of(args)
-    only = None
-    if args.paradigms:
-        only = [name.strip() for name in args.paradigms.split(",") if name.strip()]
-        for name in only:
-            parallel.get(name)
-    machine = machine_of(args, args.ranks)
-    rows = plan(model, args.ranks, machine, only, args.tp, args.pp)
-    if not any(r.fits for r in rows):
-        priced = [r for r in rows if r.memory]
-        if not priced:
-            raise UserError(f"no configuration can run on --ranks {args.ranks}: "
-                            + "; ".join(f"{r.label}: {r.ruled_out}" for r in rows[:4]))  # fmt: skip
-        smallest = min(priced, key=lambda r: r.memory["total"])
-        raise UserError(
-            f"the model fits no configuration on {args.ranks} rank(s) of {machine.name}: the smallest, "
-            f"{smallest.label}, needs {_bytes(smallest.memory['total'])} per rank and a rank has "
-            f"{_bytes(machine.per_rank_memory(args.ranks))}; give more ranks, a smaller batch, --memory "
-            f"{math.ceil(smallest.memory['total'] / GIB)} (GiB) or more, or a smaller model"
-        )
-    if terminal.to_stdout(args.json) and terminal.to_stdout(args.png):
-        raise UserError("--json - and --png -: only one of them can be standard output; give the other a file")
-    with contextlib.redirect_stdout(terminal.human(args.json, args.png)):  # (stdout is the data's, if "-")
-        print(table(rows, model, args.ranks, machine, args.all))
-        if args.json:
-            terminal.write_output(args.json, json.dumps(as_json(rows, model, args.ranks, machine), indent=1) + "\n")
-            if not terminal.to_stdout(args.json):
-                print(f"wrote {args.json}")
-        if args.png:
-            figure(rows, args.png, model.describe())
-            if not terminal.to_stdout(args.png):
-                print(f"wrote {args.png}")
-        if args.check:
-            from dtrain import plan_check
-
-            return plan_check.check(rows, model, args.check, machine)
-    return 0

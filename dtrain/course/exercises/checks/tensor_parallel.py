@@ -11,18 +11,18 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.autograd import Tensor
-from dtrain.exercises.grading import MPI, Exercise
+from dtrain.course.exercises.grading import MPI, Exercise
 from dtrain.parallel import tensor_parallel
 from dtrain.parallel.tensor_parallel import TensorGroup
 
 GROUPS = (1, 2, 3, 4)  # simulated tensor groups
 EXERCISES = (
     Exercise("7.1", "Megatron's f (identity forward, all-reduce backward)", "tensor_parallel.py", "f", ("x", "group"),
-             "dtrain.parallel.tensor_parallel:f", "dtrain.exercises.checks.tensor_parallel:check_f", GROUPS, MPI,
+             "dtrain.parallel.tensor_parallel:f", "dtrain.course.exercises.checks.tensor_parallel:check_f", GROUPS, MPI,
              "Tensor._make(x.data, (x,), backward) where backward(grad) returns a 1-tuple: a summed copy of grad "
              "(group.allreduce(grad.copy(), label)); the forward sends nothing"),
     Exercise("7.2", "Megatron's g (all-reduce forward, identity backward)", "tensor_parallel.py", "g", ("x", "group"),
-             "dtrain.parallel.tensor_parallel:g", "dtrain.exercises.checks.tensor_parallel:check_g", GROUPS, MPI,
+             "dtrain.parallel.tensor_parallel:g", "dtrain.course.exercises.checks.tensor_parallel:check_g", GROUPS, MPI,
              "Tensor._make(summed, (x,), lambda grad: (grad,)) where summed = group.allreduce(x.data.copy(), label): "
              "the sum happens once, in forward; the backward sends nothing"),
 )  # fmt: skip

@@ -1,2 +1,2 @@
 """The exercises' checks, one module per subject. Each check is ``check(fn, comm, grade)``, run on every rank (see
-:mod:`dtrain.exercises.grading`); tests/test_exercises.py runs every one on dtrain's reference."""
+:mod:`dtrain.course.exercises.grading`); tests/test_exercises.py runs every one on dtrain's reference."""

@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.exercises.grading import MPI, RINGS, Exercise, plural
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural
 
 EXERCISES = (
     Exercise("13.1", "the top-k step with error feedback", "compression.py", "topk_step",
              ("comm", "flat", "residual", "k"), "dtrain.parallel.compression:topk_step",
-             "dtrain.exercises.checks.compression:topk_step", RINGS, MPI,
+             "dtrain.course.exercises.checks.compression:topk_step", RINGS, MPI,
              "residual += flat; index = np.sort(np.argsort(-np.abs(residual))[:k]); values = residual[index]; "
              "residual[index] = 0; put index (as float64) and values in your slice of a p x 2k buffer, "
              "collectives.allgather(comm, pairs, 'ring'); then flat[:] = 0 and add every rank's values at its "
              "indices, rank 0 first; flat /= p; return index, values"),
     Exercise("13.2", "one PowerSGD step (power iteration, error feedback)", "compression.py", "powersgd_step",
              ("comm", "matrices", "errors", "qs"), "dtrain.parallel.compression:powersgd_step",
-             "dtrain.exercises.checks.compression:powersgd_step", (1, 2, 3, 4, 5), MPI,
+             "dtrain.course.exercises.checks.compression:powersgd_step", (1, 2, 3, 4, 5), MPI,
              "for each matrix: M = errors[i]; M += matrices[i]; P = M @ qs[i], all-reduced (op='avg', "
              "algorithm='ring'); P = np.linalg.qr(P)[0]; Q = M.T @ P, all-reduced; matrices[i][...] = P @ Q.T; "
              "M -= P @ Q.T; return the list of the Q's"),

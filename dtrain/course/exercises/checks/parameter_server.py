@@ -17,18 +17,18 @@ import numpy as np
 
 from dtrain.comm import new_status, probe, waitall
 from dtrain.comm.names import ANY_TAG
-from dtrain.exercises.grading import MPI, Exercise
+from dtrain.course.exercises.grading import MPI, Exercise
 from dtrain.parallel.ps_server import PUSH, WEIGHTS
 
 EXERCISES = (
     Exercise("4.1", "a worker's push and pull", "parameter_server.py", "push_and_pull",
              ("comm", "params", "grads", "servers"), "dtrain.parallel.ps_worker:push_and_pull",
-             "dtrain.exercises.checks.parameter_server:push_and_pull", (2, 3, 4, 5), MPI,
+             "dtrain.course.exercises.checks.parameter_server:push_and_pull", (2, 3, 4, 5), MPI,
              "for each (server, (a, b)): comm.Irecv(params[a:b], server, WEIGHTS) and comm.Isend(grads[a:b], server, "
              "PUSH), all posted before any wait; then wait for every request"),
     Exercise("4.2", "the stale-synchronous gate", "parameter_server.py", "stale_synchronous_ready",
              ("waiting", "clock", "running", "bound"), "dtrain.parallel.ps_server:stale_synchronous_ready",
-             "dtrain.exercises.checks.parameter_server:stale_synchronous_ready",
+             "dtrain.course.exercises.checks.parameter_server:stale_synchronous_ready",
              hint="the slowest running worker sets the pace: answer w when clock[w] - min(its clock) <= bound; "
                   "bound None answers everyone"),
 )  # fmt: skip

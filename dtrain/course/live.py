@@ -2,7 +2,7 @@
 
 A notebook's simulator part steps through an algorithm rank by rank, in one process. Its live part runs the same code
 on N real MPI ranks: an ipyparallel cluster whose engines are one ``MPI.COMM_WORLD``, as ``ipcluster start -n 4
---engines=mpi`` starts it, but launched the way ``dtrain launch`` launches (:mod:`dtrain.comm.launcher`): this
+--engines=mpi`` starts it, but launched the way ``dtrain launch`` launches (:mod:`dtrain.launch.launcher`): this
 environment's ``mpiexec`` and its flags, one thread per rank, MPICH's yielding wait when the ranks outnumber the cores::
 
     notebook kernel ──── ipcontroller (hub, schedulers)        the kernel's cells go to the controller,
@@ -12,7 +12,7 @@ environment's ``mpiexec`` and its flags, one thread per rank, MPICH's yielding w
 
 In a notebook, two lines and the ``%%px`` cells between them::
 
-    from dtrain import live
+    from dtrain.course import live
     cluster, view = live.begin(4)    # 4 ranks, or one line saying why the live part is skipped
     ...                              # %%px cells: each runs on every rank at once
     live.end(cluster)                # the section's last cell: every process of the cluster stopped
@@ -91,16 +91,14 @@ def start(n: int = 4, timeout: float = TIMEOUT_S):
         import ipyparallel
     except ImportError:
         raise LiveUnavailable(MISSING) from None
-    from dtrain.comm import launcher
-
-    mpiexec, flags, env = _engine_launch(n, launcher)
+    command, flags, env = _engine_launch(n)
     profile = tempfile.mkdtemp(prefix="dtrain-live-")  # the cluster's files, not ~/.ipython's: removed by stop()
-    log = logging.getLogger("dtrain.live")  # ipyparallel's messages: only its errors (this module says the rest)
+    log = logging.getLogger("dtrain.course.live")  # ipyparallel's messages: only its errors (this module says the rest)
     log.setLevel(logging.ERROR)
     cluster = ipyparallel.Cluster(n=n, engines="mpi", profile_dir=profile, delay=0, log=log,
                                   controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"])  # fmt: skip
     cluster.config.MPIEngineSetLauncher.engine_args = list(ENGINE_ARGS)
-    cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+    cluster.config.MPIEngineSetLauncher.mpi_cmd = [command]
     cluster.config.MPIEngineSetLauncher.mpi_args = flags
     cluster.config.MPIEngineSetLauncher.environment = env
     _running[cluster.cluster_id] = [cluster, None, None, {}, time.time()]
@@ -117,7 +115,7 @@ def start(n: int = 4, timeout: float = TIMEOUT_S):
         ranks, sizes = view["mpi_rank"], view["mpi_size"]  # what every engine set at its start (ipengine --mpi)
         if ranks != list(range(n)) or sizes != [n] * n:
             raise RuntimeError(f"the engines are not one MPI world of {n} ranks (ranks {ranks}, world sizes {sizes}): "
-                               f"{mpiexec} belongs to another MPI than mpi4py's")  # fmt: skip
+                               f"{command} belongs to another MPI than mpi4py's")  # fmt: skip
     except BaseException:
         stop(cluster)
         raise
@@ -138,7 +136,7 @@ def stop(cluster) -> float:
         cluster.stop_engines_sync()  # mpiexec SIGTERM: its ranks end (SIGKILL after 5 s)
         cluster.stop_controller_sync()
     except Exception as error:  # whatever went wrong, what follows still ends every process
-        print(f"dtrain.live: stopping the cluster: {error!r}; killing what is left", file=sys.stderr)
+        print(f"dtrain.course.live: stopping the cluster: {error!r}; killing what is left", file=sys.stderr)
     finally:
         _kill(seen.values(), started)
         if watcher is not None:
@@ -208,15 +206,18 @@ def end(cluster) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _engine_launch(n: int, launcher) -> tuple[str, list[str], dict]:
+def _engine_launch(n: int) -> tuple[str, list[str], dict]:
     """(mpiexec, its flags, the environment variables to add) for ``n`` engines, as ``dtrain launch`` would run them.
 
     The flags are those dtrain launch puts between ``mpiexec -n N`` and the program (none for MPICH on one machine;
     Open MPI's --map-by :OVERSUBSCRIBE and, as root, --allow-run-as-root). The environment is
-    :func:`launcher.launch_env`'s, minus what this process already has (so a value the user set still wins).
+    :func:`dtrain.launch.mpiexec.environment`'s, minus what this process already has (so a value the user set still
+    wins).
     """
-    added = {k: v for k, v in launcher.launch_env(n).items() if os.environ.get(k) != v}
-    return str(launcher.mpiexec_path()), launcher.mpiexec_flags(), added
+    from dtrain.launch import mpiexec
+
+    added = {k: v for k, v in mpiexec.environment(n).items() if os.environ.get(k) != v}
+    return str(mpiexec.path()), mpiexec.flags(), added
 
 
 def _wait_for_engines(cluster, client, n: int, timeout: float, deadline: float) -> None:
@@ -278,20 +279,22 @@ def _kill(processes, since: float) -> None:
     while time.monotonic() < deadline and any(running(process) for process in left):
         time.sleep(0.02)
     if left:
-        from dtrain.comm import launcher
+        from dtrain.launch import processes
 
-        launcher.free_shared_memory(since)  # (as dtrain launch cleans up after a killed job)
+        processes.free_shared_memory(since)  # (as dtrain launch cleans up after a killed job)
 
 
 def _watcher(profile: str, started: float, roots: list[int]) -> subprocess.Popen:
     """Start the watcher (:func:`_watch`) in a session of its own, with a pipe from this process as its stdin."""
-    return subprocess.Popen([sys.executable, "-m", "dtrain.live", "--watch", profile, repr(started), *map(str, roots)],
+    return subprocess.Popen([sys.executable, "-m", "dtrain.course.live", "--watch", profile, repr(started),
+                             *map(str, roots)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
 
 
 def _watch(profile: str, started: float, roots: list[int]) -> None:
-    """The watcher's loop (``python -m dtrain.live --watch PROFILE STARTED PID...``): once the cluster's starter is
+    """The watcher's loop (``python -m dtrain.course.live --watch PROFILE STARTED PID...``): once the cluster's
+    starter is
     gone, kill the cluster (started at ``started``, time.time()) and remove its profile folder.
 
     It reads nothing from its stdin, a pipe from the process that started the cluster: the pipe ends (EOF) when that

@@ -15,18 +15,18 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.collectives import chunk_bounds
-from dtrain.exercises.checks.collectives import elements, rank_values
-from dtrain.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
+from dtrain.course.exercises.checks.collectives import elements, rank_values
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
 
 EXERCISES = (
     Exercise("10.1", "find the deadlock in a ring all-gather", "allgather.py", "ring_allgather", ("comm", "buf"),
-             "dtrain.collectives.ring:allgather", "dtrain.exercises.checks.debugging:ring_allgather", RINGS, MPI,
+             "dtrain.collectives.ring:allgather", "dtrain.course.exercises.checks.debugging:ring_allgather", RINGS, MPI,
              "every rank Sends before it receives; a Send larger than the eager limit waits until its receive is "
              "posted, so each rank waits for its right neighbour, which waits for its own: exchange with one "
              "comm.Sendrecv(sendbuf, dest=right, recvbuf=..., source=left) per step (or Irecv, Isend, then Wait both)"),
     Exercise("10.2", "find the asymmetric collective in an average through rank 0", "average.py", "average_weights",
              ("comm", "flat"), "dtrain.parallel.local_sgd:average_weights",
-             "dtrain.exercises.checks.debugging:average_weights", (1, 2, 3, 4, 5), MPI,
+             "dtrain.course.exercises.checks.debugging:average_weights", (1, 2, 3, 4, 5), MPI,
              "a collective is a call that every rank makes: a broadcast that only rank 0 reaches sends the mean to "
              "ranks that never receive it. Every rank must call collectives.broadcast(comm, flat, root=0); only the "
              "division is rank 0's alone"),

@@ -40,9 +40,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain import backend, kernels, parallel, report, terminal, tour_notes
-from dtrain.comm import flavours, launcher
+from dtrain import backend, kernels, parallel, report, terminal
+from dtrain.course import tour_notes
 from dtrain.errors import ConfigError, MissingPackage, UserError
+from dtrain.launch import flavours, jobs, mpiexec
 from dtrain.train import TrainConfig
 
 HIDDEN = (64, 64, 64)  # one model for every run: four Linear layers, so a pipeline can cut four stages
@@ -165,9 +166,9 @@ def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: floa
     target = ["-m", "dtrain", "train", *entry.flags(batch, epochs), "--out", str(folder), "--timeout",
               f"{timeout / 2:g}", "--no-progress"]  # fmt: skip
     run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *target])
-    cmd, started = launcher.mpiexec_command(entry.ranks, target), time.monotonic()
+    cmd, started = mpiexec.command(entry.ranks, target), time.monotonic()
     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
-        with launcher.Job(cmd, "dtrain tour", env=launcher.launch_env(entry.ranks, env), stdout=out, stderr=err,
+        with jobs.Job(cmd, "dtrain tour", env=mpiexec.environment(entry.ranks, env), stdout=out, stderr=err,
                           text=True) as job:  # fmt: skip
             while job.process.poll() is None:  # (Ctrl-C: JobInterrupted from here; the Job stops every rank)
                 if time.monotonic() - started > timeout:
@@ -214,12 +215,12 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
         plt, no_figure = None, str(exc)
     folder, env = Path(out), {**os.environ}
     env.setdefault(KERNELS, "numpy")
-    mpi_name = flavours.detect(launcher.mpiexec_path())
+    mpi_name = flavours.detect(mpiexec.path())
     print(terminal.paragraph(
         f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
         f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
         f"{device.upper()}; every run's metrics in {folder}/", hanging="  "), flush=True)  # fmt: skip
-    launcher.mpiexec_flags()  # what this MPI needs said (run as root) is said now, not in a progress line
+    mpiexec.flags()  # what this MPI needs said (run as root) is said now, not in a progress line
     runs = []
     for i, entry in enumerate(chosen, 1):
         head = f"[{i}/{len(chosen)}] {entry.label}"
@@ -279,7 +280,7 @@ def step_times(run: Run) -> dict:
     """The run's measured seconds per training step (the median of its epochs' after the first, which warms up), the
     planner's prediction for its configuration on this machine, and whether its steps are single's."""
     from dtrain.data import steps_per_epoch
-    from dtrain.hardware import for_device
+    from dtrain.plan.hardware import for_device
 
     m = run.metrics
     steps = steps_per_epoch(m["dataset"]["train_samples"], m["config"]["batch_size"])
@@ -317,7 +318,7 @@ def verdict(summary: list[dict]) -> str:
 LEGEND = (
     "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what dtrain "
     "plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with --device "
-    "gpu, the lent-h100 preset of dtrain/hardware.json, or '-' where the device has none).",
+    "gpu, the lent-h100 preset of dtrain/plan/hardware.json, or '-' where the device has none).",
     "sent B/step, msgs per step: what the busiest rank sent per training step (the tracer's count; not evaluation's, a "
     "checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer state "
     "the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same. The run's wall "
