@@ -22,139 +22,20 @@ import shlex
 import signal
 import sys
 
-from dtrain.errors import EXIT_USER_ERROR, UserError
-
-# The watchdog's timeout when neither --timeout nor DTRAIN_TIMEOUT says otherwise: generous, so a slow step on a
-# busy machine never trips it, yet a hung job ends within minutes with a report instead of never.
-DEFAULT_TIMEOUT_S = 300.0
-
-
-class UsageError(UserError):
-    """A command line argparse cannot parse; ``prog`` is the (sub)command it belongs to."""
-
-    def __init__(self, message: str, prog: str):
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that points at --help (said once however many ranks parse it)."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
-
-
-def _hidden_sizes(text: str) -> tuple[int, ...]:
-    if text.strip() in ("", "none"):
-        return ()
-    try:
-        sizes = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 512,512, got {text!r}") from None
-    if any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"hidden sizes must be >= 1, got {text!r}")
-    return sizes
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 turns the watchdog off), got {text!r}")
-    return value
-
-
-TIMEOUT_HELP = (
-    "watchdog: a rank stalled this many seconds in a collective or a paradigm's wait reports what it waits for and "
-    f"ends the job (default: $DTRAIN_TIMEOUT, else {DEFAULT_TIMEOUT_S:g}; 0: off)"
-)
+from dtrain import config
+from dtrain.errors import EXIT_USER_ERROR, UsageError, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dtrain import parallel
     from dtrain.backend import DEVICES, DTYPES
-    from dtrain.data import DATASETS
     from dtrain.optim import OPTIMIZERS
-    from dtrain.train import DEFAULT_BATCH, TrainConfig
 
-    defaults = TrainConfig(batch_size=None)
-    parser = _Parser(prog="dtrain", description="Distributed training from scratch on NumPy and MPI.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    defaults = config.TrainConfig(batch_size=None)
+    parser = config.Parser(prog="dtrain", description="Distributed training from scratch on NumPy and MPI.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=config.Parser)
 
     t = sub.add_parser("train", help="train the MLP", description="Train the MLP and write DIR/metrics.json.")
-    t.add_argument(
-        "--paradigm",
-        choices=parallel.names(),
-        default=defaults.paradigm,
-        help="; ".join(f"{name}: {parallel.get(name).summary}" for name in parallel.names())
-        + " (default %(default)s; each paradigm's own flags are below)",
-    )
-    t.add_argument("--dataset", choices=DATASETS, default=defaults.dataset)
-    t.add_argument("--data-dir", help="folder with the MNIST-format IDX files (mnist, fashion-mnist)")
-    t.add_argument("--samples", type=int, default=defaults.samples, help="synthetic/spirals: number of samples")
-    t.add_argument("--features", type=int, default=defaults.features, help="synthetic: number of features")
-    t.add_argument("--classes", type=int, default=defaults.classes, help="synthetic/spirals: number of classes")
-    t.add_argument("--epochs", type=int, default=defaults.epochs)
-    t.add_argument(
-        "--batch-size",
-        type=int,
-        help="the global batch, split into equal slices over the ranks; it must be divisible by the number of "
-        "ranks (no uneven split: a rank with a smaller slice would weigh its samples more; the error suggests a "
-        f"size that divides) (default {DEFAULT_BATCH}, or the nearest size that the paradigm's trainers divide, "
-        "which the run's first line then names)",
-    )
-    t.add_argument(
-        "--accumulate",
-        type=int,
-        default=defaults.accumulate,
-        metavar="K",
-        help="split each rank's slice into K micro-batches, accumulate their gradients, communicate once per step",
-    )
-    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate")
-    t.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=defaults.optimizer)
-    t.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
-    t.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    t.add_argument(
-        "--hidden",
-        type=_hidden_sizes,
-        default=defaults.hidden,
-        help="comma-separated hidden layer sizes, e.g. 512,512, or none for no hidden layer (default %(default)s)",
-    )
-    t.add_argument("--seed", type=int, default=defaults.seed)
-    t.add_argument("--device", choices=DEVICES, default=defaults.device)
-    t.add_argument("--dtype", choices=tuple(DTYPES), default=defaults.dtype)
-    _add_paradigm_flags(t, parallel)
-    slow = t.add_argument_group("a straggler (any paradigm)")
-    slow.add_argument("--slow-rank", type=int, metavar="R", help="make rank R slower than the others")
-    slow.add_argument(
-        "--slow-factor",
-        type=float,
-        default=defaults.slow_factor,
-        metavar="F",
-        help="rank R takes F times its compute time per step (it sleeps the difference; default %(default)s)",
-    )
-    ckpt = t.add_argument_group("checkpoints")
-    ckpt.add_argument("--checkpoint-dir", metavar="DIR", help="write DIR/checkpoint.npz (atomically) at the end")
-    ckpt.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="N", help="also every N steps (default: only at the end)"
-    )
-    ckpt.add_argument(
-        "--resume",
-        action="store_true",
-        help="go on from DIR/checkpoint.npz; the same world size continues bit-identically, another one works too",
-    )
-    t.add_argument("--out", metavar="DIR", help="write DIR/metrics.json")
-    t.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="write a Chrome/Perfetto trace of the communication (JSON; -: to "
-        "stdout, what is printed for people to stderr)",
-    )
-    t.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP)
-    t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    t.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    config.add_train_arguments(t)
 
     launch = sub.add_parser(
         "launch",
@@ -174,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--dry-run", action="store_true", help="print the mpiexec command and the environment it adds; start nothing"
     )
-    launch.add_argument("--timeout", type=_seconds, metavar="S", help=TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT")
+    launch.add_argument(
+        "--timeout", type=config.seconds, metavar="S", help=config.TIMEOUT_HELP + "; sets DTRAIN_TIMEOUT"
+    )
     restarts = launch.add_argument_group("restarts after a dead rank (dtrain.launch.restarts)")
     restarts.add_argument(
         "--max-restarts",
@@ -254,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shows each exercise's status, `check ID` grades yours with the tests dtrain's own code passes, on "
         "simulated ranks and then under mpiexec.",
     )
-    ex_sub = ex.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ex_sub = ex.add_subparsers(dest="action", required=True, parser_class=config.Parser)
     ex_init = ex_sub.add_parser("init", help="copy the exercise files into DIR (never overwriting a file)")
     ex_init.add_argument("path", metavar="DIR")
     ex_list = ex_sub.add_parser("list", help="every exercise: its lesson, its file, its status in DIR")
@@ -277,7 +160,7 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
         "rank, memory per rank by kind, whether it fits; the best marked and why. Nothing is run (but with --check).",
     )
     model = p.add_argument_group("the model")
-    model.add_argument("--hidden", type=_hidden_sizes, default=(512, 512), help="hidden widths (default 512,512)")
+    model.add_argument("--hidden", type=config.hidden_sizes, default=(512, 512), help="hidden widths (default 512,512)")
     model.add_argument("--layers", type=int, metavar="L", help="L hidden layers of --width H (instead of --hidden)")
     model.add_argument("--width", type=int, metavar="H", help="the width of the --layers hidden layers")
     model.add_argument("--features", type=int, default=784, help="inputs (default %(default)s)")
@@ -326,21 +209,6 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
         metavar="K",
         help="run the K best (default 3) here for a few steps and print predicted beside measured",
     )
-
-
-def _add_paradigm_flags(train_parser, parallel) -> None:
-    """One group of flags per paradigm, from what each declares (dtrain.parallel.flags): a flag several paradigms
-    read is in the group of the first (in the lessons' order), and names them all."""
-    placed = set()
-    for name in parallel.names():
-        kind = parallel.get(name)
-        own = [flag for flag in kind.flags if flag.name not in placed]
-        if not own:
-            continue
-        group = train_parser.add_argument_group(f"--paradigm {name}: {kind.summary}")
-        for flag in own:
-            flag.add_to(group, parallel.readers(flag.name))
-            placed.add(flag.name)
 
 
 def main(argv=None) -> int:
@@ -398,22 +266,22 @@ def _train(args) -> int:
 
     from dtrain import terminal
     from dtrain.comm import mpi, watchdog
-    from dtrain.train import TrainConfig, train
+    from dtrain.train import train
 
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
-    if config.timeout is None and not os.environ.get(watchdog.ENV_VAR, "").strip():
-        config.timeout = DEFAULT_TIMEOUT_S
-    config.validate()  # before any communication: a bad flag never reaches it
+    asked = config.TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    if asked.timeout is None and not os.environ.get(watchdog.ENV_VAR, "").strip():
+        asked.timeout = config.DEFAULT_TIMEOUT_S
+    asked.validate()  # before any communication: a bad flag never reaches it
     comm = mpi.world()
     mpi.install_excepthook()  # (main did already, where its launcher's environment names the ranks; else here)
     # Overflow on the way to a NaN loss is reported once, by train(), as TrainingDiverged: no NumPy warnings first.
     # --trace -: the trace alone on stdout, what is printed for people on stderr
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), redirect_stdout(terminal.human(config.trace)):
-        train(config, comm)
-        if config.out:
-            mpi.print0(f"metrics written to {config.out}/metrics.json", comm=comm)
-        if config.trace and not terminal.to_stdout(config.trace):
-            mpi.print0(f"trace written to {config.trace} (open it at https://ui.perfetto.dev)", comm=comm)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), redirect_stdout(terminal.human(asked.trace)):
+        train(asked, comm)
+        if asked.out:
+            mpi.print0(f"metrics written to {asked.out}/metrics.json", comm=comm)
+        if asked.trace and not terminal.to_stdout(asked.trace):
+            mpi.print0(f"trace written to {asked.trace} (open it at https://ui.perfetto.dev)", comm=comm)
     return 0
 
 
@@ -468,7 +336,7 @@ def _launch(args) -> int:
     if args.timeout is not None:
         env[watchdog.ENV_VAR] = f"{args.timeout:g}"
     elif not env.get(watchdog.ENV_VAR, "").strip():
-        env[watchdog.ENV_VAR] = f"{DEFAULT_TIMEOUT_S:g}"
+        env[watchdog.ENV_VAR] = f"{config.DEFAULT_TIMEOUT_S:g}"
     restarting = [name for name in ("checkpoint_dir", "min_ranks", "restart_delay") if getattr(args, name) is not None]
     if args.max_restarts is None and restarting:
         flags = ", ".join("--" + name.replace("_", "-") for name in restarting)

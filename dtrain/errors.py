@@ -17,3 +17,11 @@ class TrainingDiverged(UserError, RuntimeError):
 
 class MissingPackage(UserError, ImportError):
     """An optional package that what was asked for needs is not installed: the message names the extra to install."""
+
+
+class UsageError(UserError):
+    """A command line argparse cannot parse; ``prog`` is the (sub)command it belongs to."""
+
+    def __init__(self, message: str, prog: str):
+        super().__init__(message)
+        self.prog = prog

@@ -19,8 +19,7 @@ import itertools
 import json
 import math
 import time
-from dataclasses import MISSING, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -30,139 +29,11 @@ from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.prepare import layers, prepare
 from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import NOT_TRAINING, gather_events, write_chrome_trace
-from dtrain.data import DATASETS, Dataset, ShardedLoader, load_dataset
+from dtrain.config import DEFAULT_BATCH, TrainConfig, default_batch
+from dtrain.data import Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
-from dtrain.optim import OPTIMIZERS, buffer_names, make_optimizer
-
-DEFAULT_BATCH = 64  # the global batch when --batch-size is not given (see default_batch)
-
-
-@dataclass(init=False)
-class TrainConfig:
-    """What a run is asked to do: the fields every run shares, and the chosen paradigm's own flags in ``options``.
-
-    A paradigm declares its flags itself (``flags`` in its file; see :mod:`dtrain.parallel.flags`), and they are
-    given and read as if they were fields: ``TrainConfig(paradigm="ps-sync", servers=2).servers == 2``, and a flag
-    not given reads as its default. A name that is neither a field nor a registered flag is a ``TypeError``.
-    """
-
-    paradigm: str = "single"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    samples: int = 10000  # synthetic/spirals only
-    features: int = 784  # synthetic only
-    classes: int = 10  # synthetic/spirals only
-    epochs: int = 20
-    # the global batch, split evenly over the ranks; None: DEFAULT_BATCH, or the size nearest it that the paradigm's
-    # trainers split evenly (what `dtrain train` does when --batch-size is not given)
-    batch_size: int | None = 64
-    lr: float = 0.05
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    hidden: tuple[int, ...] = (128, 128)
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    out: str | None = None
-    trace: str | None = None  # write a Chrome/Perfetto trace of every rank's communication here
-    timeout: float | None = None  # watchdog: end the job after this many seconds stalled in a wait (0: off)
-    accumulate: int = 1  # micro-batches per step; gradients are communicated once, after the last
-    # a straggler, for any paradigm
-    slow_rank: int | None = None  # this rank takes slow_factor times its compute time per step
-    slow_factor: float = 1.0
-    # checkpoints
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
-    resume: bool = False  # go on from checkpoint_dir's checkpoint
-    progress: bool = True  # rank 0's progress bar
-    quiet: bool = False  # no per-epoch summary lines
-    options: dict = field(default_factory=dict)  # the paradigms' flags that were given: name -> value
-
-    def __init__(self, **given):
-        flags = parallel.all_flags()
-        options = dict(given.pop("options", {}))
-        for f in fields(self):
-            if f.name == "options":
-                continue
-            default = f.default_factory() if f.default is MISSING else f.default
-            object.__setattr__(self, f.name, given.pop(f.name, default))
-        for name in given:
-            if name not in flags:
-                raise TypeError(f"TrainConfig got an unexpected keyword argument {name!r}")
-        object.__setattr__(self, "options", {**options, **given})
-
-    def __getattr__(self, name):  # (only for names that are not fields: the paradigms' flags)
-        flag = parallel.all_flags().get(name) if name != "options" else None
-        if flag is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return self.options.get(name, flag.default)
-
-    def __setattr__(self, name, value):
-        if name in parallel.all_flags():
-            self.options[name] = value
-        else:
-            object.__setattr__(self, name, value)
-
-    def as_dict(self) -> dict:
-        """Every field and every registered paradigm flag (given or default), flat: metrics.json's "config"."""
-        shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
-        return {**shared, **{name: getattr(self, name) for name in parallel.all_flags()}, "hidden": list(self.hidden)}
-
-    def validate(self) -> None:
-        """Check every shared value before any data is read or any rank talks to another (the paradigm's own flags,
-        and what they mean on a given number of ranks, the paradigm checks: ``train`` asks it before any message)."""
-        parallel.get(self.paradigm)  # an unknown paradigm: the error lists the registered ones
-        choices = {
-            "dataset": DATASETS,
-            "optimizer": tuple(OPTIMIZERS),
-            "device": backend.DEVICES,
-            "dtype": tuple(backend.DTYPES),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"--{name} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
-        positive = {
-            "epochs": self.epochs,
-            "batch-size": DEFAULT_BATCH if self.batch_size is None else self.batch_size,
-            "samples": self.samples,
-            "features": self.features,
-            "classes": self.classes,
-            "accumulate": self.accumulate,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {value}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.weight_decay < math.inf:  # also refuses NaN
-            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
-        if self.seed < 0:
-            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
-        if self.timeout is not None and not 0 <= self.timeout < math.inf:
-            raise ConfigError(
-                f"--timeout must be a number of seconds >= 0 (0 turns the watchdog off), got {self.timeout}"
-            )
-        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ConfigError(f"--out {self.out} is a file; give a folder (metrics.json is written inside it)")
-        if self.trace is not None and Path(self.trace).is_dir():
-            raise ConfigError(f"--trace {self.trace} is a folder; give a file name such as trace.json")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
-            raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir DIR (where checkpoints live)")
-        if self.checkpoint_dir is not None and Path(self.checkpoint_dir).is_file():
-            raise ConfigError(f"--checkpoint-dir {self.checkpoint_dir} is a file; give a folder")
-        if not 1 <= self.slow_factor < math.inf:
-            raise ConfigError(f"--slow-factor must be a number >= 1 (times slower), got {self.slow_factor}")
-        if self.slow_rank is not None and self.slow_rank < 0:
-            raise ConfigError(f"--slow-rank must be a rank (>= 0), got {self.slow_rank}")
-        if any(h < 1 for h in self.hidden):
-            raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
-
+from dtrain.optim import buffer_names, make_optimizer
 
 # On a GPU the driver reads the steps' losses this many at a time: reading one makes the CPU wait for the GPU to
 # finish every kernel queued so far, so reading each step's would keep the CPU from queueing the next step's
@@ -291,19 +162,6 @@ def staging_figures(comm) -> dict:
     return {"cuda_aware": staged.cuda_aware, "why": staged.cuda_aware_reason,
             "bytes_to_host": staged.staged_bytes_to_host, "bytes_to_device": staged.staged_bytes_to_device,
             "seconds": staged.staging_seconds, "pinned_bytes": staged.pinned_bytes_allocated}  # fmt: skip
-
-
-def default_batch(kind, config: TrainConfig, world: int) -> int:
-    """The global batch when none is given: :data:`DEFAULT_BATCH`, or the size nearest it (the smaller of two as near)
-    that the paradigm accepts on ``world`` ranks. Only the paradigm's own check decides, so a paradigm added later
-    gets its default the same way. If no size near it passes, the default stays, and the check says why."""
-    for size in sorted(range(1, 4 * DEFAULT_BATCH + 1), key=lambda b: (abs(b - DEFAULT_BATCH), b)):
-        try:
-            kind.check(replace(config, batch_size=size), world)
-        except ConfigError:
-            continue
-        return size
-    return DEFAULT_BATCH
 
 
 class Epochs:

@@ -54,12 +54,13 @@ from dtrain.collectives import costmodel
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
 from dtrain.comm.trace import write_chrome_trace
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import parameter_count
 from dtrain.parallel.data_parallel import DataParallel, plan_buckets
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = argparse.ArgumentParser(description="Lesson 3: data parallelism on MPI ranks")
 parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's training runs (default %(default)s)")

@@ -61,9 +61,10 @@ from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_
 
 from dtrain import checkpoint, terminal
 from dtrain.comm import mpi, usable_cores
+from dtrain.config import TrainConfig
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.parameter_server import DONE, END, PULL, PUSH, WEIGHTS, ParameterServer
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = argparse.ArgumentParser(description="Lesson 4: parameter servers on MPI ranks")
 parser.add_argument("--epochs", type=int, default=5, help="epochs of section 2's training runs (default %(default)s)")

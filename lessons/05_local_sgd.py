@@ -60,13 +60,14 @@ from dtrain import parallel, terminal
 from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import parameter_count
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.local_sgd import LocalSGD
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = argparse.ArgumentParser(description="Lesson 5: local SGD on MPI ranks")
 parser.add_argument("--epochs", type=int, default=8, help="epochs of every training run (default %(default)s)")

@@ -53,6 +53,7 @@ from dtrain.autograd import Tensor, no_grad
 from dtrain.backend import to_host, weights_digest
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
@@ -60,7 +61,7 @@ from dtrain.optim import make_optimizer
 from dtrain.parallel import parameter_count
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.gossip import Gossip, expected_mixing_matrix, mixing_matrix, neighbours, spectral_gap
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = argparse.ArgumentParser(description="Lesson 6: gossip on MPI ranks")
 parser.add_argument("--epochs", type=int, default=8, help="epochs of the training runs (default %(default)s)")

@@ -72,12 +72,13 @@ from dtrain.autograd import Tensor
 from dtrain.backend import to_host
 from dtrain.comm import mpi, usable_cores
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, parameter_count
 from dtrain.parallel.tensor_parallel import TensorGroup, TensorParallel, local_parameters, plan, shard
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = big_model_parser("Lesson 7: tensor parallelism on MPI ranks", epochs=3, trained_in=4, model="wide",
                           hidden="2048,2048", big_batch=256, steps=6, timed_in=5)  # fmt: skip

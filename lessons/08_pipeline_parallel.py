@@ -62,12 +62,13 @@ from lesson_util import (
 from dtrain import terminal
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 
 def heading(text: str) -> None:

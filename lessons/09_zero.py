@@ -68,6 +68,7 @@ from dtrain import terminal
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.comm import mpi
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
@@ -75,7 +76,7 @@ from dtrain.parallel import parameter_count
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import Zero, paper_formula
 from dtrain.parallel.zero_shards import KINDS, units_of
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 parser = big_model_parser("Lesson 9: ZeRO on MPI ranks", epochs=3, trained_in=3, model="big", hidden="1024,1024",
                           big_batch=192, steps=8, timed_in=4)  # fmt: skip

@@ -74,13 +74,14 @@ from dtrain.backend import weights_digest
 from dtrain.collectives.costmodel import Machine
 from dtrain.comm import mpi, sim
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import compression
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.plan import hardware
-from dtrain.train import TrainConfig, evaluate, train
+from dtrain.train import evaluate, train
 
 TOPS = (1, 2, 4)  # section 1: the singular values counted
 SCALES = (1e4, 1.0, 1e-4, 1e-6, 1e-8)  # section 4: the gradient times these

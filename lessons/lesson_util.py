@@ -26,7 +26,7 @@ from dtrain import terminal
 from dtrain.comm import mpi
 
 if TYPE_CHECKING:
-    from dtrain.train import TrainConfig
+    from dtrain.config import TrainConfig
 
 
 def parse_and_start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, object, int, int]:

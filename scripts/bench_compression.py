@@ -57,10 +57,10 @@ from bench_util import (
 )
 
 from dtrain import terminal
+from dtrain.config import TrainConfig
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.plan import hardware
 from dtrain.report import training_traffic
-from dtrain.train import TrainConfig
 
 RANKS = 4
 ALPHA, BANDWIDTH = 50e-6, 125e6  # the slow link: 50 us a message, 1 Gbit/s

@@ -158,9 +158,9 @@ class Ddp:
     def __init__(self, world_comm, world, traced=True, **fields):
         from dtrain import parallel
         from dtrain.comm.prepare import prepare
+        from dtrain.config import TrainConfig
         from dtrain.nn import MLP
         from dtrain.optim import make_optimizer
-        from dtrain.train import TrainConfig
 
         config = TrainConfig(
             paradigm="ddp", dataset="synthetic", features=SIZES[0], hidden=tuple(SIZES[1:-1]), batch_size=BATCH,

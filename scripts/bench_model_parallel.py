@@ -149,10 +149,10 @@ def worker(args) -> None:
 
     from dtrain.comm.prepare import prepare
     from dtrain.comm.trace import gather_events, write_chrome_trace
+    from dtrain.config import TrainConfig
     from dtrain.nn import MLP
     from dtrain.optim import make_optimizer
     from dtrain.parallel.pipeline import Pipeline
-    from dtrain.train import TrainConfig
 
     world = MPI.COMM_WORLD
     P, rank = world.Get_size(), world.Get_rank()

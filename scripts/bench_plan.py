@@ -352,7 +352,7 @@ MICRO = 8  # micro-batches of the micro-batch check (the pipeline's 4P at P = 2)
 def one_step(sizes, rows: int, accumulate: int = 1, steps: int = 6) -> float:
     """Seconds per step of ``single`` on ``rows`` rows in ``accumulate`` micro-batches, on this process (the second of
     two epochs): dtrain.plan.hardware.step_seconds, with micro-batches."""
-    from dtrain.train import TrainConfig
+    from dtrain.config import TrainConfig
 
     config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
                          hidden=tuple(sizes[1:-1]), batch_size=rows, samples=-(-rows * steps * 5 // 4), epochs=2,

@@ -20,7 +20,8 @@ import time
 
 from dtrain import terminal
 from dtrain.comm import sim
-from dtrain.train import TrainConfig, train
+from dtrain.config import TrainConfig
+from dtrain.train import train
 
 BASE = dict(dataset="digits", hidden=(32, 32, 32), epochs=2, batch_size=48, dtype="float64", progress=False,
             quiet=True, timeout=0)  # fmt: skip

@@ -91,7 +91,8 @@ def test_same_seed_same_weights_other_seed_other_weights(runs):
 
 def test_cli_run_equals_library_run(runs):
     """The digest is of the final flat parameters: the same config through train() gives the same digest."""
-    from dtrain.train import TrainConfig, train
+    from dtrain.config import TrainConfig
+    from dtrain.train import train
 
     metrics = train(TrainConfig(epochs=3, hidden=(32,), seed=0, lr=0.05, progress=False, quiet=True))
     assert metrics["weights_sha256"] == metrics_of(runs / "a")["weights_sha256"]

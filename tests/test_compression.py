@@ -13,8 +13,9 @@ import pytest
 
 from dtrain import report
 from dtrain.comm import sim
+from dtrain.config import TrainConfig
 from dtrain.parallel import compression
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 BASE = dict(paradigm="ddp", dataset="digits", hidden=(32, 32), batch_size=48, quiet=True, progress=False, timeout=0)
 SYNTHETIC = {"dataset": "synthetic", "features": 64, "classes": 10}  # (its --samples sets the steps of an epoch)

@@ -15,11 +15,11 @@ import pytest
 from dtrain import parallel
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import load_digits
 from dtrain.nn import MLP, Linear, ReLU, Sequential
 from dtrain.optim import make_optimizer
 from dtrain.parallel.data_parallel import ALGORITHMS, DataParallel, plan_buckets
-from dtrain.train import TrainConfig
 
 SIZES = [64, 32, 16, 10]
 BATCH, STEPS = 24, 3  # 24 divides among 1, 2, 3 and 4 ranks, and each slice again into 2 micro-batches

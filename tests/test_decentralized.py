@@ -21,12 +21,13 @@ from test_data_parallel import SIZES, batches, relative, run
 from dtrain import checkpoint, collectives, parallel
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel.gossip import TOPOLOGIES, expected_mixing_matrix, mixing_matrix, neighbours, spectral_gap
 from dtrain.parallel.local_sgd import LocalSGD
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 BATCH = 24
 

@@ -14,8 +14,9 @@ from mpi_util import run_mpi_code
 
 from dtrain import checkpoint
 from dtrain.comm import sim
+from dtrain.config import TrainConfig
 from dtrain.errors import ConfigError
-from dtrain.train import TrainConfig, train
+from dtrain.train import train
 
 FAST = dict(hidden=(32,), epochs=2, batch_size=48, progress=False, quiet=True, timeout=0, dtype="float64")
 
@@ -191,7 +192,7 @@ def test_more_ranks_than_samples_per_step_is_one_clear_error_on_every_rank():
 )
 def test_without_a_batch_size_the_default_is_the_nearest_to_64_that_the_paradigm_splits(flags, world, expected):
     from dtrain import parallel
-    from dtrain.train import default_batch
+    from dtrain.config import default_batch
 
     config = TrainConfig(**{**FAST, **flags, "batch_size": None})
     kind = parallel.get(config.paradigm)
@@ -240,7 +241,8 @@ def test_mpiexec_and_the_simulator_give_the_same_weights(tmp_path):
     expected = on_sim(3, TrainConfig(**cfg))[0]["weights_sha256"]
     code = f"""
         from mpi4py import MPI
-        from dtrain.train import TrainConfig, train
+        from dtrain.config import TrainConfig
+        from dtrain.train import train
         metrics = train(TrainConfig(**{cfg!r}), MPI.COMM_WORLD)
         if MPI.COMM_WORLD.Get_rank() == 0:
             print("digest", metrics["weights_sha256"], flush=True)

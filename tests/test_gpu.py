@@ -32,7 +32,8 @@ import pytest
 
 from dtrain import backend
 from dtrain.comm import sim
-from dtrain.train import LOSSES_READ_TOGETHER, TrainConfig, train
+from dtrain.config import TrainConfig
+from dtrain.train import LOSSES_READ_TOGETHER, train
 
 MISSING = backend.gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(MISSING is not None, reason=f"needs a GPU: {MISSING}")]

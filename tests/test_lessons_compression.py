@@ -14,8 +14,8 @@ import math
 import pytest
 from mpi_util import LESSONS, run_lesson, run_mpi
 
+from dtrain.config import TrainConfig
 from dtrain.parallel.data_parallel import DataParallel
-from dtrain.train import TrainConfig
 
 
 def costs(sizes, world: int, batch: int, flags: dict) -> dict:

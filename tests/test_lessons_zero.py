@@ -13,9 +13,9 @@ import itertools
 import pytest
 from mpi_util import LESSONS, run_lesson, run_mpi
 
+from dtrain.config import TrainConfig
 from dtrain.parallel import parameter_count
 from dtrain.parallel.zero import Zero
-from dtrain.train import TrainConfig
 
 LESSON = LESSONS / "09_zero.py"
 SMALL = [64, 128, 128, 10]

@@ -24,12 +24,12 @@ import pytest
 from nbclient import NotebookClient
 
 from dtrain.collectives import costmodel
+from dtrain.config import TrainConfig
 from dtrain.course import live
 from dtrain.launch import mpiexec
 from dtrain.parallel import schedules
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.pipeline import Pipeline
-from dtrain.train import TrainConfig
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 P = 4

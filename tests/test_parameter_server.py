@@ -21,12 +21,13 @@ from test_data_parallel import BATCH, SIZES, STEPS, relative, run
 
 from dtrain import checkpoint, parallel
 from dtrain.comm import sim
+from dtrain.config import TrainConfig
 from dtrain.data import load_dataset
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.parallel import parameter_count
 from dtrain.parallel.parameter_server import ParameterServer
-from dtrain.train import TrainConfig, evaluate, train
+from dtrain.train import evaluate, train
 
 LAYOUTS = [(1, 1), (1, 3), (2, 2), (3, 1)]  # (servers, workers)
 
@@ -246,7 +247,8 @@ def test_every_role_layout_terminates_under_mpiexec(servers, workers, tmp_path):
     expected = sim.run(servers + workers, lambda comm: train(TrainConfig(**cfg), comm))[0]["weights_sha256"]
     code = f"""
         from mpi4py import MPI
-        from dtrain.train import TrainConfig, evaluate, train
+        from dtrain.config import TrainConfig
+        from dtrain.train import evaluate, train
         for paradigm in ("ps-sync", "ps-async"):
             metrics = train(TrainConfig(**{{**{cfg!r}, "paradigm": paradigm}}), MPI.COMM_WORLD)
             if MPI.COMM_WORLD.Get_rank() == 0:
@@ -277,7 +279,8 @@ def test_a_rank_that_raises_ends_every_rank_with_its_traceback(who, tmp_path):
     code = f"""
         from mpi4py import MPI
         from dtrain.parallel import parameter_server as ps
-        from dtrain.train import TrainConfig, evaluate, train
+        from dtrain.config import TrainConfig
+        from dtrain.train import evaluate, train
 
         if "{who}" == "worker":
             original = ps.Worker.push_and_pull

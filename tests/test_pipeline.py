@@ -22,6 +22,7 @@ from test_data_parallel import STEPS, batches, config, for_model, model_of, rela
 from dtrain import checkpoint, parallel
 from dtrain.comm import sim, watchdog
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.optim import make_optimizer
@@ -29,7 +30,6 @@ from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.parallel.schedules import END_OF_STEP, AllReduceGradients, OptimizerStep, WaitSends
 from dtrain.parallel.stages import cut, units
-from dtrain.train import TrainConfig
 
 FOUR = [64, 32, 32, 16, 10]  # four Linear layers: P = 2 with V = 2 interleaved, P = 4
 EIGHT = [64, 32, 32, 16, 16, 16, 16, 16, 10]  # eight: P = 4 with V = 2

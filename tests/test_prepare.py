@@ -17,7 +17,8 @@ from dtrain.comm import sim, watchdog
 from dtrain.comm.prepare import layers, prepare, world
 from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import Tracer
-from dtrain.train import TrainConfig, train
+from dtrain.config import TrainConfig
+from dtrain.train import train
 
 
 @pytest.fixture

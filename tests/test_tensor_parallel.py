@@ -21,6 +21,7 @@ from dtrain import parallel
 from dtrain.autograd import Tensor
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
@@ -37,7 +38,6 @@ from dtrain.parallel.tensor_parallel import (
     plan,
     shard,
 )
-from dtrain.train import TrainConfig
 
 SIZES = [64, 32, 16, 32, 10]  # column 64->32, row 32->16, column 16->32, row 32->10: two blocks; widths split by 2, 4
 ODD = [64, 24, 16, 10]  # column 64->24, row 24->16, the 10-way output layer replicated; 24 splits by 3

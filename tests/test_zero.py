@@ -20,12 +20,12 @@ from test_data_parallel import BATCH, SIZES, STEPS, batches, config, make_model,
 from dtrain import parallel
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
+from dtrain.config import TrainConfig
 from dtrain.data import steps_per_epoch
 from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel.zero import Zero, paper_formula
-from dtrain.train import TrainConfig
 
 ADAM_LR = 0.01
 

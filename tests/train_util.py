@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from dtrain.comm import sim
-from dtrain.train import TrainConfig, train
+from dtrain.config import TrainConfig
+from dtrain.train import train
 
 
 def on_sim(p: int, base: dict, **overrides) -> dict:

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain import backend, kernels, parallel, report, terminal
+from dtrain.config import TrainConfig, flag_words
 from dtrain.course import tour_notes
 from dtrain.errors import ConfigError, MissingPackage, UserError
 from dtrain.launch import flavours, jobs, mpiexec
-from dtrain.train import TrainConfig
 
 HIDDEN = (64, 64, 64)  # one model for every run: four Linear layers, so a pipeline can cut four stages
 COMMON = {"dataset": "digits", "hidden": HIDDEN, "seed": 0}
@@ -69,11 +69,7 @@ class Entry:
 
     def flags(self, batch: int, epochs: int) -> list[str]:
         """The ``dtrain train`` command line of :meth:`config`."""
-        flags = []
-        for key, value in {**COMMON, "batch_size": batch, "epochs": epochs, **self.options}.items():
-            value = ",".join(map(str, value)) if isinstance(value, tuple) else value
-            flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-        return flags
+        return flag_words({**COMMON, "batch_size": batch, "epochs": epochs, **self.options})
 
 
 def entries(ranks: int) -> dict[str, Entry]:

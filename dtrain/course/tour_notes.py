@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from dtrain import parallel
-from dtrain.train import TrainConfig
+from dtrain.config import TrainConfig
 
 
 class Context:

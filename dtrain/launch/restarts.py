@@ -55,7 +55,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dtrain import checkpoint, faults
-from dtrain.errors import EXIT_USER_ERROR, ConfigError, UserError
+from dtrain.config import TrainConfig, default_batch, train_parser
+from dtrain.errors import EXIT_USER_ERROR, ConfigError, UsageError, UserError
 from dtrain.launch import hosts as hostlists
 from dtrain.launch import launcher
 
@@ -158,10 +159,8 @@ def is_train(target: list[str]) -> bool:
 
 def _train_args(target: list[str]):
     """The ``dtrain train`` flags of a ``-m dtrain train ...`` target, read as its ranks will read them."""
-    from dtrain.cli import UsageError, build_parser
-
     try:
-        return build_parser().parse_args([w for w in target[2:] if w != "--resume"])
+        return train_parser().parse_args([w for w in target[3:] if w != "--resume"])
     except UsageError as exc:
         raise UserError(f"the target's flags: {exc}") from None
 
@@ -171,7 +170,6 @@ def _train_target(target: list[str], folder: Path, ranks: int):
     (the launcher adds that to the attempts that go on from a checkpoint), and ``--batch-size`` if it has none: the
     default batch depends on the number of ranks, and a restart on fewer must keep the global batch."""
     from dtrain import parallel
-    from dtrain.train import TrainConfig, default_batch
 
     words = [w for w in target[2:] if w != "--resume"]
     given = {k: v for k, v in vars(_train_args(target)).items() if k not in ("command", "func")}
@@ -184,12 +182,12 @@ def _train_target(target: list[str], folder: Path, ranks: int):
     else:
         words += ["--checkpoint-dir", str(folder)]
     given["checkpoint_dir"], given["resume"] = str(folder), False
-    config = TrainConfig(**given)
-    config.validate()
-    if config.batch_size is None:
-        config.batch_size = default_batch(parallel.get(config.paradigm), config, ranks)
-        words += ["--batch-size", str(config.batch_size)]
-    return [*target[:2], *words], config
+    asked = TrainConfig(**given)
+    asked.validate()
+    if asked.batch_size is None:
+        asked.batch_size = default_batch(parallel.get(asked.paradigm), asked, ranks)
+        words += ["--batch-size", str(asked.batch_size)]
+    return [*target[:2], *words], asked
 
 
 def job_flags(config) -> dict:

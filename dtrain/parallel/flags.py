@@ -3,7 +3,7 @@
 A paradigm lists its flags as :class:`Flag` records (``flags = (SERVERS, STALENESS)``). From that one list:
 
 * ``dtrain train --help`` shows them in the paradigm's group, and parses them (:meth:`Flag.add_to`);
-* :class:`dtrain.train.TrainConfig` accepts them (``TrainConfig(paradigm="ps-sync", servers=2)``) and gives their
+* :class:`dtrain.config.TrainConfig` accepts them (``TrainConfig(paradigm="ps-sync", servers=2)``) and gives their
   defaults when they were not given (``config.servers``);
 * a value out of range or not among the choices is refused before anything runs (:meth:`Flag.check`), and a flag
   of another paradigm (``--servers`` with ``ddp``) is refused rather than silently ignored.

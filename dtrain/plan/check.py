@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from dtrain import kernels, report, terminal
+from dtrain.config import flag_words
 from dtrain.errors import UserError
 from dtrain.launch import launcher
-from dtrain.plan.planner import flag_words
 
 EPOCHS = 2
 

@@ -259,7 +259,8 @@ def step_seconds(
     over the second of two epochs of ``steps`` steps (the first warms the caches and the allocator; on a GPU, the
     epoch's time ends when its last losses have been read back, so its kernels have all run)."""
     from dtrain.comm import sim
-    from dtrain.train import TrainConfig, train
+    from dtrain.config import TrainConfig
+    from dtrain.train import train
 
     config = TrainConfig(paradigm="single", dataset="synthetic", features=sizes[0], classes=sizes[-1],
                          hidden=tuple(sizes[1:-1]), batch_size=rows, samples=-(-rows * steps * 5 // 4), epochs=2,

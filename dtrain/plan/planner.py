@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from dtrain import parallel, terminal
+from dtrain.config import TrainConfig, flag_words
 from dtrain.errors import ConfigError
 from dtrain.plan import hardware as hw
-from dtrain.train import TrainConfig
 
 GIB = 1 << 30
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")  # buffers: gossip's neighbours' weights
@@ -103,15 +103,6 @@ class Row:
             shared["device"] = model.device
         words = flag_words({"paradigm": self.paradigm, **self.flags, **data, **shared})
         return ["dtrain", "launch", "-n", str(self.ranks), "-m", "dtrain", "train", *words]
-
-
-def flag_words(flags: dict) -> list[str]:
-    """``dtrain train``'s words for ``flags``: ``--name value``, a switch alone when True, nothing when False."""
-    words = []
-    for name, value in flags.items():
-        option = f"--{name.replace('_', '-')}"
-        words += [] if value is False else [option] if value is True else [option, str(value)]
-    return words
 
 
 def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=None) -> list[Row]:
