@@ -287,7 +287,7 @@ def train_parser() -> Parser:
 
 def _add_paradigm_flags(train_parser) -> None:
     """One group of flags per paradigm, from what each declares (dtrain.parallel.flags): a flag several paradigms
-    read is in the group of the first (in the lessons' order), and names them all."""
+    read is in the group of the first (in the paradigms' order), and names them all."""
     placed = set()
     for name in parallel.names():
         kind = parallel.get(name)

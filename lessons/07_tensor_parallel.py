@@ -77,7 +77,9 @@ from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, parameter_count
-from dtrain.parallel.tensor_parallel import TensorGroup, TensorParallel, local_parameters, plan, shard
+from dtrain.parallel.placement import split
+from dtrain.parallel.pricing import local_parameters
+from dtrain.parallel.tensor_parallel import TensorGroup, TensorParallel, shard
 from dtrain.train import train
 
 parser = big_model_parser("Lesson 7: tensor parallelism on MPI ranks", epochs=3, trained_in=4, model="wide",
@@ -202,7 +204,7 @@ checks.ok("each rank's sub-communicators hold the ranks its groups name", grids_
 
 # --------------------------------------------------------------------------------------------- 3. memory per rank
 heading(f"3. Memory per rank: {name(WIDE)} in float32 ({parameter_count(WIDE):,} parameters)")
-kinds = plan(len(WIDE) - 1)
+kinds = split(len(WIDE) - 1)
 rows, cells = [], []
 for t in sorted({1, 2, 4, 8, p}):
     if all(h % t == 0 for h in HIDDEN):

@@ -78,7 +78,7 @@ from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset, steps_per_epoch
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
-from dtrain.parallel import compression
+from dtrain.parallel import compression, pricing
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.plan import hardware
 from dtrain.train import evaluate, train
@@ -247,9 +247,9 @@ def exchange_seconds(cfg: TrainConfig, sizes, p: int, machine) -> float:
 
 def step_seconds(cfg: TrainConfig, sizes, p: int, machine, arithmetic: float) -> dict:
     """A step's predicted seconds on ``machine``: a replica's forward, backward and update on its slice of the batch
-    (:meth:`DataParallel.replica_compute`, with the machine's slowdown when ranks share cores), the compressor's
+    (:func:`pricing.replica_compute`, with the machine's slowdown when ranks share cores), the compressor's
     ``arithmetic`` (measured on one free core, slowed down alike), and the exchange (:func:`exchange_seconds`)."""
-    compute = DataParallel.replica_compute(sizes, p, cfg, machine)
+    compute = pricing.replica_compute(DataParallel, sizes, p, cfg, machine)
     added = machine.slowdown(p) * arithmetic
     communication = exchange_seconds(cfg, sizes, p, machine)
     return {"compute": compute, "arithmetic": added, "communication": communication,
@@ -601,7 +601,7 @@ def main() -> None:
 
     # ------------------------------------------------------------------------------------ 5. when it pays
     # A step's time in the cost model: compute + the compressor's arithmetic + the exchange. The compute is a
-    # replica's (DataParallel.replica_compute, from this machine's calibration); the arithmetic is measured here on
+    # replica's (pricing.replica_compute, from this machine's calibration); the arithmetic is measured here on
     # rank 0 (the others sleep); the exchange is dtrain's ring priced on a link (Hardware.allreduce, .collective:
     # the costmodel's alpha-beta-gamma formulas). Two links: this machine's, as scripts/calibrate.py measured it
     # with p ranks busy, and a slow one: p nodes of one rank each, joined by 1 Gbit/s with 50 us a message.

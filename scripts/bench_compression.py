@@ -25,7 +25,7 @@ Per contender, from each run's metrics.json:
   up), the median over seeds (784 model: over rounds), and its speed against ddp ring's, in words (ddp ring's time
   over its time: "1.20x faster", "1.16x slower").
 * **time on a slow link** (a prediction): the cost model's compute of one replica's step on this machine
-  (``DataParallel.replica_compute`` on ``hardware.load("this")``: its calibrated compute rates and the slowdown of
+  (``pricing.replica_compute`` on ``hardware.load("this")``: its calibrated compute rates and the slowdown of
   4 ranks sharing its cores), plus the tracer's bytes per step of the busiest rank / 125e6 B/s (1 Gbit/s), plus its
   messages per step x 50e-6 s; and its speed against ddp ring's, as above. Left out: the reduction's arithmetic,
   and the compressors' own compute (encoding, top-k selection, PowerSGD's products and QR), which only the measured
@@ -58,6 +58,7 @@ from bench_util import (
 
 from dtrain import terminal
 from dtrain.config import TrainConfig
+from dtrain.parallel import pricing
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.plan import hardware
 from dtrain.report import training_traffic
@@ -101,7 +102,7 @@ def compute_seconds(workload: str) -> float:
     """The cost model's compute of one replica's step on this machine, 4 ranks (the same for every contender)."""
     sizes, batch, _ = WORKLOADS[workload]
     config = TrainConfig(paradigm="ddp", allreduce="ring", hidden=tuple(sizes[1:-1]), batch_size=batch)
-    return DataParallel.replica_compute(sizes, RANKS, config, hardware.load("this"))
+    return pricing.replica_compute(DataParallel, sizes, RANKS, config, hardware.load("this"))
 
 
 def summarise(runs: dict, workload: str) -> dict:

@@ -27,6 +27,8 @@ from dtrain.errors import ConfigError
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import grid, placement
+from dtrain.parallel.placement import split
+from dtrain.parallel.pricing import local_parameters
 from dtrain.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,8 +36,6 @@ from dtrain.parallel.tensor_parallel import (
     TensorParallel,
     f,
     g,
-    local_parameters,
-    plan,
     shard,
 )
 
@@ -205,9 +205,9 @@ def test_pieces_cover_the_whole_model_and_take_and_put_are_inverse():
 
 
 def test_the_plan_pairs_layers_and_replicates_the_one_left_over():
-    assert plan(4) == ["column", "row", "column", "row"]
-    assert plan(3) == ["column", "row", "replicated"]
-    assert plan(1) == ["replicated"]
+    assert split(4) == ["column", "row", "column", "row"]
+    assert split(3) == ["column", "row", "replicated"]
+    assert split(1) == ["replicated"]
 
 
 def test_split_layers_hold_one_tth_and_the_replicated_layer_is_whole():
@@ -280,7 +280,7 @@ def test_traced_bytes_per_step_equal_the_cost_function(p, flags, algorithm, accu
     sizes = ODD if flags.get("tp") == 3 else SIZES
     cfg = tp(sizes, allreduce=algorithm, accumulate=accumulate, **flags)
     predicted = TensorParallel.costs(sizes, p, cfg)["sent_per_step"]
-    blocks = plan(len(sizes) - 1).count("row")
+    blocks = split(len(sizes) - 1).count("row")
     shape = TensorParallel.shape_of(cfg, p)
     for rank, (_, summary, _) in enumerate(sim.run(p, run, cfg, data64, model_of(sizes))):
         operations = summary["operations"]

@@ -218,7 +218,8 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
     except TypeError:  # unhashable: not a name at all
         entry = None
     if entry is None and collective == "allreduce" and yours.is_spec(algorithm):  # FILE.py:FUNCTION, your own
-        entry = yours.entry(algorithm)
+        run, label = yours.entry(algorithm)
+        entry = Algorithm(run, label=label)
     if entry is None:
         entry = _choose(collective, algorithm, buf.nbytes, p)
     if entry.power_of_two and p & (p - 1):

@@ -24,9 +24,8 @@ __all__ = ["entry", "is_spec"]
 
 @functools.cache
 def entry(spec: str):
-    """The front door's table entry for the function ``spec`` names (``FILE.py:FUNCTION``)."""
-    from dtrain.collectives import Algorithm
-
+    """What the front door needs to run the function ``spec`` names (``FILE.py:FUNCTION``): ``(run, label)``, the
+    function as the front door calls an algorithm (``run(comm, flat, op)``) and the tracer's label of its traffic."""
     path, name = split_spec(spec)
     function = load_function(path, name, PARAMETERS, who="--allreduce: ")
 
@@ -38,4 +37,4 @@ def entry(spec: str):
             kernels.scale_(flat, 1.0 / comm.Get_size())
         return flat
 
-    return Algorithm(run, label=f"allreduce/yours:{name}")
+    return run, f"allreduce/yours:{name}"

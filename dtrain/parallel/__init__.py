@@ -65,7 +65,7 @@ paradigm is in the plan once it says those.
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
 
 import numpy as np
@@ -76,6 +76,7 @@ from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter, state_bytes
+from dtrain.parallel import pricing
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.registry import MODULES_VAR, all_flags, get, names, readers, register
 
@@ -115,7 +116,7 @@ class Paradigm:
 
     name = "base"
     summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
-    lesson: int | None = None  # the lesson that teaches it: the registry's order
+    order = math.inf  # where it comes in listings (the registry's order): the course's order, for dtrain's own
     flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
     sharers = "workers"  # what the ranks that split the global batch are called, when they are not all the ranks
 
@@ -283,23 +284,12 @@ class Paradigm:
         """Predicted seconds of one step on its slowest rank, on ``hardware`` (:class:`dtrain.plan.hardware.Hardware`):
         ``compute``, ``communication`` (what compute does not hide) and a pipeline's ``bubble``. By default a whole
         replica on its slice of the batch, and nothing to send."""
-        return {"compute": cls.replica_compute(sizes, world, config, hardware), "communication": 0.0, "bubble": 0.0}
-
-    @classmethod
-    def replica_compute(cls, sizes, world: int, config, hardware, updated: float | None = None) -> float:
-        """Seconds of a whole replica's forward and backward on this paradigm's slice of the batch (in --accumulate
-        micro-batches), and an update of ``updated`` parameters (default: all of them)."""
-        rows, k = config.batch_size // cls.shard_of(0, world, config)[1], config.accumulate
-        n, b = parameter_count(sizes) if updated is None else updated, np.dtype(config.dtype).itemsize
-        update = hardware.update_time(n, b, buffers_per_parameter(config.optimizer, config.momentum))
-        return hardware.slowdown(world) * (k * hardware.layers_time(list(itertools.pairwise(sizes)), rows // k, b)
-                                           + update)  # fmt: skip
+        return {"compute": pricing.replica_compute(cls, sizes, world, config, hardware), "communication": 0.0,
+                "bubble": 0.0}  # fmt: skip
 
     @classmethod
     def activations(cls, sizes, world: int, config):
         """Peak bytes of activations a rank keeps for backward (a number, or a list by rank): one micro-batch of
         its slice through the whole model (as :func:`dtrain.autograd.activation_bytes` counts them)."""
-        from dtrain.parallel.tensor_parallel import activation_elements  # (a paradigm module: imported when asked)
-
         rows = config.batch_size // cls.shard_of(0, world, config)[1] // config.accumulate
-        return activation_elements(sizes, 0, len(sizes) - 1, rows, 1) * np.dtype(config.dtype).itemsize
+        return pricing.activation_elements(sizes, 0, len(sizes) - 1, rows, 1) * np.dtype(config.dtype).itemsize

@@ -32,7 +32,7 @@ import numpy as np
 from dtrain import collectives
 from dtrain.collectives import costmodel
 from dtrain.layout import parameter_count
-from dtrain.parallel import Paradigm, register
+from dtrain.parallel import Paradigm, pricing, register
 
 STORAGE = 0  # the rank that holds the variables
 
@@ -51,7 +51,7 @@ class NoOptimizer:
 class CentralStorage(Paradigm):
     name = "central-storage"
     summary = "rank 0 holds the variables; every rank computes gradients on its slice"
-    lesson = 4
+    order = 4  # where it comes in listings (--help, the planner): the course teaches it then
 
     def build(self, make_model, make_optimizer) -> None:
         self.model = make_model()
@@ -95,6 +95,6 @@ class CentralStorage(Paradigm):
         """Every rank's forward and backward; the gradient's tree reduce, the storage rank's update, the weights'
         tree broadcast (the others wait for both)."""
         nbytes = parameter_count(sizes) * np.dtype(config.dtype).itemsize
-        compute = cls.replica_compute(sizes, world, config, hardware)
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         send = sum(hardware.collective(c, "tree", nbytes, range(world), world) for c in ("reduce", "broadcast"))
         return {"compute": compute, "communication": send, "bubble": 0.0}

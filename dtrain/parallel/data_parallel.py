@@ -72,7 +72,7 @@ from dtrain.backend import is_device_array
 from dtrain.collectives import costmodel, hierarchical, yours
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_shapes, parameter_spans, spans
-from dtrain.parallel import Paradigm, check_replicas, compression, register
+from dtrain.parallel import Paradigm, check_replicas, compression, pricing, register
 from dtrain.parallel.buckets import Buckets, plan_buckets
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
 
@@ -91,7 +91,7 @@ BUCKET_MB = Flag("bucket_mb", None, "gradient bucket size in MiB; 0: one all-red
 class DataParallel(Paradigm):
     name = "ddp"
     summary = "data parallel, gradients all-reduced every step"
-    lesson = 3
+    order = 3  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (ALLREDUCE_OR_YOURS, RANKS_PER_NODE, OVERLAP, BUCKET_MB, *compression.FLAGS)
 
     @classmethod
@@ -266,7 +266,7 @@ class DataParallel(Paradigm):
         with --compress, the compressor's exchanges (its own arithmetic is not priced)."""
         b = np.dtype(config.dtype).itemsize
         if config.compress != "none":
-            compute = cls.replica_compute(sizes, world, config, hardware)
+            compute = pricing.replica_compute(cls, sizes, world, config, hardware)
             return {"compute": compute, "communication": compressed_exchange_time(config, sizes, world, hardware),
                     "bubble": 0.0}  # fmt: skip
         buckets = [(stop - start) * b for start, stop, _ in plan_buckets(
@@ -274,7 +274,7 @@ class DataParallel(Paradigm):
         algorithm = cls.choose_algorithm(config, world, max(buckets))
         algorithm = "ring" if yours.is_spec(algorithm) else algorithm  # (yours: priced as the ring it should be)
         send = [hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node) for n in buckets]
-        compute = cls.replica_compute(sizes, world, config, hardware)
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         hidden = min(sum(send) - send[-1], hardware.hidden * 2 / 3 * compute)  # (backward: 2/3 of the compute)
         exposed = sum(send) - hidden if config.overlap else sum(send)
         return {"compute": compute, "communication": exposed, "bubble": 0.0}

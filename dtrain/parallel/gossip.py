@@ -46,7 +46,7 @@ from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.parallel import register
+from dtrain.parallel import pricing, register
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 from dtrain.parallel.local_sgd import LocalSGD
 
@@ -133,7 +133,7 @@ def gossip_step(comm, flat, around, inbox=None) -> None:
 class Gossip(LocalSGD):
     name = "gossip"
     summary = "decentralized: every rank averages its weights with its neighbours' every step"
-    lesson = 6
+    order = 6  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (ALLREDUCE, RANKS_PER_NODE, TOPOLOGY)
 
     @classmethod
@@ -208,4 +208,5 @@ class Gossip(LocalSGD):
         d = cls.degree(config, world)
         link = hardware.link(range(world), world)
         mix = d * (link.alpha + n * link.beta + n * link.gamma)
-        return {"compute": cls.replica_compute(sizes, world, config, hardware), "communication": mix, "bubble": 0.0}
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
+        return {"compute": compute, "communication": mix, "bubble": 0.0}

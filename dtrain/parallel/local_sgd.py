@@ -51,7 +51,7 @@ from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.parallel import register
+from dtrain.parallel import pricing, register
 from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
 
@@ -94,7 +94,7 @@ def local_sgd_step(comm, flat, step: int, sync_every: int, average=None) -> bool
 class LocalSGD(DataParallel):
     name = "local-sgd"
     summary = "decentralized: every rank trains alone, and the weights are averaged every H steps"
-    lesson = 5
+    order = 5  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (ALLREDUCE, RANKS_PER_NODE, BUCKET_MB, SYNC_EVERY, AVERAGE_VIA_FLAG, WARMUP_SYNC_STEPS)
 
     @classmethod
@@ -235,5 +235,5 @@ class LocalSGD(DataParallel):
         else:
             algorithm = cls.choose_algorithm(config, world, n)
             average = hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node)
-        compute = cls.replica_compute(sizes, world, config, hardware)
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         return {"compute": compute, "communication": average / config.sync_every, "bubble": 0.0}

@@ -112,7 +112,7 @@ def shards(n: int, servers: int) -> list[tuple[int, int]]:
 class ParameterServer(Paradigm):
     name = "ps-sync"
     summary = "parameter servers: workers push gradients, pull weights; the servers wait for every worker"
-    lesson = 4
+    order = 4  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (SERVERS, STALENESS)
     synchronous = True
     configurations, step_time = classmethod(ps_server.configurations), classmethod(ps_server.step_time)  # the plan

@@ -62,8 +62,9 @@ from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.instructions import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
 from dtrain.parallel.model_parallel import ModelParallel
+from dtrain.parallel.placement import split
 from dtrain.parallel.stages import check_cut, costs_per_rank, cut
-from dtrain.parallel.tensor_parallel import TensorGroup, check_splittable, plan, shard
+from dtrain.parallel.tensor_parallel import TensorGroup, check_splittable, shard
 
 
 class PipelineForward:
@@ -123,7 +124,7 @@ VIRTUAL_STAGES = Flag("virtual_stages", None, "interleaved: model chunks per ran
 class Pipeline(ModelParallel):
     name = "pp"
     summary = "pipeline parallel: consecutive layers on --pp ranks, micro-batches flowing through them"
-    lesson = 8
+    order = 8  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (DP, TP, PP, MICROBATCHES, SCHEDULE, VIRTUAL_STAGES, ALLREDUCE)
     fill = "pp"
 
@@ -176,9 +177,9 @@ class Pipeline(ModelParallel):
         for v in range(self.stages):
             a, b = self.bounds[v], self.bounds[v + 1]
             n = parameter_count(self.sizes[a : b + 1])
-            split = f" ({', '.join(plan(b - a))} over {self.shape.tp} tensor ranks)" if self.shape.tp > 1 else ""
+            how = f" ({', '.join(split(b - a))} over {self.shape.tp} tensor ranks)" if self.shape.tp > 1 else ""
             parts.append(f"  stage {v} (pipeline rank {v % self.P}): layers {a}-{b - 1}, "
-                         f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters{split}")  # fmt: skip
+                         f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters{how}")  # fmt: skip
         rule = "equal layers per chunk" if self.V > 1 else "balanced by parameter count"
         head = (f"pipeline: {self.stages} stages ({rule}), schedule {self.schedule}, {self.M} micro-batches "
                 f"of {self.config.batch_size // (self.shape.dp * self.M)}; bubble (P-1)/(VM+P-1) = "

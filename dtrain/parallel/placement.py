@@ -26,6 +26,12 @@ from dtrain.backend import array_module
 from dtrain.comm.trace import labelled
 
 
+def split(layers: int) -> list[str]:
+    """How ``layers`` consecutive Linear layers are split over a tensor group (tensor_parallel.py): column then row,
+    in pairs; one left over is replicated."""
+    return ["column", "row"] * (layers // 2) + ["replicated"] * (layers % 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One local parameter: ``whole[start : start + prod(shape)].reshape(shape)[index]``."""

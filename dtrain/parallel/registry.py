@@ -9,36 +9,31 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 import os
 import pkgutil
-from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from dtrain.parallel import Paradigm
-    from dtrain.parallel.flags import Flag
+from dtrain.parallel.flags import Flag
 
 PACKAGE = "dtrain.parallel"
-_REGISTRY: dict[str, type[Paradigm]] = {}
+_REGISTRY: dict[str, type] = {}
 # Modules outside this package that register paradigms too (a course exercise, an experiment): their import names,
 # separated by commas, as PYTHONPATH finds them.
 MODULES_VAR = "DTRAIN_PARADIGMS"
 
 
-def register(cls: type[Paradigm]) -> type[Paradigm]:
+def register(cls: type) -> type:
     """Class decorator: make ``cls`` available as ``--paradigm cls.name``."""
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def names() -> tuple[str, ...]:
-    """The registered paradigms, in the order the lessons teach them."""
+    """The registered paradigms, in their own order (each class's ``order``: the course's)."""
     return tuple(_registry())
 
 
-def get(name: str) -> type[Paradigm]:
+def get(name: str) -> type:
     """The paradigm class registered as ``name``, or a :class:`ConfigError` listing the choices."""
     registry = _registry()
     if name not in registry:
@@ -57,18 +52,19 @@ def _flags_of(kinds: tuple) -> dict[str, Flag]:
 
 
 def readers(flag: str) -> list[str]:
-    """The paradigms that read ``flag`` (a name), in the lessons' order."""
+    """The paradigms that read ``flag`` (a name), in their order."""
     return [name for name, kind in _registry().items() if any(f.name == flag for f in kind.flags)]
 
 
-def _registry() -> dict[str, type[Paradigm]]:
+def _registry() -> dict[str, type]:
     """Import every module of this package once, and those named by ``$DTRAIN_PARADIGMS``, so each paradigm
-    registers itself: the registry is the list of files. Sorted by the lesson that teaches it (added ones last)."""
+    registers itself: the registry is the list of files. Sorted by each paradigm's own ``order`` (added ones, with
+    the base class's infinite order, last)."""
     return _imported(os.environ.get(MODULES_VAR, ""), tuple(_REGISTRY.items()))
 
 
 @functools.lru_cache(maxsize=16)
-def _imported(modules_var: str, registered: tuple) -> dict[str, type[Paradigm]]:
+def _imported(modules_var: str, registered: tuple) -> dict[str, type]:
     """:func:`_registry` for one value of ``$DTRAIN_PARADIGMS`` and of what is registered (it is asked for on every
     flag a config reads: the imports are looked at again only when either changed)."""
     added = [name.strip() for name in modules_var.split(",") if name.strip()]
@@ -90,6 +86,6 @@ def _package_modules() -> list[str]:
 
 
 @functools.cache
-def _sorted(registered: tuple) -> dict[str, type[Paradigm]]:
+def _sorted(registered: tuple) -> dict[str, type]:
     order = [name for name, _kind in registered]
-    return dict(sorted(registered, key=lambda item: (item[1].lesson or math.inf, order.index(item[0]))))
+    return dict(sorted(registered, key=lambda item: (item[1].order, order.index(item[0]))))

@@ -33,13 +33,8 @@ from dtrain.errors import ConfigError
 from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import schedules
-from dtrain.parallel.tensor_parallel import (
-    activation_elements,
-    activations_sent,
-    group_allreduce_bytes,
-    local_parameters,
-    plan,
-)
+from dtrain.parallel.placement import split
+from dtrain.parallel.pricing import activation_elements, activations_sent, group_allreduce_bytes, local_parameters
 
 
 def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
@@ -71,7 +66,7 @@ def cut(sizes, stages: int, equal: bool = False, tp: int = 1) -> list[int]:
 
 def units(layers: int, tp: int = 1) -> list[int]:
     """The boundaries between the units a pipeline cuts into: every layer, or with tensor parallelism every
-    column-then-row pair of ``tensor_parallel.plan``, the last pair taking a leftover layer (5 layers: 0, 2, 5; one
+    column-then-row pair of ``placement.split``, the last pair taking a leftover layer (5 layers: 0, 2, 5; one
     layer has no pair: [0], no unit at all)."""
     if tp == 1:
         return list(range(layers + 1))
@@ -167,9 +162,9 @@ def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, h
         compute = send = 0.0
         for v in range(q, stages, P):
             first, stop = bounds[v], bounds[v + 1]
-            split = {"column": lambda a, c: (a, c // shape.tp), "row": lambda a, c: (a // shape.tp, c),
-                     "replicated": lambda a, c: (a, c)}  # fmt: skip
-            layers = [split[kind](sizes[j], sizes[j + 1]) for j, kind in zip(range(first, stop), plan(stop - first))]
+            shard = {"column": lambda a, c: (a, c // shape.tp), "row": lambda a, c: (a // shape.tp, c),
+                     "replicated": lambda a, c: (a, c)}  # fmt: skip  # (a layer's local shape, by how it is split)
+            layers = [shard[kind](sizes[j], sizes[j + 1]) for j, kind in zip(range(first, stop), split(stop - first))]
             compute += slow * hardware.layers_time(layers, rows, b)
             forward, backward = activations_sent(sizes, first, stop, rows)
             if shape.tp > 1:

@@ -76,7 +76,7 @@ from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
-from dtrain.parallel import Evaluating, Paradigm, check_replicas, parameter_count, register
+from dtrain.parallel import Evaluating, Paradigm, check_replicas, parameter_count, pricing, register
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, collective_pair, costs_per_rank, units_of
 from dtrain.parallel.zero_shards import communication_time as communication_time
@@ -136,7 +136,7 @@ class ShardedLinear(Module):
 class Zero(Paradigm):
     name = "zero"
     summary = "data parallel with the optimizer state, gradients and parameters sharded: ZeRO 1-3, FSDP"
-    lesson = 9
+    order = 9  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (ZERO_STAGE, ALLREDUCE)
 
     @classmethod
@@ -306,6 +306,6 @@ class Zero(Paradigm):
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """A replica's forward and backward, the update of this rank's chunks, and each layer's collectives."""
         stage, pair = cls.stage_of(config), cls.pair(config, world)
-        compute = cls.replica_compute(sizes, world, config, hardware, updated=parameter_count(sizes) / world)
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware, updated=parameter_count(sizes) / world)
         return {"compute": compute, "communication": communication_time(sizes, world, stage, pair, config, hardware),
                 "bubble": 0.0}  # fmt: skip
