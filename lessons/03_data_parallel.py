@@ -199,7 +199,7 @@ class Run:
                                   bucket_mb=bucket_mb, overlap=overlap, device=args.device)  # fmt: skip
         self.ddp = DataParallel(self.comm, self.config)
         self.ddp.build(lambda: MLP(sizes, seed=0, xp=xp), lambda model: make_optimizer("sgd", model, 0.05, 0.9))
-        index, count = self.ddp.data_shard()
+        index, count = self.ddp.batch_slice
         loader = ShardedLoader(data.x_train, data.y_train, batch, index, count, xp=xp)
         self.batches = itertools.cycle(list(loader.epoch(1)))
         for _ in range(warmup):  # Numba's first calls, MPI's first connections: not what we measure

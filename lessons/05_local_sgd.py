@@ -135,7 +135,7 @@ def stepped(cfg: TrainConfig, steps: int | None = None):
         lambda: MLP(SIZES, seed=cfg.seed, dtype=dtype, xp=xp),
         lambda model: make_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum, cfg.weight_decay),
     )
-    index, count = paradigm.data_shard()
+    index, count = paradigm.batch_slice
     data = digits[cfg.dtype]
     loader = ShardedLoader(data.x_train, data.y_train, cfg.batch_size, index, count, cfg.seed, xp)
     step = 0

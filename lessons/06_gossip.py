@@ -307,7 +307,14 @@ def by_hand(cfg: TrainConfig):
         lambda: MLP(SIZES, seed=cfg.seed, xp=xp),
         lambda model: make_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum, cfg.weight_decay),
     )
-    loader = ShardedLoader(digits.x_train, digits.y_train, B, *paradigm.data_shard(), cfg.seed, xp)
+    loader = ShardedLoader(
+        digits.x_train,
+        digits.y_train,
+        B,
+        *paradigm.batch_slice,
+        cfg.seed,
+        xp,
+    )
     distances = []
     for epoch in range(1, cfg.epochs + 1):
         for x, y in loader.epoch(epoch):

@@ -132,7 +132,13 @@ def trained(comm, cfg: TrainConfig, data):
         lambda: MLP(sizes, seed=cfg.seed),
         lambda model: make_optimizer(cfg.optimizer, model, cfg.lr, cfg.momentum, cfg.weight_decay),
     )
-    loader = ShardedLoader(data.x_train, data.y_train, cfg.batch_size, *paradigm.data_shard(), cfg.seed)
+    loader = ShardedLoader(
+        data.x_train,
+        data.y_train,
+        cfg.batch_size,
+        *paradigm.batch_slice,
+        cfg.seed,
+    )
     start = paradigm.model.flat_params.copy()
     for epoch in range(1, cfg.epochs + 1):
         losses = [paradigm.step(x, y) for x, y in loader.epoch(epoch)]

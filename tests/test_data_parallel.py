@@ -63,7 +63,7 @@ def run(comm, cfg, data, model=None):
     paradigm.build(
         model or make_model(cfg), lambda m: make_optimizer(cfg.optimizer, m, cfg.lr, cfg.momentum, cfg.weight_decay)
     )
-    index, count = paradigm.data_shard()
+    index, count = paradigm.batch_slice
     local = BATCH // count
     mine = [(x[index * local : (index + 1) * local], y[index * local : (index + 1) * local]) for x, y in data]
     paradigm.run(OneEpoch(paradigm, mine))

@@ -210,7 +210,7 @@ def test_a_run_without_a_batch_size_says_which_it_took_and_records_it(capsys):
     assert "--batch-size 63: the size nearest the default 64 that --paradigm ps-sync splits evenly on 4 ranks" in (
         capsys.readouterr().out
     )
-    with pytest.raises(sim.SimRankError, match="must split evenly over the 3 workers"):
+    with pytest.raises(sim.SimRankError, match="must split evenly over the 3 trainers"):
         on_sim(4, TrainConfig(**{**FAST, "paradigm": "ps-sync", "batch_size": 64}))  # given: never changed
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,3 +112,25 @@ def test_the_new_paradigm_trains_through_dtrain_train_and_matches_ddp(learner, t
     assert metrics["plain"]["final"]["test_accuracy"] > 0.9
     assert metrics["plain"]["weights_sha256"] == metrics["ddp"]["weights_sha256"]
     assert [e["train_loss"] for e in metrics["plain"]["epochs"]] == [e["train_loss"] for e in metrics["ddp"]["epochs"]]
+
+
+def test_the_base_class_documents_exactly_its_members_in_three_groups():
+    """Paradigm's docstring lists its members in three groups (what the driver calls, the hooks of a step, what the
+    planner asks); the list and the class must not drift apart: a member added or removed is a member documented."""
+    import inspect
+
+    from dtrain.parallel import Paradigm
+
+    doc = inspect.cleandoc(Paradigm.__doc__)
+    groups = doc.split("**")[1::2]
+    assert groups == ["What the driver calls", "The hooks of a step", "What the planner asks"], groups
+    documented = set()
+    for block in doc.split("::")[1:]:
+        for line in block.splitlines():
+            if line.startswith("    ") and not line.startswith("     "):  # a member's line, not its notes
+                call = re.match(r"(\w+)\(", line.strip())  # build(make_model, ...) ...
+                listed = re.match(r"(\w+(?:, \w+)*)\s{2,}", line.strip())  # name, summary, flags, order   ...
+                documented |= {call.group(1)} if call else set(listed.group(1).split(", "))
+    members = {name for name in vars(Paradigm) if not name.startswith("__")} | {"__init__"}
+    assert documented == members, (documented - members, members - documented)
+    assert 13 <= len(documented & {*members}) and len(members) <= 26

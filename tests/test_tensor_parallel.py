@@ -374,7 +374,7 @@ def test_the_driver_follows_single_and_evaluation_traffic_is_labelled():
         (dict(tp=4), 2, "--tp 4 is more than the 2 rank"),
         (dict(tp=2, allreduce="hierarchical"), 2, "--allreduce hierarchical is not available to --paradigm tp"),
         (dict(tp=2, microbatches=2), 2, "--microbatches is a flag of --paradigm pp, not of tp"),
-        (dict(dp=2, tp=2, batch_size=47), 4, "must split evenly over the 2 replicas (of 4 ranks)"),
+        (dict(dp=2, tp=2, batch_size=47), 4, "must split evenly over the 2 trainers (of 4 ranks)"),
         (dict(tp=2, hidden=()), 2, "--tp 2 splits pairs of Linear layers"),
         (dict(dp=3), 4, "--dp 3 (the tp groups take the rest) does not divide the 4 ranks launched"),
     ],

@@ -4,63 +4,21 @@ The driver (:mod:`dtrain.train`) owns what every paradigm shares: the config, th
 metrics.json, checkpoints, the trace. A paradigm owns only what makes it different, its flags included. It is a
 subclass of :class:`Paradigm` in a file of this package (or of a module named by ``$DTRAIN_PARADIGMS``), registered
 under its ``--paradigm`` name with :func:`register`; the registry imports every such file itself, and the CLI builds
-its flags from what each declares. Adding a paradigm is one new file. The driver talks to it through these members
-alone (no ``if paradigm == ...`` anywhere else)::
+its flags from what each declares. Adding a paradigm is one new file, and the driver talks to it through the members
+:class:`Paradigm` documents, alone (no ``if paradigm == ...`` anywhere else).
 
-    cls.flags, cls.summary           its own flags (flags.py: parsed, defaulted, range-checked) and what it is
-    cls.check(config, world)         before any communication: can it run so on this many ranks? (another paradigm's
-                                     flag is refused)
-    cls.shard_of(rank, world, config)  (index, count): the slice of every global batch a rank trains on
-    p = cls(comm, config)            the one prepared communicator (tracer, staging, watchdog inside); sub-communicators
-                                     made from it are freed by the driver at the end of the run
-    p.build(make_model, make_opt)    a full replica, sharded layers, this rank's pipeline stage, a server's shard
-    p.run(epochs)                    the whole run on this rank: the driver's epoch loop (epochs.run()), or a loop of
-                                     its own for a rank with no batches (a parameter server: epochs.steps_per_epoch,
-                                     and epochs.resumed_steps, the first epoch's steps done before a resume)
-    p.epoch(batches)                 one epoch on this rank's slices: the loss of each step it takes (step(x, y) for
-                                     each batch, unless the paradigm says when an epoch is over: ps-async)
-    p.global_loss(local_mean)        the *global batch's* loss from every rank's mean (train_loss in metrics.json)
-    p.full_parameters()              the whole model's flat buffer: weights digest, checkpoints
-    p.optimizer_state()              the optimizer's whole state, as one optimizer over that buffer holds it
-    p.load(flat, optimizer_state)    the inverse of both, for resuming from a checkpoint
-    p.evaluation_model()             something whose forward is the whole model's (the test set is run through it)
-    p.finish()                       final averaging / consensus / checks; this paradigm's figures for metrics.json
-    cls.costs(sizes, world, config)  bytes each rank sends per step, and the bytes it holds: the cost as code
-    cls.configurations(world, config, hardware)  for the planner (dtrain.plan): the ways it could run on so many ranks
-    cls.step_time(sizes, world, config, hardware)  ... and how long a step would take on some hardware
-    cls.activations(sizes, world, config)  ... and the activations a rank keeps for backward
-
-:class:`Paradigm` itself is a correct single-replica trainer. Its :meth:`Paradigm.step` is the plainest step, and
-each paradigm's ``step`` says what it adds, in order (ddp: average the gradients before the update; central storage:
-reduce them to the storage rank, then broadcast its weights; a parameter-server worker: push and pull instead of the
-update)::
-
-    def step(self, x, y):
-        loss = self.gradients(x, y)      forward and backward over --accumulate micro-batches (a straggler then sleeps)
-        self.optimizer.step()
-        return loss
-
-:meth:`Paradigm.gradients` calls :meth:`Paradigm.before_backward` before each micro-batch's backward: DDP arms its
-gradient-ready hooks for the last one only (PyTorch's ``no_sync``).
-
-The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py), ``zero``
-(zero.py: ZeRO stages 1-3, sharded data parallelism; its bookkeeping and cost in zero_shards.py), ``ps-sync`` and
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py, its compressors
+in compression.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in zero_shards.py), ``ps-sync`` and
 ``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and ps_server.py),
 ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip`` (gossip.py), ``tp``
-(tensor_parallel.py: Megatron-style tensor parallelism) and ``pp`` (pipeline.py, with its schedules in schedules.py:
-GPipe, 1F1B, interleaved; its cut and cost in stages.py); these two share model_parallel.py (a local model made of
-pieces of the whole, placement.py) and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the
-flags' record flags.py; where each parameter lives in the flat buffer is the model stack's (:mod:`dtrain.layout`).
+(tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules in schedules.py and instructions.py, its
+cut and cost in stages.py); these two share model_parallel.py (a local model made of pieces of the whole,
+placement.py) and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the flags' record flags.py;
+the arithmetic several paradigms' prices share is pricing.py.
 
 Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
 digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled
 as evaluation's).
-
-Cost functions return plain numbers (bytes per rank) from the model's layer sizes, the world size and the flags, so
-tests hold them against the tracer's counts, and a planner can rank paradigms without running any: ``dtrain plan``
-asks each registered paradigm for its :meth:`Paradigm.configurations`, and prices each with :meth:`Paradigm.costs`,
-:meth:`Paradigm.activations` and :meth:`Paradigm.step_time` (seconds from :mod:`dtrain.plan.hardware`'s rates), so a new
-paradigm is in the plan once it says those.
 """
 
 from __future__ import annotations
@@ -111,25 +69,78 @@ class Evaluating:
             return self.model(x)
 
 
+def _check_flags(cls, config) -> None:
+    """This paradigm's flags hold values it can take; a flag of another paradigm (``--servers`` with ``ddp``) was
+    not given (it is an error, not silently ignored). The first of :meth:`check`'s checks."""
+    mine = {flag.name: flag for flag in cls.flags}  # (its own records: ddp's --allreduce takes a file too)
+    for name, flag in sorted(all_flags().items()):
+        value = getattr(config, name)
+        if name in mine:
+            mine[name].check(value)
+        elif value != flag.default:
+            raise ConfigError(f"{flag.option} is a flag of --paradigm {', '.join(readers(name))}, not of "
+                              f"{cls.name}")  # fmt: skip
+
+
 class Paradigm:
-    """One rank's share of a training run (see the package docstring for the protocol)."""
+    """One rank's share of a training run, and itself a correct single-replica trainer. Its members, in three groups.
+
+    **What the driver calls** (:mod:`dtrain.train`; the planner and the launcher check with ``check`` too)::
+
+        name, summary, flags, order       its --paradigm name, what it is, its own flags (flags.py: parsed,
+                                          defaulted, range-checked), where it comes in listings
+        check(config, world)              before any communication: can it run so on so many ranks? (another
+                                          paradigm's flag is refused)
+        shard_of(rank, world, config)     (index, count): the slice of every global batch a rank trains on
+        __init__(comm, config)            the one prepared communicator (tracer, staging, watchdog inside), kept as
+                                          comm, config, rank, world, and batch_slice (shard_of's, this rank's);
+                                          sub-communicators made from it are freed by the driver at the end
+        build(make_model, make_optimizer) a replica, sharded layers, a pipeline stage, a server's shard: its model
+                                          and optimizer
+        run(epochs)                       the whole run on this rank: the driver's epoch loop, or a loop of its own
+                                          for a rank with no batches (a parameter server)
+        epoch(batches)                    one epoch on this rank's slices: the loss of each step it takes
+        global_loss(local_mean)           the *global batch's* loss from every rank's mean (train_loss)
+        full_parameters()                 the whole model's flat buffer: the weights digest, checkpoints
+        optimizer_state()                 the optimizer's whole state, as one optimizer over that buffer holds it
+        load(flat, optimizer_state)       the inverse of both: resuming from any paradigm's checkpoint
+        evaluation_model()                something whose forward is the whole model's (the test set goes through it)
+        finish()                          final averaging or checks; this paradigm's figures for metrics.json
+        costs(sizes, world, config)       the bytes each rank sends per step and holds: the cost as code
+
+    **The hooks of a step**, which a paradigm overrides to say what it adds to the plainest step (ddp: average the
+    gradients before the update; central storage: reduce them to the storage rank, then take its weights; a
+    parameter-server worker: push and pull instead of the update)::
+
+        step(x, y)                        gradients(x, y), then the optimizer's step: this rank's mean loss
+        gradients(x, y)                   forward and backward over --accumulate micro-batches (a straggler sleeps)
+        before_backward(last)             before each micro-batch's backward (ddp arms its hooks for the last only)
+        held_bytes()                      what this rank holds, read off its arrays (finish reports it)
+
+    **What the planner asks** (:mod:`dtrain.plan`), beside ``costs``::
+
+        updates_like_single(config)       whether its steps are single's (local SGD's, gossip's, ps-async's are not)
+        configurations(world, config, hardware)   the ways it could run on so many ranks
+        step_time(sizes, world, config, hardware) how long a step would take there (on dtrain.plan.hardware's rates)
+        activations(sizes, world, config) what a rank keeps for backward
+    """
 
     name = "base"
     summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
-    order = math.inf  # where it comes in listings (the registry's order): the course's order, for dtrain's own
     flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
-    sharers = "workers"  # what the ranks that split the global batch are called, when they are not all the ranks
+    order = math.inf  # where it comes in listings (the registry's order): the course's order, for dtrain's own
+    # === what the driver calls ===================================================================================
 
     def __init__(self, comm, config):
         self.comm, self.config = comm, config
         self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        self.batch_slice = self.shard_of(self.rank, self.world, config)  # (index, count): this rank's of each batch
         self.model = self.optimizer = None
 
-    # --- before anything happens --------------------------------------------------------------------------
     @classmethod
     def check(cls, config, world: int) -> None:
         """Raise a :class:`ConfigError` for flags this paradigm cannot use on ``world`` ranks (no communication)."""
-        cls.check_flags(config)
+        _check_flags(cls, config)
         _index, count = cls.shard_of(0, world, config)
         local = config.batch_size // count if config.batch_size % count == 0 else None
         if config.batch_size < count:
@@ -138,7 +149,7 @@ class Paradigm:
                 f"needs at least one sample per step; use --batch-size {count} or more, or fewer ranks"
             )
         if config.batch_size % count:
-            who = "ranks" if count == world else f"{cls.sharers} (of {world} ranks)"
+            who = "ranks" if count == world else f"trainers (of {world} ranks)"  # (workers; a split model's replicas)
             raise ConfigError(
                 f"--batch-size {config.batch_size} (the global batch) must split evenly over the {count} {who} that "
                 f"train on it; try {max(count, config.batch_size // count * count)}"
@@ -152,33 +163,15 @@ class Paradigm:
             )
 
     @classmethod
-    def check_flags(cls, config) -> None:
-        """This paradigm's flags hold values it can take; a flag of another paradigm (``--servers`` with ``ddp``) was
-        not given (it is an error, not silently ignored). The first of :meth:`check`'s checks."""
-        mine = {flag.name: flag for flag in cls.flags}  # (its own records: ddp's --allreduce takes a file too)
-        for name, flag in sorted(all_flags().items()):
-            value = getattr(config, name)
-            if name in mine:
-                mine[name].check(value)
-            elif value != flag.default:
-                raise ConfigError(f"{flag.option} is a flag of --paradigm {', '.join(readers(name))}, not of "
-                                  f"{cls.name}")  # fmt: skip
-
-    @classmethod
     def shard_of(cls, rank: int, world: int, config) -> tuple[int, int]:
         """(index, count) of the slice of each global batch that ``rank`` trains on: by default, one per rank.
         (A rank with no batches, such as a parameter server, still gets a valid slice; it never reads it.)"""
         return rank, world
 
-    def data_shard(self) -> tuple[int, int]:
-        return self.shard_of(self.rank, self.world, self.config)
-
-    # --- the model ----------------------------------------------------------------------------------------
     def build(self, make_model, make_optimizer) -> None:
         self.model = make_model()
         self.optimizer = make_optimizer(self.model)
 
-    # --- the run, an epoch, one step -----------------------------------------------------------------------------
     def run(self, epochs) -> None:
         """The whole run on this rank: the driver's epoch loop (``epochs.run()``), which takes each epoch's steps from
         :meth:`epoch`. A rank with a loop of its own (a parameter server) overrides it."""
@@ -189,6 +182,43 @@ class Paradigm:
         from where a resume left off), yielding each step's loss."""
         for x, y in batches:
             yield self.step(x, y)
+
+    def global_loss(self, local_mean: float) -> float:
+        """The global batch's loss from this rank's mean loss over its slices (a collective in most paradigms)."""
+        return local_mean
+
+    def full_parameters(self):
+        return self.model.flat_params
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's whole state (host arrays and numbers), as a checkpoint stores it."""
+        return self.optimizer.state_dict()
+
+    def load(self, flat, optimizer_state: dict) -> None:
+        """Resume: the whole model's flat buffer and the optimizer's whole state (as :meth:`full_parameters` and
+        :meth:`optimizer_state` gave them), each rank taking its part."""
+        self.model.flat_params[...] = flat
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def evaluation_model(self):
+        """A model whose forward is the whole model's, for evaluating on the test set."""
+        return self.model
+
+    def finish(self) -> dict:
+        """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json:
+        here, what every rank holds (``held_bytes``, a list by rank)."""
+        return {"held_bytes": self.comm.allgather(self.held_bytes())}
+
+    @classmethod
+    def costs(cls, sizes, world: int, config) -> dict:
+        """Bytes per rank: ``sent_per_step`` (a list, one entry per rank) and the peak ``parameters``,
+        ``gradients`` and ``optimizer`` state a rank holds (a number: the same on every rank; a list: per rank)."""
+        itemsize = np.dtype(config.dtype).itemsize
+        n = parameter_count(sizes) * itemsize
+        state = buffers_per_parameter(config.optimizer, config.momentum) * n
+        return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}
+
+    # === the hooks of a step =====================================================================================
 
     def step(self, x, y) -> float:
         """One global step on this rank's slice ``x, y``: its gradients, then the update; this rank's mean loss."""
@@ -220,57 +250,19 @@ class Paradigm:
     def before_backward(self, last: bool) -> None:
         """Called before each micro-batch's backward; ``last`` for the one after which the gradients are final."""
 
-    def global_loss(self, local_mean: float) -> float:
-        """The global batch's loss from this rank's mean loss over its slices (a collective in most paradigms)."""
-        return local_mean
-
-    # --- the whole model ----------------------------------------------------------------------------------
-    def full_parameters(self):
-        return self.model.flat_params
-
-    def optimizer_state(self) -> dict:
-        """The optimizer's whole state (host arrays and numbers), as a checkpoint stores it."""
-        return self.optimizer.state_dict()
-
-    def load(self, flat, optimizer_state: dict) -> None:
-        """Resume: the whole model's flat buffer and the optimizer's whole state (as :meth:`full_parameters` and
-        :meth:`optimizer_state` gave them), each rank taking its part."""
-        self.model.flat_params[...] = flat
-        self.optimizer.load_state_dict(optimizer_state)
-
-    def evaluation_model(self):
-        """A model whose forward is the whole model's, for evaluating on the test set."""
-        return self.model
-
-    def finish(self) -> dict:
-        """At the end of training (a collective where ranks must agree); this paradigm's figures for metrics.json:
-        here, what every rank holds (``held_bytes``, a list by rank)."""
-        return {"held_bytes": self.comm.allgather(self.held_bytes())}
-
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind, read off its arrays: the accounting :meth:`costs` is checked
         against (a paradigm that holds something more, or shards it, says so in its own)."""
         return {"parameters": self.model.flat_params.nbytes, "gradients": self.model.flat_grads.nbytes,
                 "optimizer": state_bytes(self.optimizer)}  # fmt: skip
 
-    # --- the cost as code ---------------------------------------------------------------------------------
-    @classmethod
-    def costs(cls, sizes, world: int, config) -> dict:
-        """Bytes per rank: ``sent_per_step`` (a list, one entry per rank) and the peak ``parameters``,
-        ``gradients`` and ``optimizer`` state a rank holds (a number: the same on every rank; a list: per rank)."""
-        itemsize = np.dtype(config.dtype).itemsize
-        n = parameter_count(sizes) * itemsize
-        state = buffers_per_parameter(config.optimizer, config.momentum) * n
-        return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}
-
-    # --- the plan: the ways it could run, and what a step would take --------------------------------------------
-    same_updates = True  # its steps are single's on the global batch (to rounding); local SGD, gossip, ps-async: not
+    # === what the planner asks ===================================================================================
 
     @classmethod
     def updates_like_single(cls, config) -> bool:
-        """Whether a run with ``config`` takes single's steps on the global batch (to rounding): the class's
-        :attr:`same_updates`, unless a flag changes it (ddp's --compress sends an approximation)."""
-        return cls.same_updates
+        """Whether a run with ``config`` takes single's steps on the global batch (to rounding): so by default; local
+        SGD, gossip and ps-async take other steps, and ddp's --compress sends an approximation."""
+        return True
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:

@@ -243,7 +243,7 @@ class DataParallel(Paradigm):
     # --- the plan ---------------------------------------------------------------------------------------------------
     @classmethod
     def updates_like_single(cls, config) -> bool:
-        return cls.same_updates and config.compress == "none"  # (a compressed gradient approximates the average)
+        return config.compress == "none"  # (a compressed gradient approximates the average)
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:

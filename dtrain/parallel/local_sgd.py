@@ -220,7 +220,9 @@ class LocalSGD(DataParallel):
         }
 
     # --- the plan ---------------------------------------------------------------------------------------------------
-    same_updates = False  # replicas drift apart between averages: fewer bytes, but not ddp's updates
+    @classmethod
+    def updates_like_single(cls, config) -> bool:
+        return False  # replicas drift apart between averages: fewer bytes, but not ddp's updates
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:

@@ -36,7 +36,6 @@ NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp f
 
 class ModelParallel(Paradigm):
     fill = "dp"  # the grid axis that takes what the given flags leave of the world
-    sharers = "replicas"
 
     @classmethod
     def shape_of(cls, config, world: int) -> grid.Shape:

@@ -303,7 +303,10 @@ class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     summary = "parameter servers applying each worker's gradient as it comes (--staleness bounds how far ahead)"
     synchronous = False
-    same_updates = False  # a gradient computed on weights others have moved since
+
+    @classmethod
+    def updates_like_single(cls, config) -> bool:
+        return False  # a gradient computed on weights others have moved since
 
 
 def _ranks(ranks) -> str:
