@@ -23,12 +23,15 @@ import io
 import json
 import os
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dtrain import backend, terminal
 from dtrain.backend import to_host
 from dtrain.errors import ConfigError
+from dtrain.optim import buffer_names
 
 FORMAT = "dtrain.checkpoint/1"
 FILENAME = "checkpoint.npz"
@@ -142,3 +145,83 @@ def check_position(meta: dict, config, path) -> None:
             f"--resume: {path} stopped in the middle of epoch {meta['epoch']} with --batch-size {meta['batch_size']}; "
             f"go on with --batch-size {meta['batch_size']} (another size may start at the next epoch's checkpoint)"
         )
+
+
+# --- a run's checkpoint: where training stands, written by rank 0 and read back on every rank ---------------------
+@dataclass
+class Position:
+    """Where training stands: the epoch to run next, global steps done, the epochs' metrics so far, and, inside a
+    half-done epoch, its steps done, their global mean loss and its train time so far."""
+
+    epoch: int = 1
+    step: int = 0
+    epochs: list = field(default_factory=list)
+    done: int = 0
+    done_loss: float = 0.0
+    train_time_s: float = 0.0
+
+
+def identity(config, sizes, data) -> dict:
+    """What a checkpoint records of the run that wrote it, and what a run that resumes it must share: the model's
+    sizes, the dataset (its name, splits and shape), dtype, optimizer and the optimizer's buffers."""
+    return {"sizes": list(sizes), "dataset": data.describe(), "dtype": config.dtype, "optimizer": config.optimizer,
+            "optimizer_buffers": buffer_names(config.optimizer, config.momentum)}  # fmt: skip
+
+
+def write(paradigm, config, identity: dict, position: Position, done: int, done_loss: float, during_write=None) -> None:
+    """Rank 0 writes where training stands: ``position``, with ``done`` steps of the current epoch behind it and
+    ``done_loss`` their global mean loss (a collective: a sharded paradigm gathers its parameters first).
+    ``during_write``: see :func:`save`."""
+    params, optimizer_state = paradigm.full_parameters(), paradigm.optimizer_state()
+    if paradigm.rank != 0:
+        return
+    meta = {
+        "paradigm": config.paradigm,
+        **identity,
+        "optimizer_buffers": sorted(k for k, v in optimizer_state.items() if isinstance(v, np.ndarray)),  # (held)
+        "world_size": paradigm.world,
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "epoch": position.epoch,
+        "done": done,
+        "done_loss": done_loss,
+        "global_step": position.step,
+        "train_time_s": position.train_time_s,
+        "epochs": position.epochs,
+    }
+    save(config.checkpoint_dir, params, optimizer_state, meta, during_write)
+
+
+def resume(paradigm, comm, config, identity: dict) -> Position:
+    """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it.
+
+    The optimizer's state comes back, but not its learning rate: ``--lr`` of this run applies from here on (so a run
+    that diverged can go on from its last checkpoint with a smaller one).
+    """
+    state, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            state = load(config.checkpoint_dir)
+            path = path_in(config.checkpoint_dir)
+            check_compatible(state["meta"], identity, path)
+            check_position(state["meta"], config, path)
+        except CheckpointError as exc:
+            state, error = None, str(exc)
+    state, error = comm.bcast((state, error), root=0)
+    if error is not None:
+        raise CheckpointError(error)
+    meta = state["meta"]
+    flat = backend.to_device(state["params"], backend.get_xp(config.device))
+    paradigm.load(flat, {**state["optimizer"], "lr": config.lr})
+    if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
+        print(terminal.paragraph(
+            f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "
+            f"is the same, but it is split differently across ranks, so results will not be bit-identical to an "
+            f"uninterrupted run on {meta['world_size']}", hanging="  "), flush=True)  # fmt: skip
+    if meta["paradigm"] != config.paradigm and comm.Get_rank() == 0:
+        print(terminal.paragraph(f"resuming a checkpoint written by --paradigm {meta['paradigm']} with "
+                                 f"{config.paradigm}", hanging="  "), flush=True)  # fmt: skip
+    if meta["seed"] != config.seed and comm.Get_rank() == 0:
+        print("resuming with another --seed: the data order from here on changes", flush=True)
+    return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["done"], meta["done_loss"],
+                    meta["train_time_s"])  # fmt: skip

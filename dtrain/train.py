@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from dtrain.config import DEFAULT_BATCH, TrainConfig, default_batch
 from dtrain.data import Dataset, ShardedLoader, load_dataset
 from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.nn import MLP
-from dtrain.optim import buffer_names, make_optimizer
+from dtrain.optim import make_optimizer
 
 # On a GPU the driver reads the steps' losses this many at a time: reading one makes the CPU wait for the GPU to
 # finish every kernel queued so far, so reading each step's would keep the CPU from queueing the next step's
@@ -74,14 +74,14 @@ def train(config: TrainConfig, comm=None) -> dict:
     loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
     faults.check_reachable(fault, config.epochs * len(loader))
     sizes = [data.n_features, *config.hidden, data.n_classes]
-    identity = checkpoint_identity(config, sizes, data)
+    identity = checkpoint.identity(config, sizes, data)
     paradigm = kind(comm, config)
     paradigm.build(
         lambda: MLP(sizes, seed=config.seed, xp=xp, dtype=dtype),
         lambda model: make_optimizer(config.optimizer, model, config.lr, config.momentum, config.weight_decay),
     )
     setup = comm.tracer.summary()["totals"]  # what building sent (ddp's broadcast of rank 0's weights): not a step's
-    position = resume(paradigm, comm, config, identity) if config.resume else Position()
+    position = checkpoint.resume(paradigm, comm, config, identity) if config.resume else checkpoint.Position()
     injector = faults.Injector(fault, rank, config.checkpoint_dir)
     epochs_run = Epochs(paradigm, loader, data, config, identity, position, xp, injector)
     try:
@@ -92,7 +92,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     epochs = position.epochs
     own_figures = paradigm.finish()
     if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
-        save_checkpoint(paradigm, config, identity, position)
+        checkpoint.write(paradigm, config, identity, position, position.done, epoch_loss(paradigm, position, []))
 
     wall = time.perf_counter() - started
     train_time = sum(e["train_time_s"] for e in epochs)
@@ -200,8 +200,9 @@ class Epochs:
                     self.read(unread, losses, epoch)
                 if checkpoint_now:
                     position.train_time_s = time.perf_counter() - epoch_start
-                    save_checkpoint(paradigm, config, self.identity, position, losses,
-                                    during_write=self.injector.during_write(position.step))  # fmt: skip
+                    done_loss = epoch_loss(paradigm, position, losses)  # (a collective, before the write's gathers)
+                    checkpoint.write(paradigm, config, self.identity, position, position.done + len(losses), done_loss,
+                                     during_write=self.injector.during_write(position.step))  # fmt: skip
             self.read(unread, losses, epoch)
             train_loss = epoch_loss(paradigm, position, losses)  # (a collective: every trainer has ended the epoch)
             train_time = time.perf_counter() - epoch_start
@@ -265,19 +266,6 @@ def epoch_loss(paradigm, position, losses) -> float:
     return (position.done_loss * position.done + new * len(losses)) / (position.done + len(losses))
 
 
-@dataclass
-class Position:
-    """Where training stands: the epoch to run next, global steps done, the epochs' metrics so far, and, inside a
-    half-done epoch, its steps done, their global mean loss and its train time so far."""
-
-    epoch: int = 1
-    step: int = 0
-    epochs: list = field(default_factory=list)
-    done: int = 0
-    done_loss: float = 0.0
-    train_time_s: float = 0.0
-
-
 def check_same_config(comm, config: TrainConfig) -> None:
     """Every rank hashes its configuration; ranks started with different flags get one clear error, on every rank."""
     mine = hashlib.sha256(json.dumps(config.as_dict(), sort_keys=True, default=str).encode()).hexdigest()
@@ -288,72 +276,6 @@ def check_same_config(comm, config: TrainConfig) -> None:
             f"the ranks were started with different flags: rank(s) {odd} differ from rank 0; launch every rank with "
             f"the same command line"
         )
-
-
-def checkpoint_identity(config, sizes, data: Dataset) -> dict:
-    """What a checkpoint records of the run that wrote it, and what a run that resumes it must share: the model's
-    sizes, the dataset (its name, splits and shape), dtype, optimizer and the optimizer's buffers."""
-    return {"sizes": list(sizes), "dataset": data.describe(), "dtype": config.dtype, "optimizer": config.optimizer,
-            "optimizer_buffers": buffer_names(config.optimizer, config.momentum)}  # fmt: skip
-
-
-def save_checkpoint(paradigm, config, identity: dict, position: Position, losses=(), during_write=None) -> None:
-    """Rank 0 writes where training stands (a collective: the loss so far is made global, and a sharded paradigm
-    gathers its parameters first). ``during_write``: see :func:`dtrain.checkpoint.save`."""
-    done_loss = epoch_loss(paradigm, position, list(losses))
-    params, optimizer_state = paradigm.full_parameters(), paradigm.optimizer_state()
-    if paradigm.rank != 0:
-        return
-    meta = {
-        "paradigm": config.paradigm,
-        **identity,
-        "optimizer_buffers": sorted(k for k, v in optimizer_state.items() if isinstance(v, np.ndarray)),  # (held)
-        "world_size": paradigm.world,
-        "seed": config.seed,
-        "batch_size": config.batch_size,
-        "epoch": position.epoch,
-        "done": position.done + len(losses),
-        "done_loss": done_loss,
-        "global_step": position.step,
-        "train_time_s": position.train_time_s,
-        "epochs": position.epochs,
-    }
-    checkpoint.save(config.checkpoint_dir, params, optimizer_state, meta, during_write)
-
-
-def resume(paradigm, comm, config, identity: dict) -> Position:
-    """Load the checkpoint on rank 0, broadcast it (or its error) to every rank, and put the paradigm back in it.
-
-    The optimizer's state comes back, but not its learning rate: ``--lr`` of this run applies from here on (so a run
-    that diverged can go on from its last checkpoint with a smaller one).
-    """
-    state, error = None, None
-    if comm.Get_rank() == 0:
-        try:
-            state = checkpoint.load(config.checkpoint_dir)
-            path = checkpoint.path_in(config.checkpoint_dir)
-            checkpoint.check_compatible(state["meta"], identity, path)
-            checkpoint.check_position(state["meta"], config, path)
-        except checkpoint.CheckpointError as exc:
-            state, error = None, str(exc)
-    state, error = comm.bcast((state, error), root=0)
-    if error is not None:
-        raise checkpoint.CheckpointError(error)
-    meta = state["meta"]
-    flat = backend.to_device(state["params"], backend.get_xp(config.device))
-    paradigm.load(flat, {**state["optimizer"], "lr": config.lr})
-    if meta["world_size"] != comm.Get_size() and comm.Get_rank() == 0:
-        print(terminal.paragraph(
-            f"resuming a checkpoint written by {meta['world_size']} rank(s) on {comm.Get_size()}: every global batch "
-            f"is the same, but it is split differently across ranks, so results will not be bit-identical to an "
-            f"uninterrupted run on {meta['world_size']}", hanging="  "), flush=True)  # fmt: skip
-    if meta["paradigm"] != config.paradigm and comm.Get_rank() == 0:
-        print(terminal.paragraph(f"resuming a checkpoint written by --paradigm {meta['paradigm']} with "
-                                 f"{config.paradigm}", hanging="  "), flush=True)  # fmt: skip
-    if meta["seed"] != config.seed and comm.Get_rank() == 0:
-        print("resuming with another --seed: the data order from here on changes", flush=True)
-    return Position(meta["epoch"], meta["global_step"], meta["epochs"], meta["done"], meta["done_loss"],
-                    meta["train_time_s"])  # fmt: skip
 
 
 def evaluate(model, data: Dataset, xp, batch: int = 1024) -> tuple[float, float]:

@@ -200,13 +200,13 @@ def _check_folder(config, folder: Path, explicit_resume: bool) -> bool:
     to go on from with ``--resume`` (True). Another model's or dataset's, or another run's, is refused."""
     if not checkpoint.path_in(folder).exists():
         return False
-    from dtrain.train import checkpoint_identity, dataset_of
+    from dtrain.train import dataset_of
 
     data = dataset_of(config)
     sizes = [data.n_features, *config.hidden, data.n_classes]
     try:
         state = checkpoint.load(folder)
-        checkpoint.check_compatible(state["meta"], checkpoint_identity(config, sizes, data), checkpoint.path_in(folder))
+        checkpoint.check_compatible(state["meta"], checkpoint.identity(config, sizes, data), checkpoint.path_in(folder))
         checkpoint.check_position(state["meta"], config, checkpoint.path_in(folder))
     except checkpoint.CheckpointError as exc:
         why = str(exc).removeprefix("--resume: ")
