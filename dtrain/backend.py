@@ -131,6 +131,12 @@ def resolve_dtype(name) -> np.dtype:
     return dtype
 
 
+def itemsize(dtype) -> int:
+    """Bytes of one number of ``dtype`` (``--dtype``'s "float32" or "float64", or a NumPy dtype): how the cost
+    functions size a buffer they do not hold."""
+    return resolve_dtype(dtype).itemsize
+
+
 def weights_digest(flat_params) -> str:
     """SHA-256 of the flat parameter buffer's bytes: equal digests mean bit-identical weights."""
     return hashlib.sha256(np.ascontiguousarray(to_host(flat_params)).tobytes()).hexdigest()

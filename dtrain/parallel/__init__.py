@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from dtrain.autograd import Tensor, softmax_cross_entropy
-from dtrain.backend import host_or_device_loss, weights_digest
+from dtrain.backend import host_or_device_loss, itemsize, weights_digest
 from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
@@ -184,8 +184,10 @@ class Paradigm:
             yield self.step(x, y)
 
     def global_loss(self, local_mean: float) -> float:
-        """The global batch's loss from this rank's mean loss over its slices (a collective in most paradigms)."""
-        return local_mean
+        """The global batch's loss from this rank's mean loss over its slice (a collective): by default the mean over
+        the ranks, each of whose slices is an equal share of the batch (one rank: its own). A metric, not training
+        traffic: the object all-reduce, which the tracer does not count."""
+        return self.comm.allreduce(local_mean) / self.world
 
     def full_parameters(self):
         return self.model.flat_params
@@ -213,8 +215,7 @@ class Paradigm:
     def costs(cls, sizes, world: int, config) -> dict:
         """Bytes per rank: ``sent_per_step`` (a list, one entry per rank) and the peak ``parameters``,
         ``gradients`` and ``optimizer`` state a rank holds (a number: the same on every rank; a list: per rank)."""
-        itemsize = np.dtype(config.dtype).itemsize
-        n = parameter_count(sizes) * itemsize
+        n = parameter_count(sizes) * itemsize(config.dtype)
         state = buffers_per_parameter(config.optimizer, config.momentum) * n
         return {"sent_per_step": [0] * world, "parameters": n, "gradients": n, "optimizer": state}
 
@@ -284,4 +285,4 @@ class Paradigm:
         """Peak bytes of activations a rank keeps for backward (a number, or a list by rank): one micro-batch of
         its slice through the whole model (as :func:`dtrain.autograd.activation_bytes` counts them)."""
         rows = config.batch_size // cls.shard_of(0, world, config)[1] // config.accumulate
-        return pricing.activation_elements(sizes, 0, len(sizes) - 1, rows, 1) * np.dtype(config.dtype).itemsize
+        return pricing.activation_elements(sizes, 0, len(sizes) - 1, rows, 1) * itemsize(config.dtype)

@@ -27,9 +27,8 @@ gradients everywhere, optimizer state on rank 0 only.
 
 from __future__ import annotations
 
-import numpy as np
-
 from dtrain import collectives
+from dtrain.backend import itemsize
 from dtrain.collectives import costmodel
 from dtrain.layout import parameter_count
 from dtrain.parallel import Paradigm, pricing, register
@@ -69,9 +68,6 @@ class CentralStorage(Paradigm):
         collectives.broadcast(self.comm, self.model.flat_params, root=STORAGE, algorithm="tree")
         return loss
 
-    def global_loss(self, local_mean: float) -> float:
-        return self.comm.allreduce(local_mean) / self.world
-
     def finish(self) -> dict:
         return {"storage_rank": STORAGE, **super().finish()}  # (held_bytes: the optimizer's on rank 0 only)
 
@@ -79,10 +75,10 @@ class CentralStorage(Paradigm):
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank: a tree reduce of the gradient and a tree broadcast of the weights; optimizer state on rank 0."""
         base = super().costs(sizes, world, config)
-        itemsize, n = np.dtype(config.dtype).itemsize, parameter_count(sizes)
+        b, n = itemsize(config.dtype), parameter_count(sizes)
         sent = [
             sum(
-                costmodel.bytes_sent("tree", n, itemsize, world, rank, collective=c, root=STORAGE)
+                costmodel.bytes_sent("tree", n, b, world, rank, collective=c, root=STORAGE)
                 for c in ("reduce", "broadcast")
             )
             for rank in range(world)
@@ -94,7 +90,7 @@ class CentralStorage(Paradigm):
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """Every rank's forward and backward; the gradient's tree reduce, the storage rank's update, the weights'
         tree broadcast (the others wait for both)."""
-        nbytes = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        nbytes = parameter_count(sizes) * itemsize(config.dtype)
         compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         send = sum(hardware.collective(c, "tree", nbytes, range(world), world) for c in ("reduce", "broadcast"))
         return {"compute": compute, "communication": send, "bubble": 0.0}

@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from dtrain import collectives
-from dtrain.backend import array_module
+from dtrain.backend import array_module, itemsize
 from dtrain.collectives import costmodel, ring
 from dtrain.collectives._chunks import bounds_for
 from dtrain.comm import sendrecv
@@ -112,32 +112,31 @@ def make(config, comm, grads):
 def exchanges(config, shapes) -> list[tuple[str, int, int]]:
     """The collectives a step of ``config.compress`` makes, each as (collective, elements, bytes an element), all on
     dtrain's ring: what :func:`bytes_sent` counts and the planner prices."""
-    itemsize = np.dtype(config.dtype).itemsize
-    n = sum(math.prod(s) for s in shapes)
+    b, n = itemsize(config.dtype), sum(math.prod(s) for s in shapes)
     if config.compress in ("fp16", "bf16"):
         return [("allreduce", n, 2)]
     if config.compress == "topk":
-        return [("allgather", 2 * TopK.k_of(n, config.compress_ratio), itemsize)]  # per rank; p x that in all
-    return [("allreduce", count, itemsize) for count in PowerSGD.counts(shapes, config.powersgd_rank) if count]
+        return [("allgather", 2 * TopK.k_of(n, config.compress_ratio), b)]  # per rank; p x that in all
+    return [("allreduce", count, b) for count in PowerSGD.counts(shapes, config.powersgd_rank) if count]
 
 
 def bytes_sent(config, shapes, world: int, rank: int) -> int:
     """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
     total = 0
-    for collective, count, itemsize in exchanges(config, shapes):
+    for collective, count, b in exchanges(config, shapes):
         whole = world * count if collective == "allgather" else count  # (an all-gather's buffer: every rank's part)
-        total += costmodel.bytes_sent("ring", whole, itemsize, world, rank, collective=collective)
+        total += costmodel.bytes_sent("ring", whole, b, world, rank, collective=collective)
     return total
 
 
 def state_bytes(config, shapes) -> int:
     """Bytes of state a rank keeps for ``config.compress`` beside ddp's (residual, error, Q)."""
-    itemsize = np.dtype(config.dtype).itemsize
+    b = itemsize(config.dtype)
     if config.compress == "topk":
-        return sum(math.prod(s) for s in shapes) * itemsize
+        return sum(math.prod(s) for s in shapes) * b
     if config.compress == "powersgd":
         r = config.powersgd_rank
-        return sum((s[0] * s[1] + s[1] * r) * itemsize for s in shapes if len(s) == 2)
+        return sum((s[0] * s[1] + s[1] * r) * b for s in shapes if len(s) == 2)
     return 0
 
 

@@ -65,10 +65,8 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-import numpy as np
-
 from dtrain import collectives, kernels
-from dtrain.backend import is_device_array
+from dtrain.backend import is_device_array, itemsize
 from dtrain.collectives import costmodel, hierarchical, yours
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_shapes, parameter_spans, spans
@@ -183,10 +181,6 @@ class DataParallel(Paradigm):
         elif self.world > 1:
             self.reducer.finish()
 
-    def global_loss(self, local_mean: float) -> float:
-        # a metric, not training traffic: the object all-reduce, which the tracer does not count
-        return self.comm.allreduce(local_mean) / self.world
-
     # --- end of training ----------------------------------------------------------------------------------
     def check_replicas(self, when: str) -> None:
         check_replicas(self.comm, self.model.flat_params, when)
@@ -224,16 +218,16 @@ class DataParallel(Paradigm):
             shapes = parameter_shapes(sizes)
             return {**base, "sent_per_step": [compression.bytes_sent(config, shapes, world, r) for r in range(world)],
                     "compression": compression.state_bytes(config, shapes)}  # fmt: skip
-        itemsize = np.dtype(config.dtype).itemsize
-        layout = [(offset, n, itemsize) for offset, n in parameter_spans(sizes)]
+        b = itemsize(config.dtype)
+        layout = [(offset, n, b) for offset, n in parameter_spans(sizes)]
         buckets = plan_buckets(layout, cls.bucket_bytes(config))
-        biggest = max(stop - start for start, stop, _ in buckets) * itemsize
+        biggest = max(stop - start for start, stop, _ in buckets) * b
         algorithm = cls.choose_algorithm(config, world, biggest)
         if yours.is_spec(algorithm):  # no formula for a function we have not read: only the tracer can say
             return {**base, "sent_per_step": [None] * world, "sent_by": f"your own all-reduce, {algorithm}"}
         sent = [
             sum(
-                costmodel.bytes_sent(algorithm, stop - start, itemsize, world, rank, config.ranks_per_node)
+                costmodel.bytes_sent(algorithm, stop - start, b, world, rank, config.ranks_per_node)
                 for start, stop, _ in buckets
             )
             for rank in range(world)
@@ -264,7 +258,7 @@ class DataParallel(Paradigm):
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """A replica's step, then an all-reduce per bucket (with --overlap, what backward does not hide of them);
         with --compress, the compressor's exchanges (its own arithmetic is not priced)."""
-        b = np.dtype(config.dtype).itemsize
+        b = itemsize(config.dtype)
         if config.compress != "none":
             compute = pricing.replica_compute(cls, sizes, world, config, hardware)
             return {"compute": compute, "communication": compressed_exchange_time(config, sizes, world, hardware),

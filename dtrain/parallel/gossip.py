@@ -41,7 +41,7 @@ import math
 
 import numpy as np
 
-from dtrain.backend import array_module
+from dtrain.backend import array_module, itemsize
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
@@ -189,7 +189,7 @@ class Gossip(LocalSGD):
         """Per rank: its weights to each neighbour every step (random with odd p: the expected value);
         ``sent_per_average``: the final all-reduce; ``receive_buffers``: the neighbours' weights held."""
         base = super().costs(sizes, world, config)
-        nbytes = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        nbytes = parameter_count(sizes) * itemsize(config.dtype)
         if config.topology == "random":
             sent = [nbytes * (world - world % 2) / world] * world
         else:
@@ -204,7 +204,7 @@ class Gossip(LocalSGD):
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """A replica's own step, then its weights to each of d neighbours and theirs averaged in, all at once
         (the d messages share the rank's link)."""
-        n = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        n = parameter_count(sizes) * itemsize(config.dtype)
         d = cls.degree(config, world)
         link = hardware.link(range(world), world)
         mix = d * (link.alpha + n * link.beta + n * link.gamma)

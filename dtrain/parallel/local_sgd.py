@@ -46,7 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain import collectives
-from dtrain.backend import array_module
+from dtrain.backend import array_module, itemsize
 from dtrain.collectives import costmodel
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
@@ -196,14 +196,14 @@ class LocalSGD(DataParallel):
     @classmethod
     def average_bytes(cls, sizes, world: int, config) -> list[int]:
         """Bytes each rank sends in one average of the weights."""
-        itemsize, n = np.dtype(config.dtype).itemsize, parameter_count(sizes)
+        b, n = itemsize(config.dtype), parameter_count(sizes)
         if config.average_via == "master":
             return [
-                sum(costmodel.bytes_sent("naive", n, itemsize, world, r, collective=c) for c in ("reduce", "broadcast"))
+                sum(costmodel.bytes_sent("naive", n, b, world, r, collective=c) for c in ("reduce", "broadcast"))
                 for r in range(world)
             ]
-        algorithm = cls.choose_algorithm(config, world, n * itemsize)
-        return [costmodel.bytes_sent(algorithm, n, itemsize, world, r, config.ranks_per_node) for r in range(world)]
+        algorithm = cls.choose_algorithm(config, world, n * b)
+        return [costmodel.bytes_sent(algorithm, n, b, world, r, config.ranks_per_node) for r in range(world)]
 
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
@@ -231,7 +231,7 @@ class LocalSGD(DataParallel):
     @classmethod
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """A replica's own step, and a share (1/H) of an average of the weights (after any warm-up)."""
-        n = parameter_count(sizes) * np.dtype(config.dtype).itemsize
+        n = parameter_count(sizes) * itemsize(config.dtype)
         if config.average_via == "master":
             average = sum(hardware.collective(c, "naive", n, range(world), world) for c in ("reduce", "broadcast"))
         else:

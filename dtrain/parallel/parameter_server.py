@@ -82,7 +82,7 @@ import collections
 import numpy as np
 
 from dtrain import terminal
-from dtrain.backend import weights_digest
+from dtrain.backend import itemsize, weights_digest
 from dtrain.collectives import chunk_bounds
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
@@ -284,17 +284,16 @@ class ParameterServer(Paradigm):
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists, workers first): bytes sent per step, and parameters, gradients and optimizer state held."""
-        itemsize = np.dtype(config.dtype).itemsize
-        n = parameter_count(sizes)
+        b, n = itemsize(config.dtype), parameter_count(sizes)
         workers = world - config.servers
         shard = [b - a for a, b in shards(n, config.servers)]
         per_element = buffers_per_parameter(config.optimizer, config.momentum)
         gradient_copies = workers + 1 if cls.synchronous else 1  # ps-sync: a slot per worker and their average
         return {
-            "sent_per_step": [n * itemsize] * workers + [workers * m * itemsize for m in shard],
-            "parameters": [n * itemsize] * workers + [m * itemsize for m in shard],
-            "gradients": [n * itemsize] * workers + [gradient_copies * m * itemsize for m in shard],
-            "optimizer": [0] * workers + [per_element * m * itemsize for m in shard],
+            "sent_per_step": [n * b] * workers + [workers * m * b for m in shard],
+            "parameters": [n * b] * workers + [m * b for m in shard],
+            "gradients": [n * b] * workers + [gradient_copies * m * b for m in shard],
+            "optimizer": [0] * workers + [per_element * m * b for m in shard],
         }
 
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
-
+from dtrain.backend import itemsize
 from dtrain.collectives import costmodel
 from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter
@@ -31,7 +30,7 @@ def replica_compute(kind, sizes, world: int, config, hardware, updated: float | 
     rank (in --accumulate micro-batches), and an update of ``updated`` parameters (default: all of them), on
     ``hardware`` with ``world`` ranks busy."""
     rows, k = config.batch_size // kind.shard_of(0, world, config)[1], config.accumulate
-    n, b = parameter_count(sizes) if updated is None else updated, np.dtype(config.dtype).itemsize
+    n, b = parameter_count(sizes) if updated is None else updated, itemsize(config.dtype)
     update = hardware.update_time(n, b, buffers_per_parameter(config.optimizer, config.momentum))
     return hardware.slowdown(world) * (k * hardware.layers_time(list(itertools.pairwise(sizes)), rows // k, b)
                                        + update)  # fmt: skip

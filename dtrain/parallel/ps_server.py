@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from dtrain.backend import array_module, to_host
+from dtrain.backend import array_module, itemsize, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
@@ -252,7 +252,7 @@ def step_time(cls, sizes, world: int, config, hardware) -> dict:
     from dtrain.layout import parameter_count
     from dtrain.optim import buffers_per_parameter
 
-    b, workers = np.dtype(config.dtype).itemsize, world - config.servers
+    b, workers = itemsize(config.dtype), world - config.servers
     shard = parameter_count(sizes) / config.servers
     rows = config.batch_size // workers
     link = hardware.link([0, world - 1], world)  # a worker and a server

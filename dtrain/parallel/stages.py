@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 
-from dtrain.backend import resolve_dtype
+from dtrain.backend import itemsize
 from dtrain.errors import ConfigError
 from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
@@ -120,7 +120,7 @@ def check_cut(hidden, shape, schedule: str, m: int, v: int) -> None:
 def costs_per_rank(sizes, world: int, shape, schedule: str, M: int, V: int, config) -> dict:
     """``Pipeline.costs``: per rank (lists), bytes sent per step, the bytes held of parameters, gradients and
     optimizer state, and the peak bytes of activations kept for backward (from the schedule)."""
-    b, P = resolve_dtype(config.dtype).itemsize, shape.pp
+    b, P = itemsize(config.dtype), shape.pp
     stages, rows = P * V, config.batch_size // (shape.dp * M)
     bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
     program = schedules.build(schedule, P, M, V)
@@ -153,7 +153,7 @@ def costs_per_rank(sizes, world: int, shape, schedule: str, M: int, V: int, conf
 def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, hardware) -> dict:
     """Seconds of one step of the replica the slowest pipeline rank is on: compute, communication and the bubble
     (the module docstring's formula); ``hardware``: :class:`dtrain.plan.hardware.Hardware`."""
-    b, P, slow = resolve_dtype(config.dtype).itemsize, shape.pp, hardware.slowdown(world)
+    b, P, slow = itemsize(config.dtype), shape.pp, hardware.slowdown(world)
     stages, rows = P * V, config.batch_size // (shape.dp * M)
     bounds = cut(sizes, stages, equal=schedule == "interleaved", tp=shape.tp)
     tensor_group = [shape.rank_of(tp=t) for t in range(shape.tp)]

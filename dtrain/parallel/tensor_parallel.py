@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dtrain import collectives, terminal
 from dtrain.autograd import Tensor
-from dtrain.backend import array_module, resolve_dtype
+from dtrain.backend import array_module, itemsize
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
@@ -224,7 +224,7 @@ class TensorParallel(ModelParallel):
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step (tensor group and dp group) and the bytes it holds of each kind."""
-        shape, b = cls.shape_of(config, world), resolve_dtype(config.dtype).itemsize
+        shape, b = cls.shape_of(config, world), itemsize(config.dtype)
         rows = config.batch_size // (shape.dp * config.accumulate)
         forward, backward = activations_sent(sizes, 0, len(sizes) - 1, rows)
         n = local_parameters(sizes, shape.tp)
@@ -254,4 +254,4 @@ class TensorParallel(ModelParallel):
     def activations(cls, sizes, world: int, config) -> int:
         rows = config.batch_size // (cls.shape_of(config, world).dp * config.accumulate)
         tp = cls.shape_of(config, world).tp
-        return activation_elements(sizes, 0, len(sizes) - 1, rows, tp) * resolve_dtype(config.dtype).itemsize
+        return activation_elements(sizes, 0, len(sizes) - 1, rows, tp) * itemsize(config.dtype)

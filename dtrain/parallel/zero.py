@@ -237,9 +237,6 @@ class Zero(Paradigm):
                 self.allgather(self.model.flat_params[unit.whole], f"zero/allgather-params/{self.ag_algorithm}")
         return loss
 
-    def global_loss(self, local_mean: float) -> float:
-        return self.comm.allreduce(local_mean) / self.world  # a metric: the object all-reduce, not counted
-
     # --- the whole model: gathered from the chunks --------------------------------------------------------
     def _gather(self, chunks, label: str):
         """The full flat buffer from every rank's chunk of every layer (``chunks``: this rank's, one per layer)."""

@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import numpy as np
-
+from dtrain.backend import itemsize
 from dtrain.collectives import chunk_bounds, costmodel
 from dtrain.errors import ConfigError
 from dtrain.layout import layer_starts
@@ -128,7 +127,7 @@ def collective_pair(name: str, world: int) -> tuple[str, str]:
 def costs_per_rank(sizes, world: int, stage: int, pair: tuple[str, str], config) -> dict:
     """``Zero.costs``: per rank (lists), bytes sent per step and the peak bytes held of each kind (the table in
     zero.py's docstring); ``pair``: the (reduce-scatter, all-gather) algorithms."""
-    b = np.dtype(config.dtype).itemsize
+    b = itemsize(config.dtype)
     (rs, ag), a = pair, config.accumulate
     buffers = buffers_per_parameter(config.optimizer, config.momentum)
     layers = [u.size for u in units_of(sizes, 0, world)]
@@ -171,7 +170,7 @@ def paper_formula(n: int, world: int, stage: int, itemsize: int, buffers: int) -
 def communication_time(sizes, world: int, stage: int, pair: tuple[str, str], config, hardware) -> float:
     """``Zero.step_time``'s communication: each layer's reduce-scatter and all-gather, as often as the stage makes
     them (the table in zero.py's docstring), priced on ``hardware``."""
-    b, a = np.dtype(config.dtype).itemsize, config.accumulate
+    b, a = itemsize(config.dtype), config.accumulate
     layers = [u.size * b for u in units_of(sizes, 0, world)]
 
     def each(collective, algorithm):

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dtrain import parallel, terminal
+from dtrain.backend import itemsize
 from dtrain.config import TrainConfig, flag_words
 from dtrain.errors import ConfigError
 from dtrain.plan import hardware as hw
@@ -61,7 +62,7 @@ class Model:
     def describe(self) -> str:
         widths = self.sizes if len(self.sizes) <= 8 else [*self.sizes[:3], "...", *self.sizes[-2:]]
         return (f"MLP {'-'.join(map(str, widths))} ({len(self.sizes) - 1} layers, {self.parameters:,} parameters, "
-                f"{nbytes(self.parameters * np.dtype(self.dtype).itemsize)} of {self.dtype}), global batch "
+                f"{nbytes(self.parameters * itemsize(self.dtype))} of {self.dtype}), global batch "
                 f"{self.batch_size}, {self.optimizer}" + (f" (momentum {self.momentum:g})" if self.optimizer == "sgd"
                                                            else ""))  # fmt: skip
 
