@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 from dtrain import parallel
+from dtrain.collectives import ALGORITHMS
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
 from dtrain.config import TrainConfig
 from dtrain.data import load_digits
 from dtrain.nn import MLP, Linear, ReLU, Sequential
 from dtrain.optim import make_optimizer
-from dtrain.parallel.data_parallel import ALGORITHMS, DataParallel, plan_buckets
+from dtrain.parallel.buckets import allreduce_algorithm, plan_buckets
+from dtrain.parallel.data_parallel import DataParallel
 
 SIZES = [64, 32, 16, 10]
 BATCH, STEPS = 24, 3  # 24 divides among 1, 2, 3 and 4 ranks, and each slice again into 2 micro-batches
@@ -154,7 +156,7 @@ def test_traced_bytes_per_step_equal_the_cost_function(p, algorithm, overlap, da
     cfg = config(allreduce=algorithm, overlap=overlap)
     results = sim.run(p, run, cfg, data64)
     predicted = DataParallel.costs(SIZES, p, cfg)["sent_per_step"]
-    used = DataParallel.choose_algorithm(cfg, p, 0)
+    used = allreduce_algorithm(cfg, p, 0)
     for rank, (_, summary, figures) in enumerate(results):
         traced = summary["operations"][f"allreduce/{used}"]
         assert traced["bytes_sent"] == STEPS * predicted[rank], (rank, traced)

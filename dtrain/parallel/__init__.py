@@ -8,9 +8,10 @@ its flags from what each declares. Adding a paradigm is one new file, and the dr
 :class:`Paradigm` documents, alone (no ``if paradigm == ...`` anywhere else).
 
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py, its compressors
-in compression.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in zero_shards.py), ``ps-sync`` and
-``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and ps_server.py),
-``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py), ``gossip`` (gossip.py), ``tp``
+in compression.py, their flags in compression_flags.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in
+zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and
+ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py) and ``gossip`` (gossip.py),
+whose replicas drift apart and are averaged (replicas.py, with what every whole replica shares: its start), ``tp``
 (tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules in schedules.py and instructions.py, its
 cut and cost in stages.py); these two share model_parallel.py (a local model made of pieces of the whole,
 placement.py) and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the flags' record flags.py;

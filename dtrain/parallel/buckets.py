@@ -17,6 +17,8 @@ algorithms run blocking, each bucket as soon as it is complete.
 
 The timing (``timing``: backward, exposed communication, time in flight and the part of it hidden behind backward)
 is added up in :meth:`Buckets.account`, out of the algorithm's way, and the same spans go on the trace's timeline.
+:func:`gradient_buckets` makes a model's reducer from the flags (``--bucket-mb``: :func:`bucket_bytes`;
+``--allreduce``: :func:`allreduce_algorithm`): ddp's, and post-local SGD's for its first steps.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from collections.abc import Generator
 
 from dtrain import collectives
 from dtrain.backend import array_module
-from dtrain.collectives import ring
+from dtrain.collectives import costmodel, ring
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
+from dtrain.layout import spans
 
 NONBLOCKING = {"ring": ring.allreduce_steps}  # algorithms with a step-by-step (non-blocking) form
 
@@ -53,6 +56,21 @@ def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int
     if members:
         buckets.append((parameters[members[-1]][0], stop, members))
     return buckets
+
+
+def bucket_bytes(config) -> int:
+    """``--bucket-mb`` in bytes; by default 1 MiB buckets when overlapping (they exist to start early), else one
+    bucket: after backward, one all-reduce of everything costs the fewest latencies."""
+    mb = config.bucket_mb if config.bucket_mb is not None else (1.0 if config.overlap else 0.0)
+    return int(mb * (1 << 20))
+
+
+def allreduce_algorithm(config, world: int, nbytes: int) -> str:
+    """``--allreduce``, with "auto" resolved for all-reduces of up to ``nbytes`` (the largest bucket): the ring when
+    overlapping (the one non-blocking algorithm here), else the cost model's choice."""
+    if config.allreduce != "auto":
+        return config.allreduce
+    return "ring" if config.overlap and world > 1 else costmodel.choose(nbytes, world)
 
 
 def buckets_to_start(missing: list[int], started: int, bucket: int) -> list[int]:
@@ -169,3 +187,14 @@ class Buckets:
             t["hidden_s"] += max(0.0, min(flight.finished, backward_end) - flight.started)
             if tracer is not None:
                 tracer.span(f"bucket {flight.bucket} in flight", flight.started, flight.finished)
+
+
+def gradient_buckets(comm, model, config, topology=None) -> Buckets:
+    """The reducer of ``model``'s flat gradient over ``comm``: buckets of ``--bucket-mb`` in reverse parameter order,
+    all-reduced with ``--allreduce`` (chosen for the largest bucket); ``topology``: the hierarchical all-reduces'
+    nodes."""
+    flat = model.flat_grads
+    layout = [(offset, n, flat.itemsize) for offset, n in spans(p.grad.size for p in model.parameters())]
+    plan = plan_buckets(layout, bucket_bytes(config))
+    biggest = max(stop - start for start, stop, _ in plan) * flat.itemsize
+    return Buckets(comm, flat, plan, allreduce_algorithm(config, comm.Get_size(), biggest), topology)

@@ -62,44 +62,7 @@ from dtrain.backend import array_module, itemsize
 from dtrain.collectives import costmodel, ring
 from dtrain.collectives._chunks import bounds_for
 from dtrain.comm import sendrecv
-from dtrain.errors import ConfigError
-from dtrain.parallel.flags import Flag
-
-NAMES = ("none", "fp16", "bf16", "topk", "powersgd")
-COMPRESS = Flag("compress", "none", "send a compressed gradient: fp16 or bf16 (half the bytes), topk (the "
-                "--compress-ratio largest entries, error feedback), powersgd (rank --powersgd-rank factors, error "
-                "feedback); none: the whole gradient", choices=NAMES)  # fmt: skip
-RATIO = Flag("compress_ratio", 0.01, "top-k: the fraction of the gradient's entries a rank sends (0 < ratio <= 1)",
-             type=float, metavar="K/N")  # fmt: skip
-RANK = Flag("powersgd_rank", 2, "PowerSGD: the rank of each weight matrix's factors (<= its smaller side)", type=int,
-            metavar="R", at_least=1)  # fmt: skip
-FEEDBACK = Flag("compress_feedback", "on", "top-k and PowerSGD: carry what a step did not send into the next (on), "
-                "or drop it (off: to see why error feedback is needed)", choices=("on", "off"))  # fmt: skip
-FLAGS = (COMPRESS, RATIO, RANK, FEEDBACK)
-
-
-def check(config, shapes=None) -> None:
-    """Refuse what cannot run, before any message; ``shapes`` (the model's parameter shapes, once it exists) for the
-    PowerSGD rank against each weight matrix."""
-    if config.compress == "none":
-        return
-    if not 0 < config.compress_ratio <= 1:
-        raise ConfigError(f"--compress-ratio must be in (0, 1] (the fraction of entries a rank sends), got "
-                          f"{config.compress_ratio}")  # fmt: skip
-    if config.compress == "powersgd" and shapes is not None:
-        sides = [min(s) for s in shapes if len(s) == 2]
-        if sides and config.powersgd_rank > min(sides):
-            raise ConfigError(f"--powersgd-rank {config.powersgd_rank} is larger than the smaller side of a weight "
-                              f"matrix ({min(sides)}): use --powersgd-rank {min(sides)} or less")  # fmt: skip
-    if shapes is None and config.allreduce not in ("auto", "ring"):
-        raise ConfigError(f"--compress {config.compress} exchanges through dtrain's ring (its own messages): drop "
-                          f"--allreduce {config.allreduce}")  # fmt: skip
-    if shapes is None and config.ranks_per_node is not None:
-        raise ConfigError(f"--compress {config.compress} uses no nodes (the ring): drop --ranks-per-node")
-    if shapes is None and config.overlap:
-        raise ConfigError(f"--compress {config.compress} exchanges the whole gradient after backward: drop --overlap")
-    if shapes is None and config.bucket_mb:
-        raise ConfigError(f"--compress {config.compress} exchanges the whole gradient at once: drop --bucket-mb")
+from dtrain.layout import parameter_shapes
 
 
 def make(config, comm, grads):
@@ -107,37 +70,6 @@ def make(config, comm, grads):
     in parameter order), or None for "none"."""
     kinds = {"fp16": HalfPrecision, "bf16": HalfPrecision, "topk": TopK, "powersgd": PowerSGD}
     return kinds[config.compress](config, comm, grads) if config.compress != "none" else None
-
-
-def exchanges(config, shapes) -> list[tuple[str, int, int]]:
-    """The collectives a step of ``config.compress`` makes, each as (collective, elements, bytes an element), all on
-    dtrain's ring: what :func:`bytes_sent` counts and the planner prices."""
-    b, n = itemsize(config.dtype), sum(math.prod(s) for s in shapes)
-    if config.compress in ("fp16", "bf16"):
-        return [("allreduce", n, 2)]
-    if config.compress == "topk":
-        return [("allgather", 2 * TopK.k_of(n, config.compress_ratio), b)]  # per rank; p x that in all
-    return [("allreduce", count, b) for count in PowerSGD.counts(shapes, config.powersgd_rank) if count]
-
-
-def bytes_sent(config, shapes, world: int, rank: int) -> int:
-    """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
-    total = 0
-    for collective, count, b in exchanges(config, shapes):
-        whole = world * count if collective == "allgather" else count  # (an all-gather's buffer: every rank's part)
-        total += costmodel.bytes_sent("ring", whole, b, world, rank, collective=collective)
-    return total
-
-
-def state_bytes(config, shapes) -> int:
-    """Bytes of state a rank keeps for ``config.compress`` beside ddp's (residual, error, Q)."""
-    b = itemsize(config.dtype)
-    if config.compress == "topk":
-        return sum(math.prod(s) for s in shapes) * b
-    if config.compress == "powersgd":
-        r = config.powersgd_rank
-        return sum((s[0] * s[1] + s[1] * r) * b for s in shapes if len(s) == 2)
-    return 0
 
 
 # --- half precision ------------------------------------------------------------------------------------------------
@@ -317,3 +249,44 @@ class PowerSGD:
         if self.vectors:  # the biases, uncompressed
             for v, average in zip(self.vectors, allreduced(comm, self.vectors, xp)):
                 v[...] = average
+
+
+# === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
+def exchanges(config, shapes) -> list[tuple[str, int, int]]:
+    """The collectives a step of ``config.compress`` makes, each as (collective, elements, bytes an element), all on
+    dtrain's ring: what :func:`bytes_sent` counts and the planner prices."""
+    b, n = itemsize(config.dtype), sum(math.prod(s) for s in shapes)
+    if config.compress in ("fp16", "bf16"):
+        return [("allreduce", n, 2)]
+    if config.compress == "topk":
+        return [("allgather", 2 * TopK.k_of(n, config.compress_ratio), b)]  # per rank; p x that in all
+    return [("allreduce", count, b) for count in PowerSGD.counts(shapes, config.powersgd_rank) if count]
+
+
+def bytes_sent(config, shapes, world: int, rank: int) -> int:
+    """Bytes ``rank`` sends per step with ``config.compress`` (exact: what the tracer counts)."""
+    total = 0
+    for collective, count, b in exchanges(config, shapes):
+        whole = world * count if collective == "allgather" else count  # (an all-gather's buffer: every rank's part)
+        total += costmodel.bytes_sent("ring", whole, b, world, rank, collective=collective)
+    return total
+
+
+def state_bytes(config, shapes) -> int:
+    """Bytes of state a rank keeps for ``config.compress`` beside ddp's (residual, error, Q)."""
+    b = itemsize(config.dtype)
+    if config.compress == "topk":
+        return sum(math.prod(s) for s in shapes) * b
+    if config.compress == "powersgd":
+        r = config.powersgd_rank
+        return sum((s[0] * s[1] + s[1] * r) * b for s in shapes if len(s) == 2)
+    return 0
+
+
+def exchange_time(config, sizes, world: int, hardware) -> float:
+    """Seconds of a step's exchanges on ``hardware`` (:class:`dtrain.plan.hardware.Hardware`): the ring's formulas
+    at the compressed sizes (:func:`exchanges`); the compressors' own arithmetic is not priced."""
+    ranks = range(world)
+    return sum(hardware.allreduce("ring", count * b, ranks, world) if collective == "allreduce" else
+               hardware.collective(collective, "ring", world * count * b, ranks, world)
+               for collective, count, b in exchanges(config, parameter_shapes(sizes)))  # fmt: skip

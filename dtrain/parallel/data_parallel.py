@@ -65,16 +65,14 @@ per rank: the whole model, its gradients and the optimizer state, like ``single`
 
 from __future__ import annotations
 
-from dtrain import collectives, kernels
-from dtrain.backend import is_device_array, itemsize
-from dtrain.collectives import costmodel, hierarchical, yours
-from dtrain.errors import ConfigError
-from dtrain.layout import parameter_shapes, parameter_spans, spans
-from dtrain.parallel import Paradigm, check_replicas, compression, pricing, register
-from dtrain.parallel.buckets import Buckets, plan_buckets
+from dtrain import collectives
+from dtrain.backend import itemsize
+from dtrain.collectives import costmodel, yours
+from dtrain.layout import parameter_shapes
+from dtrain.parallel import Paradigm, check_replicas, compression, compression_flags, pricing, register, replicas
+from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
 
-ALGORITHMS = collectives.ALGORITHMS
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
 
 
@@ -90,72 +88,37 @@ class DataParallel(Paradigm):
     name = "ddp"
     summary = "data parallel, gradients all-reduced every step"
     order = 3  # where it comes in listings (--help, the planner): the course teaches it then
-    flags = (ALLREDUCE_OR_YOURS, RANKS_PER_NODE, OVERLAP, BUCKET_MB, *compression.FLAGS)
+    flags = (ALLREDUCE_OR_YOURS, RANKS_PER_NODE, OVERLAP, BUCKET_MB, *compression_flags.FLAGS)
 
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
         if yours.is_spec(config.allreduce):  # your own all-reduce: its file loads, and takes (comm, buf)
             yours.entry(config.allreduce)
-        compression.check(config)
-        k = config.ranks_per_node
-        if config.allreduce == "hierarchical_rs" and k is not None and world % k:
-            sizes = list(hierarchical.node_sizes(world, k))
-            raise ConfigError(
-                f"--allreduce hierarchical_rs needs nodes of equal size; {world} ranks with --ranks-per-node {k} "
-                f"make nodes of {sizes}: use --allreduce hierarchical, or a rank count divisible by {k}"
-            )
+        compression_flags.check(config)
+        replicas.check_nodes(config, world)
 
     def __init__(self, comm, config):
         super().__init__(comm, config)
         # Gradient traffic gets a communicator of its own: bucket tags can never meet any other message.
         self.grad_comm = comm.Dup()
-        self.topology = None
-        if config.allreduce in ("hierarchical", "hierarchical_rs"):
-            self.topology = hierarchical.topology(self.grad_comm, config.ranks_per_node)
-            if config.allreduce == "hierarchical_rs" and not self.topology.equal:  # real nodes: known only now
-                raise ConfigError(
-                    f"--allreduce hierarchical_rs needs nodes of equal size, these are {list(self.topology.node_sizes)}"
-                    ": use --allreduce hierarchical"
-                )
+        self.topology = replicas.nodes(self.grad_comm, config)  # (the hierarchical all-reduces' nodes, or None)
         self.steps = 0
 
     # --- the model: identical on every rank, and a hook on every parameter --------------------------------
     def build(self, make_model, make_optimizer) -> None:
         super().build(make_model, make_optimizer)
         model = self.model
-        if self.world > 1 and not is_device_array(model.flat_params):
-            kernels.load(model.flat_params.dtype)  # (Numba's start-up now, not inside the first timed step)
-        collectives.broadcast(self.comm, model.flat_params, root=0)  # replicas start from rank 0's weights
-        self.check_replicas("after the initial broadcast")
-        flat, params = model.flat_grads, model.parameters()
-        layout = [(offset, n, flat.itemsize) for offset, n in spans(p.grad.size for p in params)]  # flat order
-        plan = plan_buckets(layout, self.bucket_bytes(self.config))
-        biggest = max(stop - start for start, stop, _ in plan) * flat.itemsize
-        self.algorithm = self.choose_algorithm(self.config, self.world, biggest)
-        self.reducer = Buckets(self.grad_comm, flat, plan, self.algorithm, self.topology)
-        self.buckets, self.timing = self.reducer.slices, self.reducer.timing  # (what lessons and metrics read)
+        replicas.start(self.comm, model.flat_params)  # replicas start from rank 0's weights (checked)
+        self.reducer = gradient_buckets(self.grad_comm, model, self.config, self.topology)  # buckets.py
+        self.algorithm, self.buckets, self.timing = self.reducer.algorithm, self.reducer.slices, self.reducer.timing
         self.overlap = self.config.overlap and self.world > 1
+        params = model.parameters()
         if self.overlap:  # backward's gradient-ready hooks start each bucket once it is complete
             for index, p in enumerate(params):
                 p.register_hook(lambda _p, index=index: self.reducer.ready(index))
-        compression.check(self.config, [p.grad.shape for p in params])  # (every rank alike: the same model)
+        compression_flags.check(self.config, [p.grad.shape for p in params])  # (every rank alike: the same model)
         self.compressor = compression.make(self.config, self.grad_comm, [p.grad for p in params])
-
-    @staticmethod
-    def bucket_bytes(config) -> int:
-        """``--bucket-mb`` in bytes; by default 1 MiB buckets when overlapping (they exist to start early), else one
-        bucket: after backward, one all-reduce of everything costs the fewest latencies."""
-        mb = config.bucket_mb if config.bucket_mb is not None else (1.0 if config.overlap else 0.0)
-        return int(mb * (1 << 20))
-
-    @staticmethod
-    def choose_algorithm(config, world: int, biggest_bucket: int) -> str:
-        """``--allreduce``, with "auto" resolved: the ring when overlapping (the one non-blocking algorithm here),
-        else the cost model's choice for the largest bucket."""
-        if config.allreduce != "auto":
-            return config.allreduce
-        return "ring" if config.overlap and world > 1 else costmodel.choose(biggest_bucket, world)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self, x, y) -> float:
@@ -208,7 +171,7 @@ class DataParallel(Paradigm):
             held["compression"] = self.compressor.state_bytes()
         return held
 
-    # --- the cost as code ---------------------------------------------------------------------------------
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Bytes each rank sends per step: one all-reduce per bucket (exact, from the cost model's counts); with
@@ -218,23 +181,14 @@ class DataParallel(Paradigm):
             shapes = parameter_shapes(sizes)
             return {**base, "sent_per_step": [compression.bytes_sent(config, shapes, world, r) for r in range(world)],
                     "compression": compression.state_bytes(config, shapes)}  # fmt: skip
-        b = itemsize(config.dtype)
-        layout = [(offset, n, b) for offset, n in parameter_spans(sizes)]
-        buckets = plan_buckets(layout, cls.bucket_bytes(config))
-        biggest = max(stop - start for start, stop, _ in buckets) * b
-        algorithm = cls.choose_algorithm(config, world, biggest)
+        b, counts = itemsize(config.dtype), pricing.bucket_counts(sizes, config)
+        algorithm = allreduce_algorithm(config, world, max(counts) * b)
         if yours.is_spec(algorithm):  # no formula for a function we have not read: only the tracer can say
             return {**base, "sent_per_step": [None] * world, "sent_by": f"your own all-reduce, {algorithm}"}
-        sent = [
-            sum(
-                costmodel.bytes_sent(algorithm, stop - start, b, world, rank, config.ranks_per_node)
-                for start, stop, _ in buckets
-            )
-            for rank in range(world)
-        ]
+        sent = [sum(costmodel.bytes_sent(algorithm, n, b, world, rank, config.ranks_per_node) for n in counts)
+                for rank in range(world)]  # fmt: skip
         return {**base, "sent_per_step": sent}
 
-    # --- the plan ---------------------------------------------------------------------------------------------------
     @classmethod
     def updates_like_single(cls, config) -> bool:
         return config.compress == "none"  # (a compressed gradient approximates the average)
@@ -258,26 +212,14 @@ class DataParallel(Paradigm):
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
         """A replica's step, then an all-reduce per bucket (with --overlap, what backward does not hide of them);
         with --compress, the compressor's exchanges (its own arithmetic is not priced)."""
-        b = itemsize(config.dtype)
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         if config.compress != "none":
-            compute = pricing.replica_compute(cls, sizes, world, config, hardware)
-            return {"compute": compute, "communication": compressed_exchange_time(config, sizes, world, hardware),
+            return {"compute": compute, "communication": compression.exchange_time(config, sizes, world, hardware),
                     "bubble": 0.0}  # fmt: skip
-        buckets = [(stop - start) * b for start, stop, _ in plan_buckets(
-            [(offset, n, b) for offset, n in parameter_spans(sizes)], cls.bucket_bytes(config))]  # fmt: skip
-        algorithm = cls.choose_algorithm(config, world, max(buckets))
+        buckets = [n * itemsize(config.dtype) for n in pricing.bucket_counts(sizes, config)]
+        algorithm = allreduce_algorithm(config, world, max(buckets))
         algorithm = "ring" if yours.is_spec(algorithm) else algorithm  # (yours: priced as the ring it should be)
         send = [hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node) for n in buckets]
-        compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         hidden = min(sum(send) - send[-1], hardware.hidden * 2 / 3 * compute)  # (backward: 2/3 of the compute)
         exposed = sum(send) - hidden if config.overlap else sum(send)
         return {"compute": compute, "communication": exposed, "bubble": 0.0}
-
-
-def compressed_exchange_time(config, sizes, world: int, hardware) -> float:
-    """Seconds of a compressor's exchanges on ``hardware``: the ring's formulas at the compressed sizes
-    (:func:`dtrain.parallel.compression.exchanges`)."""
-    ranks, shapes = range(world), parameter_shapes(sizes)
-    return sum(hardware.allreduce("ring", count * itemsize, ranks, world) if collective == "allreduce" else
-               hardware.collective(collective, "ring", world * count * itemsize, ranks, world)
-               for collective, count, itemsize in compression.exchanges(config, shapes))  # fmt: skip

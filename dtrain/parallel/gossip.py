@@ -46,9 +46,9 @@ from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.parallel import pricing, register
+from dtrain.parallel import Paradigm, pricing, register
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
-from dtrain.parallel.local_sgd import LocalSGD
+from dtrain.parallel.replicas import Replicas
 
 TOPOLOGIES = ("ring", "torus", "exponential", "random")
 TOPOLOGY = Flag("topology", "ring", "the graph each rank averages over", choices=TOPOLOGIES)
@@ -130,7 +130,7 @@ def gossip_step(comm, flat, around, inbox=None) -> None:
 
 
 @register
-class Gossip(LocalSGD):
+class Gossip(Paradigm):
     name = "gossip"
     summary = "decentralized: every rank averages its weights with its neighbours' every step"
     order = 6  # where it comes in listings (--help, the planner): the course teaches it then
@@ -139,12 +139,19 @@ class Gossip(LocalSGD):
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
+        Replicas.check(cls.name, config, world)  # the final average's nodes; no checkpoint while the replicas differ
         if world < 2:
             raise ConfigError(f"--paradigm gossip needs at least 2 ranks (neighbours to average with), got {world}")
         neighbours(config.topology, world, 0)  # an unknown topology, or a torus on a prime: one clear error
 
+    def __init__(self, comm, config):
+        super().__init__(comm, config)
+        self.replicas = Replicas(comm, config)  # the weights' communicator, their average, its copy (replicas.py)
+        self.steps = 0
+
     def build(self, make_model, make_optimizer) -> None:
         super().build(make_model, make_optimizer)
+        self.replicas.start(self.model, make_model)  # rank 0's weights everywhere; a copy for their average
         flat = self.model.flat_params
         self.inbox = [array_module(flat).empty_like(flat) for _ in range(self.degree(self.config, self.world))]
 
@@ -158,24 +165,35 @@ class Gossip(LocalSGD):
 
     def mix(self) -> None:
         """One gossip round with this step's neighbours (:func:`gossip_step`), counted under "gossip/<topology>"."""
-        flat = self.model.flat_params
+        flat, comm = self.model.flat_params, self.replicas.comm
         around = neighbours(self.config.topology, self.world, self.rank, self.steps, self.config.seed)
         if not around:  # (random pairing, odd p: the odd one out; no operation to count)
             return
-        with labelled(self.grad_comm, f"gossip/{self.config.topology}", flat.nbytes):
-            gossip_step(self.grad_comm, flat, around, self.inbox)
+        with labelled(comm, f"gossip/{self.config.topology}", flat.nbytes):
+            gossip_step(comm, flat, around, self.inbox)
+
+    def evaluation_model(self):
+        """The average of the replicas (a copy; the replicas go on as they are); records the consensus distance."""
+        return self.replicas.evaluated(self.model.flat_params)
 
     def finish(self) -> dict:
-        before = self.consensus_distance(self.model.flat_params, self.replicas_average())
-        self.local_steps = 1  # the final model: one exact all-reduce average of the replicas
-        figures = super().finish()
+        flat, replicas = self.model.flat_params, self.replicas
+        before = replicas.distance(flat, replicas.mean(flat))
+        replicas.average(flat)  # the final model: one exact all-reduce average of the replicas
+        figures = replicas.finish(flat, self.optimizer)  # (checks that the replicas are identical)
         fixed = self.config.topology != "random"  # (a random pairing has no gap of its own: see expected_mixing_matrix)
         gap = spectral_gap(mixing_matrix(self.config.topology, self.world)) if fixed else None
         return {**figures, "topology": self.config.topology, "final_average": "one all-reduce",
-                "consensus_before_final_average": before, "spectral_gap": gap}  # fmt: skip
+                "consensus_before_final_average": before, "spectral_gap": gap, **super().finish()}  # fmt: skip
+
+    def optimizer_state(self) -> dict:
+        return self.replicas.final_state or super().optimizer_state()  # (the checkpoint's: averaged at the end)
 
     def held_bytes(self) -> dict:
-        return {**super().held_bytes(), "receive_buffers": sum(b.nbytes for b in self.inbox)}
+        """What every rank holds, the copy the replicas' average is evaluated in, and the neighbours' weights."""
+        held = super().held_bytes()
+        return {**held, "parameters": held["parameters"] + self.replicas.copy.flat_params.nbytes,
+                "receive_buffers": sum(b.nbytes for b in self.inbox)}  # fmt: skip
 
     @staticmethod
     def degree(config, world: int) -> int:
@@ -184,17 +202,26 @@ class Gossip(LocalSGD):
             return 1
         return max(len(neighbours(config.topology, world, r)) for r in range(world))
 
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank: its weights to each neighbour every step (random with odd p: the expected value);
-        ``sent_per_average``: the final all-reduce; ``receive_buffers``: the neighbours' weights held."""
+        ``sent_per_average``: the final all-reduce; ``parameters``: the replica and the copy its average is
+        evaluated in; ``receive_buffers``: the neighbours' weights held."""
         base = super().costs(sizes, world, config)
-        nbytes = parameter_count(sizes) * itemsize(config.dtype)
+        b, n = itemsize(config.dtype), parameter_count(sizes)
         if config.topology == "random":
-            sent = [nbytes * (world - world % 2) / world] * world
+            sent = [n * b * (world - world % 2) / world] * world
         else:
-            sent = [len(neighbours(config.topology, world, r)) * nbytes for r in range(world)]
-        return {**base, "sent_per_step": sent, "receive_buffers": cls.degree(config, world) * nbytes}
+            sent = [len(neighbours(config.topology, world, r)) * n * b for r in range(world)]
+        final = [pricing.group_allreduce_bytes(config.allreduce, [n], b, world, r, config.ranks_per_node)
+                 for r in range(world)]  # fmt: skip
+        return {**base, "sent_per_step": sent, "sent_per_average": final, "parameters": 2 * base["parameters"],
+                "receive_buffers": cls.degree(config, world) * n * b}  # fmt: skip
+
+    @classmethod
+    def updates_like_single(cls, config) -> bool:
+        return False  # replicas that never quite agree: not ddp's updates
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:

@@ -43,17 +43,15 @@ the master variant sends n from every rank but 0 and (p-1) n from rank 0 per ave
 
 from __future__ import annotations
 
-import numpy as np
-
 from dtrain import collectives
-from dtrain.backend import array_module, itemsize
+from dtrain.backend import itemsize
 from dtrain.collectives import costmodel
-from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
-from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.parallel import pricing, register
-from dtrain.parallel.data_parallel import BUCKET_MB, DataParallel
+from dtrain.parallel import Paradigm, check_replicas, pricing, register
+from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets
+from dtrain.parallel.data_parallel import BUCKET_MB, CHECK_EVERY, DataParallel
 from dtrain.parallel.flags import ALLREDUCE, RANKS_PER_NODE, Flag
+from dtrain.parallel.replicas import Replicas, average_weights
 
 AVERAGE_VIA = ("allreduce", "master")
 SYNC_EVERY = Flag("sync_every", 1, "average every H steps", type=int, metavar="H", at_least=1,
@@ -64,23 +62,11 @@ WARMUP_SYNC_STEPS = Flag("warmup_sync_steps", 0, "the first W steps average grad
                          type=int, metavar="W", at_least=0)  # fmt: skip
 
 
-def average_weights(comm, flat, via: str = "allreduce", algorithm: str = "ring", topology=None) -> None:
-    """Replace every rank's ``flat`` by its average over the ranks, in place: one all-reduce (op "avg") with
-    ``algorithm``, or (``via="master"``) everything summed on rank 0, scaled there and sent back."""
-    if via == "master":  # gathered and summed on rank 0, sent back from there
-        collectives.reduce(comm, flat, root=0, op="sum", algorithm="naive")
-        if comm.Get_rank() == 0:
-            flat *= 1.0 / comm.Get_size()
-        collectives.broadcast(comm, flat, root=0, algorithm="naive")
-    else:
-        collectives.allreduce(comm, flat, "avg", algorithm, topology=topology)
-
-
 def local_sgd_step(comm, flat, step: int, sync_every: int, average=None) -> bool:
     """Local SGD's communication after local step number ``step`` (1-based): every ``sync_every``-th step, average
     ``flat`` over the ranks in place; otherwise send nothing. Returns whether it averaged. ``average``: a callable
     that does the averaging instead (the paradigm's :meth:`LocalSGD.average`, with its --average-via, its all-reduce
-    and its counts); by default :func:`average_weights` with the ring."""
+    and its counts); by default :func:`~dtrain.parallel.replicas.average_weights` with the ring."""
     if step % sync_every:
         return False
     if average is None:
@@ -91,7 +77,7 @@ def local_sgd_step(comm, flat, step: int, sync_every: int, average=None) -> bool
 
 
 @register
-class LocalSGD(DataParallel):
+class LocalSGD(Paradigm):
     name = "local-sgd"
     summary = "decentralized: every rank trains alone, and the weights are averaged every H steps"
     order = 5  # where it comes in listings (--help, the planner): the course teaches it then
@@ -100,19 +86,21 @@ class LocalSGD(DataParallel):
     @classmethod
     def check(cls, config, world: int) -> None:
         super().check(config, world)
-        if config.checkpoint_every:
-            raise ConfigError(
-                f"--paradigm {cls.name} writes its checkpoint at the end of training only (between averages every "
-                "rank holds a model of its own, and a checkpoint holds one); drop --checkpoint-every"
-            )
+        Replicas.check(cls.name, config, world)  # the nodes; no checkpoint while the replicas differ
 
-    def build(self, make_model, make_optimizer) -> None:
-        super().build(make_model, make_optimizer)  # ddp's: rank 0's weights everywhere, gradient buckets
-        self.average_model = make_model()  # the replicas' average, evaluated at the end of each epoch
-        self.average_algorithm = self.choose_algorithm(self.config, self.world, self.model.flat_params.nbytes)
+    def __init__(self, comm, config):
+        super().__init__(comm, config)
+        self.replicas = Replicas(comm, config)  # the weights' communicator, their average, its copy (replicas.py)
+        self.steps = 0
         self.local_steps = 0  # optimizer steps since the last average
         self.averages = 0
-        self.consensus = []  # consensus distance at the end of each epoch
+
+    def build(self, make_model, make_optimizer) -> None:
+        super().build(make_model, make_optimizer)
+        self.replicas.start(self.model, make_model)  # rank 0's weights everywhere; a copy for their average
+        self.warmup = None  # post-local SGD's first W steps are ddp's: its gradient buckets (buckets.py), only then
+        if self.config.warmup_sync_steps:
+            self.warmup = gradient_buckets(self.replicas.comm, self.model, self.config, self.replicas.topology)
 
     def warming_up(self) -> bool:
         """Still in post-local SGD's synchronous phase (this step is a ddp step)."""
@@ -123,93 +111,67 @@ class LocalSGD(DataParallel):
         """Post-local SGD's first W steps: a ddp step. After: this rank's own step on its own gradient (nothing is
         sent), and every H-th such step, the average of the weights."""
         if self.warming_up():
-            return super().step(x, y)  # the gradients averaged, as ddp
+            return self.ddp_step(x, y)
         loss = self.gradients(x, y)
         self.optimizer.step()
         self.steps += 1
         self.local_steps += 1
-        if local_sgd_step(self.grad_comm, self.model.flat_params, self.local_steps, self.config.sync_every,
+        if local_sgd_step(self.replicas.comm, self.model.flat_params, self.local_steps, self.config.sync_every,
                           self.average):  # fmt: skip
             if collectives.debug_enabled():
-                self.check_replicas(f"after the average at step {self.steps}")
+                check_replicas(self.comm, self.model.flat_params, f"after the average at step {self.steps}")
         return loss
 
     def average(self) -> None:
-        """Replace every rank's weights by their average over the ranks (:func:`average_weights`)."""
-        average_weights(self.grad_comm, self.model.flat_params, self.config.average_via, self.average_algorithm,
-                        self.topology)  # fmt: skip
+        """Replace every rank's weights by their average over the ranks (``--average-via``: an all-reduce, or
+        through rank 0; :func:`~dtrain.parallel.replicas.average_weights`)."""
+        self.replicas.average(self.model.flat_params, self.config.average_via)
         self.local_steps = 0
         self.averages += 1
 
-    # --- what is evaluated, and how far the replicas are from it ------------------------------------------------
+    def ddp_step(self, x, y) -> float:
+        """A warm-up step: the gradients averaged (ddp's buckets), then the same optimizer step on every rank."""
+        loss = self.gradients(x, y)
+        if self.world > 1:
+            self.warmup.finish()
+        self.optimizer.step()
+        self.steps += 1
+        if collectives.debug_enabled() and self.steps % CHECK_EVERY == 0:
+            check_replicas(self.comm, self.model.flat_params, f"after step {self.steps}")
+        return loss
+
+    def before_backward(self, last: bool) -> None:
+        if last and self.warming_up():  # (accumulation: only the last micro-batch's backward starts the buckets)
+            self.warmup.arm()
+
+    # --- what is evaluated: the replicas' average; at the end, one more average -------------------------------
     def evaluation_model(self):
         """The average of the replicas (a copy; the replicas go on as they are); records the consensus distance."""
-        mean = self.replicas_average()
-        self.consensus.append(self.consensus_distance(self.model.flat_params, mean))
-        return self.average_model
-
-    def replicas_average(self):
-        """The replicas' average, into the evaluation copy (traffic counted under "evaluation", not training)."""
-        mean = self.average_model.flat_params
-        mean[...] = self.model.flat_params
-        with labelled(self.grad_comm, EVALUATION):
-            collectives.allreduce(self.grad_comm, mean, "avg", self.average_algorithm, topology=self.topology)
-        return mean
-
-    def consensus_distance(self, mine, mean) -> float:
-        """Mean over ranks of ||w_r - w_avg||, relative to ||w_avg|| (a metric: the object all-reduce, untraced)."""
-        xp = array_module(mine)
-        distance = float(xp.linalg.norm(mine - mean))
-        return self.comm.allreduce(distance) / self.world / max(float(xp.linalg.norm(mean)), 1e-30)
+        return self.replicas.evaluated(self.model.flat_params)
 
     def finish(self) -> dict:
         if self.local_steps:  # the last steps were local: one more average, so every rank ends with the same model
             self.average()
-        if self.config.checkpoint_dir:
-            self.final_optimizer_state = self.averaged_optimizer_state()
-        figures = super().finish()  # (checks that the replicas are identical; held_bytes, read off the arrays)
-        return {
-            **figures,
-            "averages": self.averages,
-            "average_via": self.config.average_via,
-            "consensus_distance": self.consensus,
-        }
-
-    def averaged_optimizer_state(self) -> dict:
-        """The optimizer's state with each buffer averaged over the ranks (a collective), for the checkpoint."""
-        state = self.optimizer.state_dict()
-        with labelled(self.grad_comm, CHECKPOINT):
-            for value in state.values():
-                if isinstance(value, np.ndarray):
-                    collectives.allreduce(self.grad_comm, value, "avg", "ring")
-        return state
+        figures = self.replicas.finish(self.model.flat_params, self.optimizer)  # (checks the replicas are identical)
+        if self.warmup is not None:
+            figures["warmup"] = {"bucket_bytes": [int(b.nbytes) for b in self.warmup.slices],
+                                 "allreduce": self.warmup.algorithm, **self.warmup.timing}  # fmt: skip
+        return {**figures, "averages": self.averages, "average_via": self.config.average_via, **super().finish()}
 
     def optimizer_state(self) -> dict:
-        return getattr(self, "final_optimizer_state", None) or super().optimizer_state()
+        return self.replicas.final_state or super().optimizer_state()  # (the checkpoint's: averaged at the end)
 
     def held_bytes(self) -> dict:
         """What every rank holds, and the copy the replicas' average is evaluated in."""
         held = super().held_bytes()
-        return {**held, "parameters": held["parameters"] + self.average_model.flat_params.nbytes}
+        return {**held, "parameters": held["parameters"] + self.replicas.copy.flat_params.nbytes}
 
-    # --- the cost as code ---------------------------------------------------------------------------------------
-    @classmethod
-    def average_bytes(cls, sizes, world: int, config) -> list[int]:
-        """Bytes each rank sends in one average of the weights."""
-        b, n = itemsize(config.dtype), parameter_count(sizes)
-        if config.average_via == "master":
-            return [
-                sum(costmodel.bytes_sent("naive", n, b, world, r, collective=c) for c in ("reduce", "broadcast"))
-                for r in range(world)
-            ]
-        algorithm = cls.choose_algorithm(config, world, n * b)
-        return [costmodel.bytes_sent(algorithm, n, b, world, r, config.ranks_per_node) for r in range(world)]
-
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per step after the warm-up: one average every H steps (``sent_per_step`` is its share, a fraction);
         ``sent_per_average`` and ``sent_per_warmup_step`` (ddp's) exactly."""
-        ddp = super().costs(sizes, world, config)
+        ddp = DataParallel.costs(sizes, world, config)
         per_average = cls.average_bytes(sizes, world, config)
         return {
             **ddp,
@@ -219,7 +181,18 @@ class LocalSGD(DataParallel):
             "parameters": 2 * ddp["parameters"],  # the replica, and the average evaluated at each epoch's end
         }
 
-    # --- the plan ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def average_bytes(sizes, world: int, config) -> list[int]:
+        """Bytes each rank sends in one average of the weights."""
+        b, n = itemsize(config.dtype), parameter_count(sizes)
+        if config.average_via == "master":
+            return [
+                sum(costmodel.bytes_sent("naive", n, b, world, r, collective=c) for c in ("reduce", "broadcast"))
+                for r in range(world)
+            ]
+        return [pricing.group_allreduce_bytes(config.allreduce, [n], b, world, r, config.ranks_per_node)
+                for r in range(world)]  # fmt: skip
+
     @classmethod
     def updates_like_single(cls, config) -> bool:
         return False  # replicas drift apart between averages: fewer bytes, but not ddp's updates
@@ -235,7 +208,7 @@ class LocalSGD(DataParallel):
         if config.average_via == "master":
             average = sum(hardware.collective(c, "naive", n, range(world), world) for c in ("reduce", "broadcast"))
         else:
-            algorithm = cls.choose_algorithm(config, world, n)
+            algorithm = allreduce_algorithm(config, world, n)
             average = hardware.allreduce(algorithm, n, range(world), world, config.ranks_per_node)
         compute = pricing.replica_compute(cls, sizes, world, config, hardware)
         return {"compute": compute, "communication": average / config.sync_every, "bubble": 0.0}

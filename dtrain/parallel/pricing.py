@@ -9,7 +9,8 @@ sends per step and holds, held against the tracer's counts by the tests), ``step
 * :func:`local_parameters`, :func:`activations_sent`: what a rank of a tensor group holds, and the activations its
   group all-reduces (tensor parallelism's, and a pipeline stage's that is tensor-parallel);
 * :func:`group_allreduce_bytes`: the bytes a rank sends in all-reduces over a group, the algorithm as the front door
-  would choose it.
+  would choose it;
+* :func:`bucket_counts`: the elements of each of ddp's gradient buckets (post-local SGD's warm-up steps too).
 
 Nothing here runs a collective or holds a model: plain numbers from the layers' sizes, the world and the flags.
 """
@@ -20,8 +21,9 @@ import itertools
 
 from dtrain.backend import itemsize
 from dtrain.collectives import costmodel
-from dtrain.layout import parameter_count
+from dtrain.layout import parameter_count, parameter_spans
 from dtrain.optim import buffers_per_parameter
+from dtrain.parallel.buckets import bucket_bytes, plan_buckets
 from dtrain.parallel.placement import split
 
 
@@ -69,13 +71,21 @@ def activations_sent(sizes, first: int, stop: int, rows: int) -> tuple[list[int]
     return forward, backward
 
 
-def group_allreduce_bytes(algorithm: str, counts, itemsize: int, size: int, rank: int) -> int:
+def group_allreduce_bytes(algorithm: str, counts, itemsize: int, size: int, rank: int, ranks_per_node=None) -> int:
     """Bytes ``rank`` sends in all-reduces of ``counts`` elements on a group of ``size`` (the front door's choice of
-    algorithm for "auto", per size, as the cost model makes it)."""
+    algorithm for "auto", per size, as the cost model makes it; ``ranks_per_node``: the hierarchical ones' nodes)."""
     if size == 1:
         return 0
     total = 0
     for count in counts:
         chosen = costmodel.choose(count * itemsize, size) if algorithm == "auto" else algorithm
-        total += costmodel.bytes_sent(chosen, count, itemsize, size, rank)
+        total += costmodel.bytes_sent(chosen, count, itemsize, size, rank, ranks_per_node)
     return total
+
+
+def bucket_counts(sizes, config) -> list[int]:
+    """The elements of each gradient bucket of an MLP ``sizes`` under ``--bucket-mb`` (:func:`plan_buckets` on the
+    parameters' places in the flat buffer), in the order they are all-reduced."""
+    b = itemsize(config.dtype)
+    plan = plan_buckets([(offset, n, b) for offset, n in parameter_spans(sizes)], bucket_bytes(config))
+    return [stop - start for start, stop, _ in plan]

@@ -25,7 +25,7 @@ EXERCISES = (
              "posted, so each rank waits for its right neighbour, which waits for its own: exchange with one "
              "comm.Sendrecv(sendbuf, dest=right, recvbuf=..., source=left) per step (or Irecv, Isend, then Wait both)"),
     Exercise("10.2", "find the asymmetric collective in an average through rank 0", "average.py", "average_weights",
-             ("comm", "flat"), "dtrain.parallel.local_sgd:average_weights",
+             ("comm", "flat"), "dtrain.parallel.replicas:average_weights",
              "dtrain.course.exercises.checks.debugging:average_weights", (1, 2, 3, 4, 5), MPI,
              "a collective is a call that every rank makes: a broadcast that only rank 0 reaches sends the mean to "
              "ranks that never receive it. Every rank must call collectives.broadcast(comm, flat, root=0); only the "
