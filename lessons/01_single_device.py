@@ -34,7 +34,7 @@ import argparse
 import tempfile
 
 import numpy as np
-from lesson_util import add_device_flag, lesson_xp
+from lesson_util import add_device_flag, heading, lesson_xp, refuse, say
 
 from dtrain import terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -54,24 +54,15 @@ add_device_flag(parser)
 args = parser.parse_args()
 
 if mpi.size() > 1:
-    raise SystemExit("lesson 1 is about one device: run it with python, or dtrain launch -n 1")
+    refuse("lesson 1 is about one device: run it with python, or dtrain launch -n 1")
 if args.plot:
     try:
         pyplot()  # now, not after training: a missing matplotlib is one line before anything runs
     except MissingPackage as exc:
-        mpi.refuse_arguments(f"--plot: {exc}")
+        refuse(f"--plot: {exc}")
 xp = lesson_xp(args, mpi.world())  # numpy, or cupy (--device gpu; no GPU here: one line, and exit status 2)
-
-
-def heading(text: str) -> None:
-    """A section's title, wrapped to the terminal (its later lines indented like the section)."""
-    print(terminal.paragraph(text, hanging="   "))
-
-
-def say(text: str) -> None:
-    """A paragraph of the section, indented like its tables and wrapped to the terminal."""
-    print(terminal.paragraph(text, "   "))
-
+say("Lesson 1: one device. An autograd engine, an MLP in one flat buffer, and a training loop, on real digits.", "",
+    "   ")  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------- 1. autograd
 heading("1. Autograd: y = sum(relu(w * x + b)), gradients by the chain rule vs by finite differences")
@@ -99,7 +90,6 @@ assert np.allclose(w.grad, numeric, atol=1e-5)
 # ----------------------------------------------------------------------------------------- 2. flat buffers
 data = load_dataset("digits")
 model = MLP([data.n_features, 128, 128, data.n_classes], seed=0, xp=xp)
-print()
 heading(f"2. The model: {model}")
 say(f"{model.num_parameters():,} parameters, all in one buffer of {model.flat_params.nbytes:,} bytes:")
 for name, where in model.param_slices.items():
@@ -109,7 +99,6 @@ shares = xp.shares_memory(first.data, model.flat_params)
 say(f"layers.0.weight is a view: shares memory with flat_params -> {shares}")
 
 # -------------------------------------------------------------------------------------- 3. the training loop
-print()
 heading("3. Training on digits: " + ", ".join(f"{key}={value}" for key, value in data.describe().items()))
 optimizer = SGD(model, lr=0.05, momentum=0.9)
 loader = ShardedLoader(data.x_train, data.y_train, global_batch=64, seed=0, xp=xp)  # one rank: the whole batch
@@ -125,7 +114,6 @@ for epoch in range(1, args.epochs + 1):
     print(f"   epoch {epoch:2d}  train loss {np.mean(losses):.4f}  test accuracy {100 * test_acc:.2f}%")
 
 # -------------------------------------------------------------------------------------------- 4. the driver
-print()
 heading("4. The same through the driver (what `dtrain train` runs), which writes metrics.json:")
 with tempfile.TemporaryDirectory() as out:
     train(TrainConfig(epochs=args.epochs, out=out, progress=False, quiet=True, device=args.device))

@@ -57,16 +57,16 @@ who sent what to whom. A ring that passes trains the MLP, with
 
 import argparse
 import contextlib
+import functools
 import statistics
-import time
 
 import numpy as np
-from lesson_util import add_device_flag, everywhere, lesson_xp, parse_and_start
+from lesson_util import add_device_flag, everywhere, lesson_xp, parse_and_start, refuse_bad_arguments, slowest_seconds
+from lesson_util import say as lesson_say
 
 from dtrain import terminal
 from dtrain.backend import to_host
 from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
-from dtrain.comm import mpi
 from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import TracedComm, Tracer, write_chrome_trace
 
@@ -87,16 +87,16 @@ add_device_flag(parser)
 
 args, comm, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 xp = lesson_xp(args, comm)  # numpy, or cupy on this rank's GPU (--device gpu)
-from mpi4py import MPI  # for MPI.SUM, MPI.MAX (MPI has started by now)
+from mpi4py import MPI  # for MPI.SUM (MPI has started by now)
 
 K = args.ranks_per_node
 algorithms = args.algorithms.split(",")
 unknown = [a for a in algorithms if a not in ALGORITHMS]
-if unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1):
-    mpi.refuse_arguments(
-        f"bad arguments: unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or "
-        "--size-mib <= 0, --repeats < 1 or --ranks-per-node < 1",
-    )
+refuse_bad_arguments([(
+    unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1),
+    f"unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or --size-mib <= 0, --repeats < 1 or "
+    "--ranks-per-node < 1",
+)])  # fmt: skip
 
 count = max(1, int(args.size_mib * 2**20) // 4)
 nbytes = 4 * count
@@ -142,9 +142,13 @@ def finished() -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
-def say(text: str) -> None:
-    """A paragraph, on rank 0, wrapped to the terminal (its later lines indented by one)."""
-    mpi.print0(terminal.paragraph(text, hanging=" "))
+def timed_allreduce(alg: str) -> None:
+    """One all-reduce of ``buf`` by ``alg``, finished (with --device gpu, the GPU's work too): what is timed."""
+    allreduce(alg_comm, buf, algorithm=alg, topology=nodes)
+    finished()
+
+
+say = functools.partial(lesson_say, indent="", hanging=" ")  # lesson_util's, flush left like this lesson's tables
 
 
 say(f"Lesson 2: all-reduce of {nbytes:,} bytes ({count:,} float32) on {p} rank(s), median of {args.repeats} run(s),"
@@ -181,11 +185,7 @@ for alg in algorithms:
     for _ in range(args.repeats):
         buf[...] = mine
         finished()
-        comm.Barrier()
-        start = time.perf_counter()
-        allreduce(alg_comm, buf, algorithm=alg, topology=nodes)
-        finished()
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        times.append(slowest_seconds(comm, timed_allreduce, alg))
         ok = ok and correct()
 
     # 3. count what this rank sends, with the tracer (one untimed warm-up first, so only the all-reduce is counted)

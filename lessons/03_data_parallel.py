@@ -45,7 +45,18 @@ import statistics
 import time
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier, table
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    conclude,
+    heading,
+    lesson_xp,
+    parse_and_start,
+    refuse_bad_arguments,
+    say,
+    sleeping_barrier,
+    table,
+)
 
 from dtrain import collectives, terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
@@ -59,7 +70,8 @@ from dtrain.data import ShardedLoader, load_dataset
 from dtrain.nn import MLP
 from dtrain.optim import make_optimizer
 from dtrain.parallel import parameter_count
-from dtrain.parallel.data_parallel import DataParallel, plan_buckets
+from dtrain.parallel.buckets import plan_buckets
+from dtrain.parallel.data_parallel import DataParallel
 from dtrain.train import train
 
 parser = argparse.ArgumentParser(description="Lesson 3: data parallelism on MPI ranks")
@@ -75,11 +87,11 @@ add_device_flag(parser)
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 from mpi4py import MPI  # for MPI.UNDEFINED, MPI.MAX (MPI has started by now)
 
-if args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 4 or args.bucket_mb < 0:
-    mpi.refuse_arguments(
-        f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
-        f"{p} ranks (each takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
-    )
+refuse_bad_arguments([(
+    args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 4 or args.bucket_mb < 0,
+    f"--batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the {p} ranks (each "
+    "takes an equal slice), --epochs >= 1, --steps >= 4, --bucket-mb >= 0",
+)])  # fmt: skip
 xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 RANKS = sorted({k for k in (1, 2, 4) if k < p} | {p})  # the world sizes compared: 1, 2, 4 (and p)
@@ -97,11 +109,6 @@ def name(sizes) -> str:
     return "-".join(map(str, sizes))
 
 
-def heading(text: str) -> None:
-    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
-    mpi.print0(terminal.paragraph(text, hanging="   "))
-
-
 FIRST = {k: world.Split(0 if rank < k else MPI.UNDEFINED, rank) for k in RANKS}  # ranks 0..k-1; others: COMM_NULL
 
 
@@ -113,7 +120,7 @@ def on_first(k: int, work):
 
 
 mpi.print0(terminal.paragraph(f"Lesson 3: data parallelism on {p} rank(s); runs on {', '.join(map(str, RANKS))} rank(s)"
-                               " compared") + "\n")  # fmt: skip
+                               " compared"))  # fmt: skip
 
 # ------------------------------------------------------------------------ 1. the average IS the big-batch gradient
 # The global batch's loss is the mean of its B per-sample losses. Cut into p equal slices, that is the mean over
@@ -161,7 +168,6 @@ checks.ok("the average of the slice gradients is the whole batch's gradient",
 # The same run (seed, global batch, learning rate) on 1, 2 and 4 ranks, through dtrain's driver: the loss curves
 # must coincide. In float32 the all-reduce adds the slices' gradients in another order than one process's matrix
 # product adds the samples', so they agree to ~1e-8, not to the bit (the weights' digests differ).
-mpi.print0()
 heading(f"2. Training {name(SMALL)} on digits, global batch {B}, {args.epochs} epochs, on each of {RANKS} ranks")
 config = TrainConfig(paradigm="ddp", epochs=args.epochs, hidden=tuple(SMALL[1:-1]), batch_size=B,
                      allreduce="ring", progress=False, quiet=True, device=args.device)  # fmt: skip
@@ -248,7 +254,6 @@ def mean_over_ranks(rows: list, key: str) -> float:
 # per bucket per step, so buckets change the number of messages (2(p-1) per bucket), not the bytes. The tracer
 # counts; DataParallel.costs() predicts, exactly, chunk by chunk; the formula is exact up to one element per chunk.
 n = parameter_count(BIG) * 4
-mpi.print0()
 heading(f"3. Bytes sent per step by each rank: {name(BIG)}, n = {n:,} bytes of gradients, {p} rank(s)")
 bytes_ok, results["bytes"] = True, []
 for bucket_mb in (0.0, args.bucket_mb):
@@ -278,7 +283,6 @@ checks.ok("bytes per step match DataParallel.costs() and 2(p-1)/p n on every ran
 # --------------------------------------------------------------------------------- 4. buckets, overlap, timeline
 # Backward produces gradients last layer first. With a bucket per layer, the last layer's bucket can start its
 # all-reduce while backward is still computing the earlier layers' gradients. Where each bucket lies:
-mpi.print0()
 heading(f"4. Buckets and overlap: {name(BIG)}, global batch {BIG_B}, {p} rank(s), --bucket-mb {args.bucket_mb:g}")
 model = MLP(BIG, seed=0, xp=xp)
 layout = [(where.start, where.stop - where.start, 4) for where in model.param_slices.values()]
@@ -362,7 +366,6 @@ else:
 # step. Timed for a small model on a small batch and a big one on a big batch; the world sizes interleaved round by
 # round (the ranks not in a round sleep).
 rounds = 4
-mpi.print0()
 heading(f"5. When not to distribute: ms per step on {RANKS} ranks (median of {rounds * (args.steps // rounds)} steps,"
         " slowest rank)")  # fmt: skip
 timing = []

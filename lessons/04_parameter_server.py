@@ -25,11 +25,11 @@ What you will see:
   6. central storage (TensorFlow's CentralStorageStrategy): every rank computes, rank 0 alone holds the optimizer
      state and updates; equal to one process, its bytes per step and its optimizer state equal to its costs().
 
-Every check compares with an independent oracle (one process's training, the tracer's counts, a formula) and prints
-an OK line; the last line says whether all passed (the exit status is non-zero if not). Asynchronous runs are not
-reproducible: which worker's push lands first depends on the scheduler, so their numbers differ from run to run.
-Timings are printed, never checked: speed belongs to benchmarks (docs/benchmarks.md). With more ranks than cores
-(4 ranks on 2 cores) a rank often waits for a core rather than for a message.
+Every check compares with an independent oracle (one process's training, the tracer's counts, a formula) and prints an
+OK line (FAIL if it does not hold); the last line says whether all passed (the exit status is non-zero if not).
+Asynchronous runs are not reproducible: which worker's push lands first depends on the scheduler, so their numbers
+differ from run to run. Timings are printed, never checked: speed belongs to benchmarks (docs/benchmarks.md). With more
+ranks than cores (4 ranks on 2 cores) a rank often waits for a core rather than for a message.
 
 Things to try:
   * --quick: one epoch of each straggler workload instead of two (what the notebook and the tests run);
@@ -57,7 +57,19 @@ import shutil
 import tempfile
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, sleeping_barrier, table
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    conclude,
+    heading,
+    lesson_xp,
+    parse_and_start,
+    refuse,
+    refuse_bad_arguments,
+    say,
+    sleeping_barrier,
+    table,
+)
 
 from dtrain import checkpoint, terminal
 from dtrain.comm import mpi, usable_cores
@@ -77,16 +89,16 @@ args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argpars
 B = args.batch_size
 SERVERS = [1, 2] if p >= 4 else [1]  # two servers need two workers besides: 4 ranks or more
 if p < 3:
-    mpi.refuse_arguments(
+    refuse(
         f"lesson 4 needs at least 3 ranks (a server and two workers, so that there is something to be asynchronous "
         f"about), got {p}: dtrain launch -n 4 lessons/04_parameter_server.py"
     )
-if args.epochs < 1 or B < 1 or any(B % (p - s) for s in SERVERS) or B % p:
-    counts = sorted({p - s for s in SERVERS} | {p})
-    mpi.refuse_arguments(
-        f"bad arguments: --batch-size {B} must be divisible by {', '.join(map(str, counts))} (the workers of each "
-        f"run, and the {p} ranks of ddp, each take an equal slice of it), --epochs {args.epochs} must be >= 1",
-    )
+counts = sorted({p - s for s in SERVERS} | {p})  # the workers of each run, and the ranks of ddp
+refuse_bad_arguments([(
+    args.epochs < 1 or B < 1 or any(B % k for k in counts),
+    f"--batch-size {B} must be divisible by {', '.join(map(str, counts))} (the workers of each run, and the {p} "
+    f"ranks of ddp, each take an equal slice of it), --epochs {args.epochs} must be >= 1",
+)])  # fmt: skip
 lesson_xp(args, world)  # --device gpu: this rank's GPU, or one line if there is none (every array is the driver's)
 
 W = p - 1  # workers when there is one server
@@ -138,12 +150,7 @@ def arrow(src: int, dst: int, columns: int, width: int) -> str:
     return "".join(cells)
 
 
-def heading(text: str) -> None:
-    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
-    mpi.print0(terminal.paragraph(text, hanging="   "))
-
-
-mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); global batch {B} digits\n")
+mpi.print0(f"Lesson 4: parameter servers on {p} ranks ({usable_cores()} cores); global batch {B} digits")
 
 # ----------------------------------------------------------------------------- 1. roles, the protocol, ps-sync = one
 # ps-sync: every worker pushes the gradient of its slice of the global batch; the server averages the W pushes (in
@@ -231,7 +238,6 @@ checks.ok("ps-sync's weights are one process's on the whole global batch", proto
 # once: nobody waits for anybody, but a worker's gradient was computed on weights that other pushes have changed
 # since. An epoch is a budget of W x steps pushes shared by the workers. --staleness K: a worker more than K steps
 # ahead of the slowest is not answered until the slowest catches up (stale-synchronous parallel).
-mpi.print0()
 heading(f"2. Synchronous against asynchronous: 64-32-10 on digits, {args.epochs} epoch(s), {W} workers + 1 server")
 RUNS = {  # name: overrides
     "ps-sync": dict(paradigm="ps-sync"),
@@ -286,7 +292,6 @@ if rank == 0:
 # w's next push arrives (u is then K + 1 ahead of w, and waits). So at most 2K + 1 pushes of each of the W - 1
 # others land in between: staleness <= (W - 1)(2K + 1). ps-sync: every gradient is applied to the weights it was
 # computed on, staleness 0.
-mpi.print0()
 heading(f"3. Staleness: updates between a worker's weights and its gradient's arrival ({W} workers)")
 staleness_ok = True
 if rank == 0:
@@ -321,7 +326,6 @@ checks.ok("every push is in the histogram once, and within the bound", staleness
 # for its slowest worker; in ps-async the others go on, and take more of the epoch's pushes.
 SYNTHETIC = dict(dataset="synthetic", samples=24000, batch_size=1500, hidden=(256,), epochs=1 if args.quick else 2)
 SLOW, FACTOR = 1, 3.0
-mpi.print0()
 heading(f"4. A straggler: worker {SLOW} takes {FACTOR:g}x its compute time per step; samples/s (higher is faster)")
 workloads = {
     "synthetic": (SYNTHETIC, f"784-256-10 on {SYNTHETIC['samples']:,} synthetic samples, global batch 1500"),
@@ -390,7 +394,6 @@ if rank == 0:
 # sends W copies of the weights: W n each way through one link. A ring all-reduce sends 2(p-1)/p n per rank, under 2n
 # whatever p. With S servers each owns n/S of the parameters, so each link carries W n / S.
 n = sync64[1]["model"]["parameters"] * 8  # float64
-mpi.print0()
 heading(f"5. The server's link: bytes sent per step, from the tracer (n = {n:,} bytes of float64 parameters)")
 ddp64 = run(paradigm="ddp", allreduce="ring", bucket_mb=0, dtype="float64", epochs=1)
 link_ok = True
@@ -458,7 +461,6 @@ checks.ok("bytes per step match the cost functions on every rank, and the server
 # TensorFlow's CentralStorageStrategy (dtrain/parallel/central_storage.py): no rank is set aside to serve. Every rank
 # computes on its slice; the gradients are reduced to rank 0 (a binomial tree), which alone holds the optimizer state
 # and updates; the new weights are broadcast (a tree again). Like ps-sync it follows one process on the global batch.
-mpi.print0()
 heading("6. Central storage: every rank computes, rank 0 alone holds the optimizer and updates (float64, 1 epoch)")
 storage_folder = shared_folder()
 central = run(paradigm="central-storage", dtype="float64", epochs=1, checkpoint_dir=storage_folder)

@@ -20,10 +20,11 @@ What you will see:
   4. accuracy against bytes: H = 1, 4, 8, 16 and post-local SGD (ddp for the first W steps), over a few seeds,
      against ddp's accuracy after the same epochs.
 
-Every check compares with an independent oracle (ddp's weights, the tracer's counts, a distance computed here from
-the weights themselves) and prints an OK line; the last line says whether all passed (the exit status is non-zero if
-not). Accuracies and timings are measurements, printed and never checked. With more ranks than cores (4 ranks on 2
-cores) a rank often waits for a core rather than for a message: the seconds in section 4 say little about a cluster.
+Every check compares with an independent oracle (ddp's weights, the tracer's counts, a distance computed here from the
+weights themselves) and prints an OK line (FAIL if it does not hold); the last line says whether all passed (the exit
+status is non-zero if not). Accuracies and timings are measurements, printed and never checked. With more ranks than
+cores (4 ranks on 2 cores) a rank often waits for a core rather than for a message: the seconds in section 4 say little
+about a cluster.
 
 Things to try:
   * --sync-every 1,16,64,1000: how far can H go on the digits before accuracy suffers? (1000: one average, at the end);
@@ -49,8 +50,10 @@ from lesson_util import (
     add_device_flag,
     conclude,
     everywhere,
+    heading,
     lesson_xp,
     parse_and_start,
+    refuse_bad_arguments,
     say,
     table,
     whole_numbers,
@@ -90,7 +93,7 @@ digits = {dtype: load_dataset("digits", dtype=np.dtype(dtype)) for dtype in ("fl
 train_samples = len(digits["float32"].y_train)
 HS = sorted(set(whole_numbers(args.sync_every)))
 STEPS = args.epochs * steps_per_epoch(train_samples, args.batch_size) if 0 < args.batch_size <= train_samples else 0
-problems = [
+refuse_bad_arguments([
     (p < 2, f"local SGD averages replicas: launch 2 ranks or more (dtrain launch -n 4 ...), not {p}"),
     (not HS or min(HS) < 1, f"--sync-every {args.sync_every!r} must be whole numbers >= 1, such as 1,4,8,16"),
     (args.batch_size % p or not 0 < args.batch_size <= train_samples,
@@ -98,9 +101,7 @@ problems = [
     (args.epochs < 1 or args.seeds < 1, "--epochs and --seeds must be >= 1"),
     (not 0 <= args.warmup_sync_steps < STEPS,
      f"--warmup-sync-steps {args.warmup_sync_steps} must be >= 0 and less than the {STEPS} steps of the runs"),
-]  # fmt: skip
-if any(bad for bad, _ in problems):
-    mpi.refuse_arguments("bad arguments: " + "; ".join(why for bad, why in problems if bad))
+])  # fmt: skip
 xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 B, W, H_MAX = args.batch_size, args.warmup_sync_steps, max(HS)
@@ -171,15 +172,10 @@ def mean_over_ranks(a: np.ndarray) -> np.ndarray:
     return total / p
 
 
-def heading(text: str) -> None:
-    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
-    mpi.print0(terminal.paragraph(text, hanging="   "))
-
-
 mpi.print0(terminal.paragraph(
     f"Lesson 5: local SGD on {p} ranks; {'-'.join(map(str, SIZES))} on digits, global batch {B} ({B // p} per rank), "
     f"{PER_EPOCH} steps per epoch"
-) + "\n")  # fmt: skip
+))  # fmt: skip
 
 # ------------------------------------------------------------------------------------------- 1. H = 1 is ddp
 # SGD's update is linear in the gradient. With momentum mu and weight decay wd, rank r's step from the common weights
@@ -231,7 +227,6 @@ checks.ok("with Adam H = 1 is not ddp (difference > 1e-6, far above rounding)", 
 # 2(p-1)/p n per rank per all-reduce. Counted by the tracer under "allreduce/ring" (master: "reduce/naive" and
 # "broadcast/naive"); not training traffic, and left out: the initial broadcast of rank 0's weights
 # ("broadcast/tree", the same in every run) and the average evaluated at each epoch's end ("evaluation").
-mpi.print0()
 heading(f"2. Bytes each rank sent in {STEPS} steps ({args.epochs} epochs), n = {N:,} bytes of weights, ring")
 runs = {}  # seed 0's runs, name -> (config, metrics); section 4 adds the other seeds
 VARIANTS = {"ddp": dict(paradigm="ddp"), **{f"H={h}": dict(sync_every=h) for h in HS},
@@ -318,7 +313,6 @@ checks.ok("through rank 0: (p-1) n per average from rank 0, n from every other r
 # point. The consensus distance, the mean over ranks of ||w_r - w_avg|| / ||w_avg||, computed here after every step
 # from the weights themselves (their average in float64 with MPI's own all-reduce), on the very runs of section 2.
 DRIFT_HS = [h for h in HS if h in (1, 4, 16)] or HS
-mpi.print0()
 heading(f"3. Drift: distance of the replicas from their average after every step, H = {', '.join(map(str, DRIFT_HS))}")
 
 
@@ -382,7 +376,6 @@ checks.ok(
 # What the saved bytes cost: each variant trained with --seeds seeds (seed 0's runs are section 2's), the test
 # accuracy of the final model (the replicas' average) after the same epochs as ddp.
 SEEDS = list(range(args.seeds))
-mpi.print0()
 heading(f"4. Accuracy against bytes: {args.epochs} epochs, test accuracy of the final model, seeds"
         f" {', '.join(map(str, SEEDS))}")  # fmt: skip
 accuracy = {}

@@ -21,9 +21,9 @@ What you will see:
   5. bytes per step: each rank sends its weights to each neighbour, degree x n, against ddp's ring all-reduce,
      2(p-1)/p n in 2(p-1) messages one after the other.
 
-Every check compares with an independent oracle (a formula, NumPy's matrix product, MPI's own all-reduce, the
-tracer's counts) and prints an OK line; the last line says whether all passed (the exit status is non-zero if not).
-Accuracies are measurements, printed and never checked.
+Every check compares with an independent oracle (a formula, NumPy's matrix product, MPI's own all-reduce, the tracer's
+counts) and prints an OK line (FAIL if it does not hold); the last line says whether all passed (the exit status is
+non-zero if not). Accuracies are measurements, printed and never checked.
 
 Things to try:
   * dtrain launch -n 8: the exponential graph is no longer complete; on 4 ranks (and 5) it is, and one round of it is
@@ -46,7 +46,17 @@ import statistics
 from fractions import Fraction
 
 import numpy as np
-from lesson_util import Checks, add_device_flag, conclude, lesson_xp, parse_and_start, say, table
+from lesson_util import (
+    Checks,
+    add_device_flag,
+    conclude,
+    heading,
+    lesson_xp,
+    parse_and_start,
+    refuse_bad_arguments,
+    say,
+    table,
+)
 
 from dtrain import terminal
 from dtrain.autograd import Tensor, no_grad
@@ -75,15 +85,13 @@ from mpi4py import MPI  # for MPI.IN_PLACE, MPI.SUM (MPI has started by now)
 
 digits = load_dataset("digits")
 train_samples = len(digits.y_train)
-problems = [
+refuse_bad_arguments([
     (p < 3, f"launch 3 ranks or more (dtrain launch -n 4 ...), not {p}: on 2 every graph is one edge"),
     (args.batch_size % p or not 0 < args.batch_size <= train_samples,
      f"--batch-size {args.batch_size} must be divisible by the {p} ranks, and at most {train_samples} (the digits)"),
     (args.epochs < 1, "--epochs must be >= 1"),
     (args.rounds < 1, "--rounds must be >= 1"),
-]  # fmt: skip
-if any(bad for bad, _ in problems):
-    mpi.refuse_arguments("bad arguments: " + "; ".join(why for bad, why in problems if bad))
+])  # fmt: skip
 xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
 
 
@@ -118,15 +126,10 @@ def config(**overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
-def heading(text: str) -> None:
-    """A section's title on rank 0, wrapped to the terminal (its later lines indented like the section)."""
-    mpi.print0(terminal.paragraph(text, hanging="   "))
-
-
-mpi.print0(terminal.paragraph(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}") + "\n")
+mpi.print0(terminal.paragraph(f"Lesson 6: gossip on {p} ranks; topologies {', '.join(TOPOLOGIES)}"))
 if args.device == "gpu":
-    mpi.print0(terminal.paragraph("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of"
-                                  " sections 1-2 on the CPU)") + "\n")  # fmt: skip
+    mpi.print0("\n" + terminal.paragraph("(--device gpu: the weights of sections 3-4 are on the GPUs, the matrices of"
+                                         " sections 1-2 on the CPU)"))  # fmt: skip
 
 # ---------------------------------------------------------------------------------------- 1. graphs and matrices
 # Rank r gives weight 1/(d+1) to itself and to each of its d neighbours: W[r, j] = 1/(d+1) for j = r and j a
@@ -171,7 +174,6 @@ checks.ok("every W is symmetric, non-negative, doubly stochastic, and non-zero e
 # matrix are the Fourier transform of its first row: lambda_k = sum_j W[0, j] cos(2 pi j k / p). For the ring that
 # is (1 + 2 cos(2 pi k / p)) / 3, the largest below 1 at k = 1: gap ~ 4 pi^2 / (3 p^2), a quarter when p doubles.
 WORLDS = sorted({4, 5, 6, 8, 12, 16, 32, 64, p})
-mpi.print0()
 heading("2. Spectral gap 1 - |lambda_2(W)| (eigvalsh), and the rounds that shrink the spread 1000-fold")
 
 
@@ -215,7 +217,6 @@ checks.ok(
 # ---------------------------------------------------------------------------------------- 3. one round, for real
 # Gossip.mix() on these ranks: Isend my weights to each neighbour, Irecv theirs, average. Random weights on every
 # rank (a model of 2,410 float64 parameters), so the rows of X are far apart; the oracle is NumPy: X' = W X.
-mpi.print0()
 heading(f"3. Gossip rounds on these {p} ranks, from random weights (float64)")
 
 
@@ -282,7 +283,6 @@ checks.ok(
 # The driver, train(config), on the digits, against ddp; then each gossip run again step by step with the driver's
 # loop, to measure the replicas' distance from their average after every step (the mean over ranks of
 # ||x_r - x_avg|| / ||x_avg||, computed here with MPI's own all-reduce in float64) and to evaluate the final model.
-mpi.print0()
 heading(f"4. Training 64-32-10 on digits, global batch {B}, {args.epochs} epochs ({STEPS} steps)")
 
 
@@ -378,7 +378,6 @@ checks.ok(
 # ----------------------------------------------------------------------------------------------- 5. bytes
 # Per step each rank sends its n bytes of weights to each of its d neighbours (d messages, posted at once, one
 # latency); the ring all-reduce of ddp sends 2(p-1)/p n in 2(p-1) messages, each waiting for the one before.
-mpi.print0()
 heading(f"5. Bytes and messages each rank sends per step, n = {N:,} bytes of weights")
 
 

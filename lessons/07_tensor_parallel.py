@@ -25,8 +25,8 @@ What you will see:
      it spent in communication. Measured, printed, never checked: with more ranks than cores (4 on 2) a rank waits
      for a core more than for a message.
 
-Every check compares with an independent oracle and prints an OK line; the last line says whether all passed (the
-exit status is non-zero if not).
+Every check compares with an independent oracle and prints an OK line (FAIL if it does not hold); the last line says
+whether all passed (the exit status is non-zero if not).
 
 `--device gpu` runs the same on GPUs (one per rank, rank % GPUs): the models, batches and all-reduces of every
 section (through StagedComm when MPI is not CUDA-aware); only the comparisons are made on host copies.
@@ -49,7 +49,6 @@ block against the unsharded layers, on simulated ranks and under mpiexec.
 
 import itertools
 import statistics
-import time
 
 import numpy as np
 from lesson_util import (
@@ -59,11 +58,13 @@ from lesson_util import (
     big_model_parser,
     big_model_widths,
     conclude,
+    heading,
     lesson_xp,
     parse_and_start,
     say,
     single_reference,
     sleeping_barrier,
+    slowest_seconds,
     table,
 )
 
@@ -116,11 +117,6 @@ def relative(a, b):
 def traffic(comm) -> dict:
     """This rank's tracer: calls and bytes sent per label."""
     return {label: (o["calls"], o["bytes_sent"]) for label, o in comm.tracer.summary()["operations"].items()}
-
-
-def heading(text: str) -> None:
-    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
-    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
 
 
 mpi.print0(f"Lesson 7: tensor parallelism on {p} rank(s)")
@@ -258,10 +254,7 @@ def timed(paradigm, comm, count: int) -> tuple[list, list]:
     for _ in range(count):
         x, y = next(batches)
         before = sum(o["time_s"] for lab, o in comm.tracer.summary()["operations"].items() if lab.startswith("tp/"))
-        comm.Barrier()
-        start = time.perf_counter()
-        float(paradigm.step(x, y))  # (float: on a GPU, reading the loss waits for the step's queued work)
-        steps.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        steps.append(slowest_seconds(comm, paradigm.step, x, y))  # (it reads the loss: on a GPU, that waits)
         after = sum(o["time_s"] for lab, o in comm.tracer.summary()["operations"].items() if lab.startswith("tp/"))
         comm_s.append(comm.allreduce(after - before, op=MPI.MAX))
     return steps, comm_s

@@ -21,8 +21,8 @@ What you will see:
   5. training on real ranks: every schedule and grid follows single's loss curve (float64, to ~1e-12), and every
      rank's bytes per step are the cost function's.
 
-Every check compares with an independent oracle and prints an OK line; the last line says whether all passed (the
-exit status is non-zero if not).
+Every check compares with an independent oracle and prints an OK line (FAIL if it does not hold); the last line says
+whether all passed (the exit status is non-zero if not).
 
 `--device gpu` runs the same on GPUs (one per rank, rank % GPUs): sections 2 to 5, their models, batches and
 messages (through StagedComm when MPI is not CUDA-aware); section 1 simulates the schedules in plain Python.
@@ -52,8 +52,10 @@ from lesson_util import (
     add_device_flag,
     against_single,
     conclude,
+    heading,
     lesson_xp,
     parse_and_start,
+    refuse_bad_arguments,
     say,
     single_reference,
     table,
@@ -69,11 +71,6 @@ from dtrain.optim import make_optimizer
 from dtrain.parallel import schedules
 from dtrain.parallel.pipeline import Pipeline
 from dtrain.train import train
-
-
-def heading(text: str) -> None:
-    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
-    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
 
 
 def draw(lines: list[str], unit: float = 1.0) -> None:
@@ -100,11 +97,11 @@ add_device_flag(parser)
 
 args, world, P, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
-if args.batch_size % (4 * P) or args.epochs < 1 or args.sleep_ms < 0 or args.max_microbatches < 1:
-    mpi.refuse_arguments(
-        f"bad arguments: --batch-size {args.batch_size} must be divisible by 4 x the {P} ranks (4 micro-batches per "
-        f"stage), --epochs >= 1, --sleep-ms >= 0, --max-microbatches >= 1",
-    )
+refuse_bad_arguments([(
+    args.batch_size % (4 * P) or args.epochs < 1 or args.sleep_ms < 0 or args.max_microbatches < 1,
+    f"--batch-size {args.batch_size} must be divisible by 4 x the {P} ranks (4 micro-batches per stage), --epochs "
+    ">= 1, --sleep-ms >= 0, --max-microbatches >= 1",
+)])  # fmt: skip
 
 checks = Checks(world)
 digits = load_dataset("digits")

@@ -22,10 +22,10 @@ What you will see:
   4. when each stage pays: the largest model that fits a memory budget at each stage and N, from the cost formula,
      and the price measured here: step time against ddp.
 
-Every check compares with an independent oracle (single-process training, the ledger against the cost function,
-the tracer's bytes against the formula) and prints an OK line; the last line says whether all passed (the exit
-status is non-zero if not). Timings are measurements, printed and never checked; with more ranks than cores (4 ranks
-on 2 cores) a rank often waits for a core rather than for a message (docs/benchmarks.md, section 7).
+Every check compares with an independent oracle (single-process training, the ledger against the cost function, the
+tracer's bytes against the formula) and prints an OK line (FAIL if it does not hold); the last line says whether all
+passed (the exit status is non-zero if not). Timings are measurements, printed and never checked; with more ranks than
+cores (4 ranks on 2 cores) a rank often waits for a core rather than for a message (docs/benchmarks.md, section 7).
 
 `--device gpu` runs the same on GPUs (one per rank, rank % GPUs): the models, batches, optimizer state and
 collectives of every section (through StagedComm when MPI is not CUDA-aware); nothing stays on the CPU.
@@ -48,7 +48,6 @@ under mpiexec.
 
 import itertools
 import statistics
-import time
 
 import numpy as np
 from lesson_util import (
@@ -57,10 +56,12 @@ from lesson_util import (
     big_model_parser,
     big_model_widths,
     conclude,
+    heading,
     lesson_xp,
     parse_and_start,
     say,
     single_reference,
+    slowest_seconds,
     table,
 )
 
@@ -83,7 +84,6 @@ parser = big_model_parser("Lesson 9: ZeRO on MPI ranks", epochs=3, trained_in=3,
 add_device_flag(parser)
 args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 xp = lesson_xp(args, world)  # numpy, or cupy on this rank's GPU (--device gpu)
-from mpi4py import MPI  # for MPI.MAX (MPI has started by now)
 
 HIDDEN = big_model_widths(args, p, split=False)
 
@@ -102,11 +102,6 @@ def name(sizes) -> str:
 
 def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.3f}"
-
-
-def heading(text: str) -> None:
-    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
-    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
 
 
 def zero_config(stage: int, sizes, batch: int, **extra) -> TrainConfig:
@@ -306,10 +301,7 @@ def timed_steps(paradigm, batches, count: int) -> list[float]:
     times = []
     for _ in range(count):
         x, y = next(batches)
-        world.Barrier()
-        start = time.perf_counter()
-        float(paradigm.step(x, y))  # (float: on a GPU, reading the loss waits for the step's queued work)
-        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        times.append(slowest_seconds(world, paradigm.step, x, y))  # (it reads the loss: on a GPU, that waits)
     return times
 
 

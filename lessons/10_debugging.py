@@ -41,8 +41,8 @@ What you will see:
      checkpoint's write measured, and the interval that wastes least (Young/Daly: sqrt(2 x checkpoint cost x mean
      time between failures)) against the waste counted step by step.
 
-Every part checks that the message it tells you to look for really appeared, and prints an OK line; the last line
-says whether all passed (the exit status is non-zero if not). Timings are printed, never checked.
+Every part checks that the message it tells you to look for really appeared, and prints an OK line (FAIL if it does not
+hold); the last line says whether all passed (the exit status is non-zero if not). Timings are printed, never checked.
 
 Things to try:
   * DTRAIN_DEBUG=1 dtrain launch -n 4 lessons/10_debugging.py --part mismatch-size: the report instead of the
@@ -86,6 +86,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from lesson_util import Checks, conclude, heading, refuse, refuse_bad_arguments, say, table
 
 from dtrain import checkpoint, collectives, terminal
 from dtrain.comm import mpi, sim
@@ -192,31 +193,15 @@ if args.part is not None:
     raise SystemExit(0)
 
 if mpi.launched_size() > 1:
-    mpi.refuse_arguments("lesson 10 starts jobs of its own, some of which fail on purpose: run it with `python "
-                         "lessons/10_debugging.py`; `--part NAME` runs one of its broken programs on these "
-                         "ranks")  # fmt: skip
+    refuse("lesson 10 starts jobs of its own, some of which fail on purpose: run it with `python "
+           "lessons/10_debugging.py`; `--part NAME` runs one of its broken programs on these ranks")  # fmt: skip
 P = args.ranks
-if P < 3 or args.slow_factor < 1:
-    raise SystemExit(f"--ranks must be >= 3 (rank {STALLED} stalls in part 3), --slow-factor >= 1")
+refuse_bad_arguments([(P < 3 or args.slow_factor < 1,
+                       f"--ranks must be >= 3 (rank {STALLED} stalls in part 3), --slow-factor >= 1")])  # fmt: skip
 
 # ------------------------------------------------------------------------------------------- the lesson itself
-verdicts, outcomes = {}, {}
-
-
-def ok(claim: str, flag: bool) -> bool:
-    """A claim the lesson checks, printed as an OK line (and kept for --json)."""
-    verdicts[claim] = verdicts.get(claim, True) and bool(flag)
-    print(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}", "   ", "       "), flush=True)
-    return bool(flag)
-
-
-def say(text: str) -> None:
-    print(terminal.paragraph(text, "   "), flush=True)
-
-
-def heading(text: str) -> None:
-    """A part's title, after an empty line."""
-    print("\n" + terminal.paragraph(text, hanging="   "), flush=True)
+checks = Checks()  # this process alone: the lesson's claims, each printed as an OK (or FAIL) line
+outcomes = {}
 
 
 def shell(words, indent: str = "   ") -> None:
@@ -280,8 +265,7 @@ def last_lines(out: str) -> dict[int, str]:
 
 WAITS = re.compile(r"dtrain watchdog: rank (\d+) waits for rank (\d+)")
 
-print(terminal.paragraph(f"Lesson 10: finding a hang, and reading a run. Jobs of {P} ranks, started by this process.",
-                         hanging="   "))  # fmt: skip
+say(f"Lesson 10: finding a hang, and reading a run. Jobs of {P} ranks, started by this process.", "", "   ")
 
 # --------------------------------------------------------------------------------------- 1. mismatched collective
 heading("1. A mismatched collective: the ranks do not all make the same call (rank 1 differs)")
@@ -291,9 +275,9 @@ say("Every rank must make the same collective calls, in the same order, with buf
 
 status, out, err = job("mismatch-size")
 show(err, head=2, tail=3)
-ok("a buffer one element longer on rank 1: MPI's truncation error, raised on rank 2 (the rank that received the "
-   "longer chunk), and the job ends", "uncaught exception (rank 2), ending the job" in err
-   and "message truncated" in err.lower() and status != 0)  # fmt: skip
+checks.ok("a buffer one element longer on rank 1: MPI's truncation error, raised on rank 2 (the rank that received the "
+          "longer chunk), and the job ends", "uncaught exception (rank 2), ending the job" in err
+          and "message truncated" in err.lower() and status != 0)  # fmt: skip
 say(
     "The traceback is rank 2's, and rank 2's code is right: in the ring, rank 1 sent its longer chunk 0 to rank 2, "
     "whose receive buffer had room for the others' length. An error names the rank that noticed."
@@ -303,9 +287,9 @@ status, out, err = job("mismatch-collective", watchdog_s=WATCHDOG_S)
 show(out)
 show(err, keep=("dtrain watchdog: rank",), head=3, tail=0)
 reports = WAITS.findall(err)
-ok("rank 1 broadcasting while the others all-reduce: rank 1 finishes, with a wrong buffer",
-   re.search(r"rank 1: done, grads\[0\] = (?!" + str(P) + r" )", out) is not None)  # fmt: skip
-ok(
+checks.ok("rank 1 broadcasting while the others all-reduce: rank 1 finishes, with a wrong buffer",
+          re.search(r"rank 1: done, grads\[0\] = (?!" + str(P) + r" )", out) is not None)  # fmt: skip
+checks.ok(
     f"the others hang until the watchdog ends the job after DTRAIN_TIMEOUT={WATCHDOG_S:g} s (exit status 14), "
     "its report naming whom it waits for",
     "dtrain watchdog: rank" in err and bool(reports) and status == 14,
@@ -314,8 +298,8 @@ ok(
 status, out, err = job("mismatch-dtype")
 show(out)
 answers = [float(v) for v in re.findall(r"rank [02-9]\d*: done, grads\[0\] = (\S+)", out)]
-ok("rank 1's buffer in float32 (as many bytes): no error, exit status 0, and a wrong answer on the other ranks",
-   status == 0 and len(answers) == P - 1 and all(a != P for a in answers))  # fmt: skip
+checks.ok("rank 1's buffer in float32 (as many bytes): no error, exit status 0, and a wrong answer on the other ranks",
+          status == 0 and len(answers) == P - 1 and all(a != P for a in answers))  # fmt: skip
 say(
     "The worst of the three: nothing failed. MPI moves bytes; rank 1's float32 bytes were added as float64 (and "
     "the others' float64 bytes as float32 on rank 1), so every rank holds a wrong sum "
@@ -331,10 +315,10 @@ for part, differing in (("mismatch-size", "count"), ("mismatch-collective", "col
                         ("mismatch-dtype", "count, dtype")):  # fmt: skip
     status, out, err = job(part, debug=True)
     show(err, keep=("uncaught exception", "CollectiveMismatchError", "  rank ", "differing"), head=7, tail=0)
-    ok(f"{part} with DTRAIN_DEBUG=1: one report on every rank, 'differing: {differing}', each rank's call and "
-       "where it was made", "uncaught exception on every rank, ending the job" in err
-       and "the ranks are not making the same collective call" in err and f"differing: {differing}\n" in err
-       and "10_debugging.py:" in err and "dtrain watchdog" not in err and status == 1)  # fmt: skip
+    checks.ok(f"{part} with DTRAIN_DEBUG=1: one report on every rank, 'differing: {differing}', each rank's call and "
+              "where it was made", "uncaught exception on every rank, ending the job" in err
+              and "the ranks are not making the same collective call" in err and f"differing: {differing}\n" in err
+              and "10_debugging.py:" in err and "dtrain watchdog" not in err and status == 1)  # fmt: skip
 say(
     "Each line names a rank's call and the line of the program that made it (10_debugging.py:NN in the function), "
     "so the report points at rank 1's branch. The price is one small object all-gather per collective, which is "
@@ -387,15 +371,16 @@ for name, run in (("both Recv first", lambda: sim.run(2, both_receive_first)),
         show(str(deadlock), head=8, tail=0)
         reports[name] = str(deadlock)
 recv_first = reports["both Recv first"] or ""
-ok("both ranks Recv first: the simulator's report says each waits in Recv for the other",
-   "deadlock: every unfinished rank is blocked" in recv_first and "rank 0: Recv(source=1" in recv_first
-   and "rank 1: Recv(source=0" in recv_first)  # fmt: skip
+checks.ok("both ranks Recv first: the simulator's report says each waits in Recv for the other",
+          "deadlock: every unfinished rank is blocked" in recv_first and "rank 0: Recv(source=1" in recv_first
+          and "rank 1: Recv(source=0" in recv_first)  # fmt: skip
 big = reports["both Send first, 100,000 float64 (800 KB)"] or ""
-ok(f"both Send first: fine with 800 bytes, a deadlock with 800 KB (above the eager limit, "
-   f"{sim.DEFAULT_EAGER_LIMIT // 1024} KiB here), each rank waiting in Send for a matching receive",
-   reports["both Send first, 100 float64 (800 bytes)"] is None and "rendezvous: waiting for a matching receive" in big
-   and "messages waiting for a receive" in big)  # fmt: skip
-ok("Sendrecv never deadlocks: it sends and receives at once", reports["Sendrecv, 100,000 float64"] is None)
+checks.ok(f"both Send first: fine with 800 bytes, a deadlock with 800 KB (above the eager limit, "
+          f"{sim.DEFAULT_EAGER_LIMIT // 1024} KiB here), each rank waiting in Send for a matching receive",
+          reports["both Send first, 100 float64 (800 bytes)"] is None
+          and "rendezvous: waiting for a matching receive" in big
+          and "messages waiting for a receive" in big)  # fmt: skip
+checks.ok("Sendrecv never deadlocks: it sends and receives at once", reports["Sendrecv, 100,000 float64"] is None)
 say(
     "MPI sends a small message at once ('eager') and returns, but holds a large one until the receiver has posted "
     "its receive ('rendezvous'): two ranks that both Send a large buffer first wait for each other forever. With the "
@@ -412,10 +397,11 @@ last = last_lines(out)
 print("   each rank's last line of output:")
 for r in sorted(last):
     print("\n".join(quoted(last[r])))
-ok(f"the watchdog reports after DTRAIN_TIMEOUT={WATCHDOG_S:g} s: which rank waited how long in what (allreduce/ring, "
-   "call #3), whom it waits for, and where", status == 14 and "has waited" in err and "in allreduce/ring (call #3)"
-   in err and "is at dtrain/collectives/ring.py" in err and bool(reports))  # fmt: skip
-ok(
+checks.ok(f"the watchdog reports after DTRAIN_TIMEOUT={WATCHDOG_S:g} s: which rank waited how long in what "
+          "(allreduce/ring, call #3), whom it waits for, and where", status == 14 and "has waited" in err
+          and "in allreduce/ring (call #3)" in err and "is at dtrain/collectives/ring.py" in err
+          and bool(reports))  # fmt: skip
+checks.ok(
     "every report names the rank's left neighbour, the rank a ring receives from",
     all(b == (a - 1) % P for a, b in reports.items()),
 )
@@ -425,8 +411,8 @@ while chain and len(chain) <= P and "in the all-reduce" in last.get(chain[-1], "
     chain.append(reports.get(chain[-1], (chain[-1] - 1) % P))
 say("the chain: " + " waits for ".join(f"rank {r}" for r in chain)
     + ", whose last line says it is not in the all-reduce at all")  # fmt: skip
-ok(f"following the reports and the last lines leads to rank {STALLED}, which never reported (it is not waiting)",
-   bool(chain) and chain[-1] == STALLED and STALLED not in reports)  # fmt: skip
+checks.ok(f"following the reports and the last lines leads to rank {STALLED}, which never reported (it is not waiting)",
+          bool(chain) and chain[-1] == STALLED and STALLED not in reports)  # fmt: skip
 say(
     "A report names the rank this rank waits for, and that rank may be waiting too: in a ring a stall travels "
     "round, every rank waiting for its left neighbour. Follow the chain until a rank is not in the collective: its "
@@ -439,19 +425,19 @@ say(
 heading("4. An exception on one rank")
 status, out, err = job("raise-one-bare", watchdog_s=WATCHDOG_S)
 show(err, keep=("Traceback", "Error", "dtrain watchdog: rank"), head=4, tail=0)
-ok("with Python's own handler: rank 1's traceback, then the others wait in the all-reduce until the watchdog ends "
-   "the job", "ValueError: rank 1's slice of the batch is empty" in err and "in allreduce/ring (call #1)" in err
-   and "uncaught exception" not in err and status == 14)  # fmt: skip
+checks.ok("with Python's own handler: rank 1's traceback, then the others wait in the all-reduce until the watchdog "
+          "ends the job", "ValueError: rank 1's slice of the batch is empty" in err
+          and "in allreduce/ring (call #1)" in err and "uncaught exception" not in err and status == 14)  # fmt: skip
 status, out, err = job("raise-one")
 show(err, head=6, tail=0)
-ok(
+checks.ok(
     "under dtrain's runner: one traceback, naming rank 1, and the job ends with its status (1)",
     "uncaught exception (rank 1), ending the job:" in err and err.count("Traceback") == 1 and status == 1,
 )
 status, out, err = job("raise-everywhere")
 show(err, head=6, tail=0)
-ok("an error every rank meets alike: said once, 'on every rank'", status == 1
-   and "uncaught exception on every rank, ending the job:" in err and err.count("Traceback") == 1)  # fmt: skip
+checks.ok("an error every rank meets alike: said once, 'on every rank'", status == 1
+          and "uncaught exception on every rank, ending the job:" in err and err.count("Traceback") == 1)  # fmt: skip
 say(
     "A rank that raises leaves the others waiting for its messages: with Python's own handler a job hangs after "
     "one traceback (a bare `mpiexec python script.py` does that; so does MPICH until killed). dtrain launch runs "
@@ -497,13 +483,13 @@ def time_per_rank(path) -> dict[int, dict]:
 ranks = time_per_rank(trace_path)
 print()
 say(f"from the trace ({trace_path}):")
-print(terminal.table(["rank", "all-reduces", "inside them, s", "outside them, s"],
-                     [[f"{r}", f"{row['allreduces']}", f"{row['inside_s']:.3f}", f"{row['outside_s']:.3f}"]
-                      for r, row in ranks.items()], left=(), indent="   "))  # fmt: skip
+table(["rank", "all-reduces", "inside them, s", "outside them, s"],
+      [[f"{r}", f"{row['allreduces']}", f"{row['inside_s']:.3f}", f"{row['outside_s']:.3f}"]
+       for r, row in ranks.items()], left=())  # fmt: skip
 slowest = max(ranks, key=lambda r: ranks[r]["outside_s"])
 waits_least = min(ranks, key=lambda r: ranks[r]["inside_s"])
 say(f"the slow rank: rank {slowest}: it spends the most time outside the all-reduces, and the least inside them")
-ok(
+checks.ok(
     f"the trace names rank {SLOW} as the slow rank (most time computing, least time in the all-reduces)",
     slowest == SLOW and waits_least == SLOW,
 )
@@ -557,12 +543,12 @@ restarts = restarted_metrics["restarts"]
 print(f"   uninterrupted: weights SHA-256 {whole_metrics['weights_sha256'][:16]}...")
 print(f"   restarted:     weights SHA-256 {restarted_metrics['weights_sha256'][:16]}...")
 say(f"(the restarted run's metrics.json: restarts {restarts['count']}, steps lost {restarts['steps_lost']})")
-ok("the launcher names the dead rank and its signal, and restarts from the checkpoint at step 20",
-   "rank 1 was killed by SIGKILL" in restarted_run.stderr
-   and "from the checkpoint at global step 20" in restarted_run.stderr)  # fmt: skip
-ok("the restarted run ends with the very weights of the uninterrupted one (SHA-256), 3 steps done twice",
-   restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"] and restarts["count"] == 1
-   and restarts["steps_lost"] == 3)  # fmt: skip
+checks.ok("the launcher names the dead rank and its signal, and restarts from the checkpoint at step 20",
+          "rank 1 was killed by SIGKILL" in restarted_run.stderr
+          and "from the checkpoint at global step 20" in restarted_run.stderr)  # fmt: skip
+checks.ok("the restarted run ends with the very weights of the uninterrupted one (SHA-256), 3 steps done twice",
+          restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"] and restarts["count"] == 1
+          and restarts["steps_lost"] == 3)  # fmt: skip
 say(
     "Bit for bit, because resuming repeats exactly the computation the dead run was doing: the same weights and "
     "optimizer state, the same global batches in the same order (each epoch's shuffle is drawn from the seed and the "
@@ -614,12 +600,12 @@ best = float(intervals[np.argmin(simulated)])
 say(f"one checkpoint of {parameters:,} float32 parameters and their momentum: C = {C * 1e3:.1f} ms (median of 5)")
 say(f"a failure every M = {M:g} s: T = sqrt(2 C M) = {young:.1f} s, about {young / step_s:,.0f} steps of "
     f"{step_s * 1e3:.1f} ms; waste there {100 * waste(young):.2f}% of the time")  # fmt: skip
-print(terminal.table(["checkpoint every", "writing", "redone", "waste"],
-                     [[f"{T:.1f} s", f"{100 * C / T:.3f}%", f"{100 * T / (2 * M):.3f}%", f"{100 * waste(T):.3f}%"]
-                      for T in (young / 10, young, young * 10)], left=(), indent="      "))  # fmt: skip
+table(["checkpoint every", "writing", "redone", "waste"],
+      [[f"{T:.1f} s", f"{100 * C / T:.3f}%", f"{100 * T / (2 * M):.3f}%", f"{100 * waste(T):.3f}%"]
+       for T in (young / 10, young, young * 10)], left=(), indent="      ")  # fmt: skip
 say(f"simulated over {len(gaps):,} failures: the least waste {100 * simulated.min():.3f}% at T = {best:.1f} s; at "
     f"T = sqrt(2 C M): {100 * simulated_waste(young):.3f}% (the model says {100 * waste(young):.3f}%)")  # fmt: skip
-ok(
+checks.ok(
     "in a run simulated failure by failure, checkpointing every sqrt(2 C M) wastes within 2% of the least waste of "
     "97 intervals from T/8 to 8T, and the model's waste there is the simulated one within 10%",
     simulated_waste(young) <= 1.02 * simulated.min() and abs(waste(young) / simulated_waste(young) - 1) < 0.1,
@@ -634,13 +620,6 @@ say(
 # ------------------------------------------------------------------------------------------------------- the end
 # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
-if args.json:
-    restart_figures = {"restarts": restarts, "checkpoint_s": C, "young_s": young, "best_s": best, "step_s": step_s,
-                       "sha_equal": restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"]}  # fmt: skip
-    Path(args.json).write_text(json.dumps({"parts": outcomes, "straggler": ranks, "checks": verdicts,
-                                           "restart": restart_figures}, indent=1))  # fmt: skip
-    print("\n" + terminal.paragraph(f"measurements written to {args.json}", hanging="  "))
-passed = all(verdicts.values())
-print(f"\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
-if not passed:
-    raise SystemExit(1)
+restart_figures = {"restarts": restarts, "checkpoint_s": C, "young_s": young, "best_s": best, "step_s": step_s,
+                   "sha_equal": restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"]}  # fmt: skip
+conclude(args.json, {"parts": outcomes, "straggler": ranks, "restart": restart_figures}, checks)

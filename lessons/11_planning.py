@@ -32,9 +32,10 @@ What you will see:
   5. the same questions on a real cluster: DGX H100 nodes (dtrain/plan/hardware.json, every number with its source),
      an MLP of about a billion parameters with Adam on 8, 64 and 512 ranks: what the planner picks and why.
 
-Every check compares the planner with an independent oracle (the tracer's bytes, the formulas) and prints an OK line;
-the last line says whether all passed (the exit status is non-zero if not). Timings are measurements, printed and
-never checked: on a busy machine they move, and the sentences that explain them are computed from them.
+Every check compares the planner with an independent oracle (the tracer's bytes, the formulas) and prints an OK line
+(FAIL if it does not hold); the last line says whether all passed (the exit status is non-zero if not). Timings are
+measurements, printed and never checked: on a busy machine they move, and the sentences that explain them are computed
+from them.
 
 Things to try:
   * dtrain plan --machine pcie-ethernet --ranks 64 --layers 24 --width 6144 --features 6144 --classes 6144
@@ -51,16 +52,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import statistics
-import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
+from lesson_util import Checks, conclude, heading, refuse, refuse_bad_arguments, say, table
 
 from dtrain import parallel, terminal
 from dtrain.comm import mpi
@@ -79,17 +79,6 @@ WIDTH_LAYERS, WIDTH_BATCH, WIDTH_STEP = 4, 256, 64  # part 2: 4 layers of width 
 PIPE_WIDTH, PIPE_LAYERS, PIPE_BATCH = 1024, 8, 256  # part 3: 8 layers of 1024 x 1024 on P stages
 ZERO_WIDTH, ZERO_LAYERS, ZERO_BATCH, ZERO_MEMORY_MIB = 2048, 16, 64, 512  # part 4: ~67 M parameters, Adam
 CLUSTER_WIDTH, CLUSTER_LAYERS = 6144, 24  # part 5: 25 Linear layers of 6144 x 6144 (943,872,000 parameters)
-
-
-# --------------------------------------------------------------------------------------------- printing
-def say(text: str) -> None:
-    """A paragraph of explanation, wrapped to the terminal and indented like the tables."""
-    print(terminal.paragraph(text, "   "), flush=True)
-
-
-def heading(text: str) -> None:
-    """A part's title (or a table's), after an empty line, its later lines standing in by three."""
-    print("\n" + terminal.paragraph(text, hanging="   "), flush=True)
 
 
 def bullet(text: str) -> None:
@@ -112,26 +101,6 @@ def nbytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
-
-
-def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
-    """Print a table fitted to the terminal (:func:`dtrain.terminal.table`), indented like the rest: the ``left``
-    columns aligned left (text), the others right (numbers); ``fitting``: its keys, groups or notes column. (As
-    lesson_util.table, but this lesson is a plain process that starts its jobs itself, not a rank, and does not import
-    lesson_util: notebook 11 loads this file without lessons/ on its path.)"""
-    print(terminal.table(header, rows, left=left, indent="   ", **fitting), flush=True)
-
-
-class Checks:
-    """The lesson's claims, each printed as an OK line; ``verdicts`` ({claim: passed}) goes to --json."""
-
-    def __init__(self):
-        self.verdicts = {}
-
-    def ok(self, claim: str, flag: bool, note: str = "") -> bool:
-        self.verdicts[claim] = self.verdicts.get(claim, True) and bool(flag)
-        print(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}{note}", "   ", "       "), flush=True)
-        return bool(flag)
 
 
 def itemsize(model: Model) -> int:
@@ -335,7 +304,9 @@ def sources(name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the lesson
-def main(argv=None) -> int:
+def arguments(argv=None) -> tuple[argparse.Namespace, object]:
+    """The lesson's flags and the preset they name (a dtrain.plan.hardware.Hardware), each refused before any work if
+    it is bad (exit status 2, one line); so is a run under mpiexec: this lesson starts the jobs it measures itself."""
     parser = argparse.ArgumentParser(description="Lesson 11: planning (run it with python)")
     parser.add_argument("--quick", action="store_true",
                         help="one measured run per configuration, fewer steps; part 5 on 8 and 64 ranks")  # fmt: skip
@@ -351,30 +322,35 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every figure and every check to this file")
     args = parser.parse_args(argv)
     if mpi.launched_size() > 1:
-        mpi.refuse_arguments("lesson 11 starts the jobs it measures itself: run it with python lessons/11_planning.py")
-    if args.ranks < 2 or args.ranks & (args.ranks - 1) or args.ranks > 8 or args.repeats < 1 or args.memory_mib <= 0:
-        mpi.refuse_arguments("bad arguments: --ranks must be 2, 4 or 8, --repeats >= 1, --memory-mib > 0")
+        refuse("lesson 11 starts the jobs it measures itself: run it with python lessons/11_planning.py")
+    refuse_bad_arguments([
+        (args.ranks < 2 or args.ranks & (args.ranks - 1) or args.ranks > 8 or args.repeats < 1 or args.memory_mib <= 0,
+         "--ranks must be 2, 4 or 8, --repeats >= 1, --memory-mib > 0"),
+    ])  # fmt: skip
     try:
         preset = hardware.load(args.preset)
     except ConfigError as exc:  # (it lists the presets)
-        mpi.refuse_arguments(f"bad arguments: {exc}")
+        refuse(f"bad arguments: {exc}")
     if args.png:
         from dtrain.report import pyplot
 
         pyplot()  # a missing matplotlib said now, not after the work
-    repeats, budget = (1, 0.3) if args.quick else (args.repeats, 0.6)
-    worlds = (8, 64) if args.quick else (8, 64, 512)
-    started = time.perf_counter()
-    here = hardware.load(hardware.THIS)
-    checks, results = Checks(), {"quick": args.quick, "ranks": args.ranks, "preset": args.preset}
-    world = args.ranks
+    return args, preset
 
-    print(terminal.paragraph(f"Lesson 11: planning. Here: {here.about}", hanging="   "))
+
+def introduction(here) -> None:
+    """This machine, as the planner knows it: what it is, and how much slower a rank computes when ranks share it."""
+    say(f"Lesson 11: planning. Here: {here.about}", "", "   ")
     say(f"Its ranks share {here.cores} cores: each rank computes "
         + ", ".join(f"{here.slowdown(p):.2f}x slower with {p} ranks" for p in (2, 4))
         + " busy (measured by scripts/calibrate.py).")  # fmt: skip
 
-    # ---------------------------------------------------------------------------- 1. when not to distribute
+
+def part_1_when_not_to_distribute(here, world: int, repeats: int, budget: float, checks: Checks,
+                                  results: dict) -> None:  # fmt: skip
+    """single against the planner's best on 2 and 4 ranks, for a digits-sized MLP and one 16 times as wide: predicted,
+    then measured here (``repeats`` runs each, interleaved, of about ``budget`` seconds), and why the small one does
+    not pay; then from which width the planner says distributing pays here, on 2 and ``world`` ranks."""
     heading("1. When not to distribute: predicted, then measured here")
     results["measured"] = {}
     for name, model in (("small", SMALL), ("wide", WIDE)):
@@ -447,7 +423,10 @@ def main(argv=None) -> int:
 
         results.setdefault("pays_from", {})[str(p)] = width
 
-    # ---------------------------------------------------------------------------- 2. data against tensor parallel
+
+def part_2_data_against_tensor_parallelism(here, preset, world: int, checks: Checks, results: dict) -> None:
+    """ddp against tp as the model widens, on ``world`` ranks of this machine and 8 of ``preset``: each one's step
+    and bytes, and the width from which tp's step is the shorter (bisection)."""
     heading(f"2. Data against tensor parallelism as the model widens: {WIDTH_LAYERS} layers of width x width, global "
             f"batch {WIDTH_BATCH}, float32, momentum SGD")  # fmt: skip
 
@@ -496,7 +475,10 @@ def main(argv=None) -> int:
                       " it is not", above[1].total < above[0].total and below[1].total >= below[0].total)  # fmt: skip
         results["widths"][machine.name] = {"ranks": p, "sweep": sweep, "crossover": at, "bytes_crossover": bytes_cross}
 
-    # ---------------------------------------------------------------------------- 3. micro-batches and the bubble
+
+def part_3_micro_batches(here, world: int, checks: Checks, results: dict) -> None:
+    """A GPipe pipeline on ``world`` stages of this machine, priced for M = 1, 2, 4, ... micro-batches: the bubble
+    against (P-1)/(M+P-1), the fixed cost each micro-batch adds, and the M that balances the two."""
     stages, model = world, pipeline_model()
     heading(f"3. How micro-batches pay for a pipeline: {model.describe()}, GPipe on {stages} stages of this machine")
     sweep = microbatch_sweep(model, stages, here)
@@ -524,13 +506,17 @@ def main(argv=None) -> int:
     results["microbatches"] = {"stages": stages, "sizes": model.sizes, "batch_size": model.batch_size,
                                "sweep": [{k: v for k, v in s.items() if k != "row"} for s in sweep], **fit}  # fmt: skip
 
-    # ---------------------------------------------------------------------------------------- 4. ZeRO
+
+def part_4_zero(here, world: int, memory_mib: float, checks: Checks, results: dict) -> None:
+    """A model whose ddp state does not fit ``memory_mib`` MiB a rank on ``world`` ranks: each ZeRO stage's state by
+    kind against the ZeRO paper's formula plus the layer in flight, which stages fit and what they cost, and what the
+    planner picks when every paradigm competes."""
     model = zero_model()
-    budget_bytes = args.memory_mib * MIB
+    budget_bytes = memory_mib * MIB
     small = with_memory_per_rank(here, budget_bytes, world)
     heading(f"4. What ZeRO buys when memory is the limit: {model.describe()}, on {world} ranks of this machine with "
             f"{nbytes(budget_bytes)} per rank (an assumption: as if `dtrain plan --memory "
-            f"{args.memory_mib / 1024:g}`)")  # fmt: skip
+            f"{memory_mib / 1024:g}`)")  # fmt: skip
     found = zero_table(model, world, small)
     cells = []
     for z in found:
@@ -579,12 +565,16 @@ def main(argv=None) -> int:
                                    "sent_per_step": z["row"].sent_per_step} for z in found],
                        "best": best.label if best else None}  # fmt: skip
 
-    # ---------------------------------------------------------------------------------------- 5. a real cluster
-    model = cluster_model(args.cluster_batch)
+
+def part_5_a_real_cluster(preset, cluster_batch: int, worlds: tuple[int, ...], png: str | None, results: dict) -> None:
+    """An MLP of about a billion parameters with Adam on ``worlds`` ranks of ``preset`` (every number with its source):
+    what the planner picks and why, how the best step scales, and what overlapping ddp's all-reduce is worth; drawn
+    to ``png`` for 64 ranks if asked."""
+    model = cluster_model(cluster_batch)
     heading(f"5. A real cluster: {preset.about}")
     say(model.describe())
     say("what the preset assumes, and where each number comes from (dtrain/plan/hardware.json):")
-    for about, source in sources(args.preset).items():
+    for about, source in sources(preset.name).items():
         bullet(f"{about}: {source}")
     hides = "as long as it lasts" if preset.hidden >= 1 else f"for {preset.hidden:.0%} of the time it lasts"
     bullet("and what this lesson and the planner assume besides: the global batch is fixed whatever the ranks (strong "
@@ -593,7 +583,7 @@ def main(argv=None) -> int:
            f"all-reduces {hides}); tp's and pp's messages not overlapped with compute; no activation "
            "recomputation; ranks fill nodes in order; a collective that spans nodes is priced on the slower link "
            "throughout (no hierarchy unless the configuration says so).")  # fmt: skip
-    results["cluster"] = {"preset": args.preset, "sizes": model.sizes, "batch_size": model.batch_size, "worlds": {}}
+    results["cluster"] = {"preset": preset.name, "sizes": model.sizes, "batch_size": model.batch_size, "worlds": {}}
     plans, cells = {}, []
     for p in worlds:
         rows = plans[p] = plan(model, p, preset)
@@ -645,20 +635,28 @@ def main(argv=None) -> int:
         f"{ddp8.label if ddp8 else 'none that fits'}, and {picked}.")  # fmt: skip
     results["cluster"]["ddp_overlap_8_s"] = overlapped.total
     results["cluster"]["ddp_no_overlap_8_s"] = plain.total
-    if args.png and 64 in plans:
+    if png and 64 in plans:
         print()
-        say(f"drawn: {figure(plans[64], args.png, f'{model.describe()} on 64 ranks of {args.preset}')}")
+        say(f"drawn: {figure(plans[64], png, f'{model.describe()} on 64 ranks of {preset.name}')}")
 
-    seconds = time.perf_counter() - started
-    results["seconds"] = seconds
-    results["checks"] = checks.verdicts
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
-        print("\n" + terminal.paragraph(f"measurements written to {args.json}", hanging="  "))
-    passed = all(checks.verdicts.values())
-    print(f"\n(the lesson took {seconds:.0f} s)\nall checks passed: {'yes' if passed else 'NO'}", flush=True)
-    return 0 if passed else 1
+
+def main(argv=None) -> None:
+    """The lesson: its arguments, then its five parts in order, then the verdict (the exit status is 1 if a check
+    failed)."""
+    args, preset = arguments(argv)  # bad ones are refused here, before any work
+    started = time.perf_counter()
+    here, checks = hardware.load(hardware.THIS), Checks()  # (this process alone: the jobs of part 1 are its own)
+    repeats, budget = (1, 0.3) if args.quick else (args.repeats, 0.6)
+    worlds = (8, 64) if args.quick else (8, 64, 512)
+    results = {"quick": args.quick, "ranks": args.ranks, "preset": args.preset}
+    introduction(here)
+    part_1_when_not_to_distribute(here, args.ranks, repeats, budget, checks, results)
+    part_2_data_against_tensor_parallelism(here, preset, args.ranks, checks, results)
+    part_3_micro_batches(here, args.ranks, checks, results)
+    part_4_zero(here, args.ranks, args.memory_mib, checks, results)
+    part_5_a_real_cluster(preset, args.cluster_batch, worlds, args.png, results)
+    conclude(args.json, results, checks, started=started)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

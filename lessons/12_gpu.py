@@ -41,29 +41,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from lesson_util import Checks, conclude, heading, say, table
+
+from dtrain import terminal
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "bench" / "gpu.json"
-
-
-def say(text: str, indent: str = "   ", hanging: str | None = None) -> None:
-    """A paragraph, wrapped to the terminal (its later lines standing in like its first, or by ``hanging``)."""
-    from dtrain import terminal
-
-    print(terminal.paragraph(text, indent, hanging), flush=True)
-
-
-def heading(text: str) -> None:
-    """A part's title, after an empty line."""
-    print()
-    say(text, "", "   ")
-
-
-CHECKS: list[tuple[str, bool]] = []
-
-
-def check(claim: str, holds: bool) -> None:
-    CHECKS.append((claim, holds))
-    say(f"{'OK' if holds else 'NO'}: {claim}: {'yes' if holds else 'no'}", hanging="       ")
+CHECKS = Checks()  # the lesson's claims (parts 2 and 3 make them; this process is a world of one rank)
 
 
 def part_cuda_aware() -> dict:
@@ -99,7 +83,7 @@ def part_stream() -> dict:
     done = time.perf_counter() - started
     say(f"four 8192x8192 products queued: the Python line returned after {returned * 1e3:.3f} ms, the GPU finished "
         f"after {done * 1e3:.1f} ms.")  # fmt: skip
-    check("the call returned before the GPU had done a tenth of its work", returned < done / 10)
+    CHECKS.ok("the call returned before the GPU had done a tenth of its work", returned < done / 10)
     say("An MPI_Send of c right after the line returned would have sent c's memory as it was before the products "
         "wrote it. So StagedComm synchronises the stream before it copies a buffer down, and, with a CUDA-aware MPI, "
         "before it hands MPI the buffer itself. (A stream-ordered MPI, or NCCL on the compute stream, avoids the "
@@ -108,8 +92,6 @@ def part_stream() -> dict:
 
 
 def part_staging(quick: bool) -> dict:
-    from dtrain import terminal
-
     heading("3. Host staging in a real run: ddp on 2 ranks sharing the GPU")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "run"
@@ -135,15 +117,13 @@ def part_staging(quick: bool) -> dict:
             hanging="     ")  # fmt: skip
     sent = [c["totals"]["bytes_sent"] for c in per_rank]
     if not staging[0]["cuda_aware"]:
-        check("every byte a rank sent was copied down first, and every byte it received copied up after",
+        CHECKS.ok("every byte a rank sent was copied down first, and every byte it received copied up after",
               all(s["bytes_to_host"] == mine and s["bytes_to_device"] == sum(sent) - mine
                   for s, mine in zip(staging, sent)))  # fmt: skip
     return {"gpu": gpu, "staging": staging, "bytes_sent": sent}
 
 
 def part_breakdown(results: dict, source: str) -> None:
-    from dtrain import terminal
-
     heading(f"4. Where the time goes ({source})")
     for row in results.get("step", []):
         ms = row["step_ms"]
@@ -164,8 +144,8 @@ def part_breakdown(results: dict, source: str) -> None:
                           f"{staged['busbw_GBps'] / host['busbw_GBps']:.0%}", f"{staged['time_s'] * 1e3:.1f}",
                           f"{staged['staging_s'] * 1e3:.1f}", f"{staged['gpu_reduce_s'] * 1e3:.2f}",
                           f"{staged['mpi_s'] * 1e3:.1f}"])  # fmt: skip
-        print(terminal.table(["", "host GB/s", "staged GB/s", "staged / host", "staged ms", "staging ms",
-                              "GPU reduction ms", "MPI ms"], cells, indent="   ", groups=(4,)), flush=True)  # fmt: skip
+        table(["", "host GB/s", "staged GB/s", "staged / host", "staged ms", "staging ms", "GPU reduction ms",
+               "MPI ms"], cells, groups=(4,))  # fmt: skip
     print()
     say("host: the all-reduce of host buffers; staged: of GPU buffers staged through pinned host memory, its time "
         "(staged ms) the sum of the staging, the GPU's reduction and MPI's; GB/s: bus bandwidth (busbw). Staging "
@@ -204,13 +184,9 @@ def main() -> None:
             command = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--json", str(result)]
             subprocess.run(command + (["--quick"] if args.quick else []), check=True, timeout=900)
             part_breakdown(json.loads(result.read_text()), "measured now, scripts/bench_gpu.py")
-    out["checks"] = dict(CHECKS)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    passed = all(holds for _, holds in CHECKS)
-    why = "the checks belong to parts 2 and 3, which need a GPU" if not CHECKS else "timings are printed, never checked"
-    heading(f"all checks passed: {'yes' if passed else 'no'} ({len(CHECKS)} checks; {why})")
-    sys.exit(0 if passed else 1)
+    made = len(CHECKS.verdicts)
+    why = "the checks belong to parts 2 and 3, which need a GPU" if not made else "timings are printed, never checked"
+    conclude(args.json, out, CHECKS, note=f"{made} checks; {why}")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@ What you will see:
      bandwidth below which each method's step is the shorter.
 
 Every check compares with an independent oracle (the tracer's counts, closed forms, the formats' definitions, the
-driver's own weights) and prints an OK line; the last line says whether all passed (the exit status is non-zero if
-not). Accuracies and timings are measurements, printed and never checked (but for section 3's: dropping what a step
-did not send ends at a higher training loss): with more ranks than cores (4 ranks on 2 cores) a rank often waits for
-a core rather than for a message.
+driver's own weights) and prints an OK line (FAIL if it does not hold); the last line says whether all passed (the exit
+status is non-zero if not). Accuracies and timings are measurements, printed and never checked (but for section 3's:
+dropping what a step did not send ends at a higher training loss): with more ranks than cores (4 ranks on 2 cores) a
+rank often waits for a core rather than for a message.
 
 Things to try:
   * --ratio 0.001 (4 entries of the digits MLP's 3,466 a rank a step) and --rank 1: how far can they go?
@@ -65,9 +65,20 @@ import itertools
 import math
 import statistics
 import time
+from typing import NamedTuple
 
 import numpy as np
-from lesson_util import Checks, conclude, parse_and_start, say, sleeping_barrier, table, whole_numbers
+from lesson_util import (
+    Checks,
+    conclude,
+    heading,
+    parse_and_start,
+    refuse_bad_arguments,
+    say,
+    sleeping_barrier,
+    table,
+    whole_numbers,
+)
 
 from dtrain import parallel, report, terminal
 from dtrain.backend import weights_digest
@@ -308,14 +319,66 @@ def speed(bandwidth: float | None) -> str:
     return f"{bandwidth * 8 / 1e9:.3g} Gbit/s"
 
 
-# ------------------------------------------------------------------------------------------------ printing
-def heading(text: str) -> None:
-    """A section's title (on rank 0), after an empty line, wrapped to the terminal."""
-    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
-
-
 # ------------------------------------------------------------------------------------------------ the lesson
-def main() -> None:
+class Setup(NamedTuple):
+    """What every section works on, from the arguments: the ranks, the digits MLP, how each run trains it, and the
+    methods compared."""
+
+    world: object  # the ranks (MPI.COMM_WORLD)
+    digits: object  # the dataset (dtrain.data.load_dataset)
+    hidden: tuple[int, ...]  # the MLP's hidden widths (--hidden)
+    batch: int  # B, the global batch (--batch-size)
+    epochs: int  # E, of every training run (--epochs)
+    ratio: float  # top-k's fraction of the entries a rank sends (--ratio)
+    powersgd_rank: int  # PowerSGD's rank in section 2 (--rank)
+    seeds: list[int]  # of every training run in sections 2 and 3 (--seeds)
+    repeats: int  # timed exchanges per compressor in section 5 (--repeats)
+
+    @property
+    def p(self) -> int:
+        return self.world.Get_size()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (PowerSGD's is ``powersgd_rank``)."""
+        return self.world.Get_rank()
+
+    @property
+    def sizes(self) -> list[int]:
+        """The MLP's widths, pixels to classes."""
+        return [self.digits.n_features, *self.hidden, self.digits.n_classes]
+
+    @property
+    def shapes(self) -> list[tuple]:
+        return shapes_of(self.sizes)
+
+    @property
+    def n(self) -> int:
+        """The MLP's parameters: N, the elements of its gradient."""
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    @property
+    def steps(self) -> int:
+        """The steps of a training run: E epochs of the digits in global batches of B."""
+        return self.epochs * steps_per_epoch(len(self.digits.y_train), self.batch)
+
+    @property
+    def methods(self) -> dict[str, dict]:
+        return methods(self.ratio, self.powersgd_rank)
+
+    @property
+    def k(self) -> int:
+        """The entries top-k sends a rank a step."""
+        return max(1, math.ceil(self.ratio * self.n))
+
+    @property
+    def topk_label(self) -> str:
+        return f"top-k {100 * self.ratio:g}%"
+
+
+def arguments() -> tuple[argparse.Namespace, Setup]:
+    """The lesson's flags: parsed before MPI starts (so --help needs no ranks), then checked on every rank, a bad one
+    refused before any work (exit status 2, said once)."""
     parser = argparse.ArgumentParser(description="Lesson 13: gradient compression on MPI ranks")
     parser.add_argument("--epochs", type=int, default=10, help="epochs of every training run (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=48, help="global batch on digits (default %(default)s)")
@@ -329,7 +392,7 @@ def main() -> None:
                         help="section 5: timed exchanges per compressor (default %(default)s)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 epochs, 1 seed, 5 timed exchanges (a test's run)")
     parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
-    args, world, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
+    args, world, p, _ = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
     if args.quick:
         args.epochs, args.seeds, args.repeats = min(args.epochs, 4), 1, min(args.repeats, 5)
 
@@ -337,7 +400,7 @@ def main() -> None:
     hidden = whole_numbers(args.hidden)
     train_samples = len(digits.y_train)
     narrowest = min([*hidden, digits.n_classes]) if hidden and min(hidden) >= 1 else 0
-    problems = [
+    refuse_bad_arguments([
         (p < 2, f"compression is about what ranks send each other: launch 2 ranks or more (-n 4), not {p}"),
         (not hidden or min(hidden) < 1, f"--hidden {args.hidden!r} must be whole numbers >= 1, such as 32,32"),
         (args.batch_size % p or not 0 < args.batch_size <= train_samples,
@@ -346,28 +409,30 @@ def main() -> None:
         (not 0 < args.ratio <= 1, f"--ratio {args.ratio} must be in (0, 1]: the fraction of entries a rank sends"),
         (not 1 <= args.rank <= narrowest,
          f"--rank {args.rank} must be >= 1 and at most the smaller side of every weight matrix ({narrowest})"),
-    ]  # fmt: skip
-    if any(bad for bad, _ in problems):
-        mpi.refuse_arguments("bad arguments: " + "; ".join(why for bad, why in problems if bad))
+    ])  # fmt: skip
+    return args, Setup(world, digits, hidden, args.batch_size, args.epochs, args.ratio, args.rank,
+                       list(range(args.seeds)), args.repeats)  # fmt: skip
 
-    B, E = args.batch_size, args.epochs
-    SIZES = [digits.n_features, *hidden, digits.n_classes]
-    SHAPES = shapes_of(SIZES)
-    N = sum(math.prod(s) for s in SHAPES)
-    STEPS = E * steps_per_epoch(train_samples, B)
-    METHODS = methods(args.ratio, args.rank)
-    SEEDS = list(range(args.seeds))
-    checks = Checks(world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
-    results = {"world": p, "sizes": SIZES, "batch_size": B, "epochs": E, "steps": STEPS, "parameters": N,
-               "ratio": args.ratio, "rank": args.rank, "seeds": SEEDS}  # fmt: skip
-    mpi.print0(terminal.paragraph(f"The digits MLP {'-'.join(map(str, SIZES))}: {N:,} parameters, {4 * N:,} bytes of "
-                                  f"float32 gradient; {p} ranks, global batch {B} ({B // p} rows a rank), {E} epochs "
-                                  f"of {STEPS // E} steps", hanging="   "))  # fmt: skip
 
-    # ---------------------------------------------------------------------- 1. why a gradient is compressible
+def introduction(setup: Setup) -> dict:
+    """The model and its training, in one paragraph; returns what --json says of them."""
+    p, B, E, N, STEPS, SIZES = setup.p, setup.batch, setup.epochs, setup.n, setup.steps, setup.sizes
+    say(f"The digits MLP {'-'.join(map(str, SIZES))}: {N:,} parameters, {4 * N:,} bytes of float32 gradient; {p} "
+        f"ranks, global batch {B} ({B // p} rows a rank), {E} epochs of {STEPS // E} steps", "", "   ")  # fmt: skip
+    return {"world": p, "sizes": SIZES, "batch_size": B, "epochs": E, "steps": STEPS, "parameters": N,
+            "ratio": setup.ratio, "rank": setup.powersgd_rank, "seeds": setup.seeds}  # fmt: skip
+
+
+def section_1_why_a_gradient_compresses(setup: Setup, checks: Checks, results: dict) -> tuple:
+    """The digits MLP trained with ddp, then the gradient of the next batch: how much of each weight matrix's norm
+    its top singular values hold, why a rank's own gradient has rank at most its rows, and how much its largest
+    entries hold, each against random numbers. Returns the averaged gradient (section 4 scales it) and the trained
+    weights' digest (section 2 holds the driver's to it)."""
     # Train with plain ddp, then take the next batch's gradient. A Linear layer's weight gradient on a batch of B
     # rows is X^T D: (inputs x B) times (B x outputs), a sum of B outer products, so its rank is at most B, whatever
     # the layer's size. A rank's own gradient is over B/p rows; the average over ranks over B.
+    world, p, B, E, N, SHAPES = setup.world, setup.p, setup.batch, setup.epochs, setup.n, setup.shapes
+    hidden, digits, ratio = setup.hidden, setup.digits, setup.ratio
     heading(f"1. Why a gradient is compressible: the gradient after {E} epochs of ddp, the next global batch")
     own, average, trained_digest = gradient_after_training(world, config(hidden, B, E), digits)
     rows = B // p
@@ -407,27 +472,34 @@ def main() -> None:
               low_rank_ok)  # fmt: skip
 
     magnitudes = {f"{f:g}": {"gradient": largest_share(average, f), "random": largest_share(rng.standard_normal(N), f)}
-                  for f in (args.ratio, 0.1)}  # fmt: skip
-    top = magnitudes[f"{args.ratio:g}"]
+                  for f in (ratio, 0.1)}  # fmt: skip
+    top = magnitudes[f"{ratio:g}"]
     scale = np.abs(average[average != 0]) / np.abs(average).max()
     decades = {f"1e-{d}": float(np.mean(scale < 10.0**-d)) for d in (1, 2, 3, 4)}
     results["magnitudes"] = {**magnitudes, "below_largest": decades}
     say(
-        f"Magnitudes: the {100 * args.ratio:g}% of the {N:,} entries of largest magnitude"
-        f" ({max(1, math.ceil(args.ratio * N))} entries) hold {100 * top['gradient']:.0f}% of the squared norm"
+        f"Magnitudes: the {100 * ratio:g}% of the {N:,} entries of largest magnitude"
+        f" ({max(1, math.ceil(ratio * N))} entries) hold {100 * top['gradient']:.0f}% of the squared norm"
         f" ({100 * top['random']:.1f}% for random normal numbers); the largest 10% hold"
         f" {100 * magnitudes['0.1']['gradient']:.0f}% ({100 * magnitudes['0.1']['random']:.0f}%). Of the nonzero"
         " entries, "
         + ", ".join(f"{100 * v:.0f}% are under {k} of the largest" for k, v in decades.items())
         + ": most of the gradient is small, which is what top-k leaves in the residual for later steps."
     )
-    checks.ok(f"the top {100 * args.ratio:g}% of the gradient's entries hold more of its squared norm than of random"
+    checks.ok(f"the top {100 * ratio:g}% of the gradient's entries hold more of its squared norm than of random"
               " numbers", top["gradient"] > top["random"])  # fmt: skip
+    return average, trained_digest
 
-    # --------------------------------------------------------------------------------- 2. side by side
+
+def section_2_side_by_side(setup: Setup, trained_digest: str, checks: Checks, results: dict) -> dict:
+    """fp16, bf16, top-k and PowerSGD beside ddp's ring, each trained by the driver on the ranks, --seeds seeds each:
+    the bytes every rank sent per step against costs() and the closed forms, the messages, the state each compressor
+    keeps, the test accuracy against ddp's. Returns the runs (label -> figures), which sections 3 and 5 compare with."""
     # Each method trained by the driver, train(config, world), as `dtrain train --paradigm ddp --compress ...` runs,
     # with --seeds seeds. The tracer counts what every rank sent; report.training_traffic leaves out the initial
     # broadcast of the weights (once a run) and the evaluation at each epoch's end (a metric). costs() predicts it.
+    world, p, rank, B, E, STEPS = setup.world, setup.p, setup.rank, setup.batch, setup.epochs, setup.steps
+    hidden, digits, METHODS, SEEDS = setup.hidden, setup.digits, setup.methods, setup.seeds
     heading(f"2. Side by side: {E} epochs on {p} ranks, seeds {SEEDS}; bytes each rank sent per step (the tracer)")
     runs, bytes_ok, state_ok = {}, True, True
     for label, flags in METHODS.items():
@@ -452,8 +524,7 @@ def main() -> None:
     for row in runs.values():
         row["difference_points"] = row["test_accuracy"] - ddp["test_accuracy"]
         row["of_ddp"] = row["measured"][0] / ddp["measured"][0]
-    k = max(1, math.ceil(args.ratio * N))
-    topk_label, power_label = f"top-k {100 * args.ratio:g}%", f"PowerSGD r={args.rank}"
+    k, topk_label, power_label = setup.k, setup.topk_label, f"PowerSGD r={setup.powersgd_rank}"
     if rank == 0:
         cells = []
         for label, row in runs.items():
@@ -496,15 +567,22 @@ def main() -> None:
     checks.ok("the state every compressor held (residual; error and Q) equals costs()['compression']", state_ok)
     checks.ok("section 1's own training loop ended on the driver's ddp weights, to the bit",
               trained_digest == ddp["weights"])  # fmt: skip
+    return runs
 
-    # ---------------------------------------------------------------------------- 3. why error feedback
+
+def section_3_why_error_feedback(setup: Setup, runs: dict, checks: Checks, results: dict) -> None:
+    """Top-k and PowerSGD rank 1 with error feedback on and off: the training loss, the test accuracy, and for top-k
+    the weights that never moved at all."""
     # Without error feedback, what a step does not send is lost. Top-k then sends, every step, the entries that are
     # large in *this* step's gradient alone: an entry that is always small is never sent, its weight never moves.
     # With it, an entry's residual grows step after step until it is among the k largest. PowerSGD without it applies
     # only the rank-r part of each step's gradient: the rest of the gradient never reaches the weights.
-    heading(f"3. Why error feedback: top-k {100 * args.ratio:g}% and PowerSGD rank 1, feedback on and off")
+    world, rank, B, E, N, STEPS = setup.world, setup.rank, setup.batch, setup.epochs, setup.n, setup.steps
+    hidden, digits, ratio, SIZES, SEEDS = setup.hidden, setup.digits, setup.ratio, setup.sizes, setup.seeds
+    k, topk_label, ddp = setup.k, setup.topk_label, runs["ddp ring"]  # (section 2's)
+    heading(f"3. Why error feedback: top-k {100 * ratio:g}% and PowerSGD rank 1, feedback on and off")
     feedback = {}
-    for label, flags in {topk_label: {"compress": "topk", "compress_ratio": args.ratio},
+    for label, flags in {topk_label: {"compress": "topk", "compress_ratio": ratio},
                          "PowerSGD r=1": {"compress": "powersgd", "powersgd_rank": 1}}.items():  # fmt: skip
         for on in ("on", "off"):
             seeds = []
@@ -562,7 +640,10 @@ def main() -> None:
     checks.ok("section 3's loop with error feedback ended on section 2's top-k weights, to the bit (the driver's)",
               feedback[f"{topk_label}, on"]["weights"] == runs[topk_label]["weights"])  # fmt: skip
 
-    # -------------------------------------------------------------------------------- 4. fp16 against bf16
+
+def section_4_fp16_against_bf16(average, checks: Checks, results: dict) -> None:
+    """Section 1's averaged gradient scaled down and up through each 2-byte format: the entries that flush to zero
+    or overflow, the largest error of the others, and what loss scaling saves."""
     # fp16: 5 exponent bits, 10 of mantissa. Its smallest subnormal is 2^-24 = 6.0e-8, so rounding to nearest sends
     # every magnitude <= 2^-25 to 0; its largest number is 65504, and >= 65520 rounds to infinity. bf16: float32's 8
     # exponent bits, 7 of mantissa: nothing a float32 holds flushes or overflows, and every entry is within 2^-8.
@@ -605,12 +686,18 @@ def main() -> None:
     checks.ok(f"scaled by {SCALES[-1]:g}, fp16 flushes entries to zero; the loss-scaled gradient flushes fewer",
               rescued["flushed"] < worst)  # fmt: skip
 
-    # ------------------------------------------------------------------------------------ 5. when it pays
+
+def section_5_when_it_pays(setup: Setup, runs: dict, checks: Checks, results: dict) -> None:
+    """Bytes saved against arithmetic added, in the cost model: each method's predicted step on this machine and on
+    a slow link, for the digits MLP and an MNIST-sized one, beside section 2's measured steps, and the link bandwidth
+    below which each method's step is the shorter."""
     # A step's time in the cost model: compute + the compressor's arithmetic + the exchange. The compute is a
     # replica's (pricing.replica_compute, from this machine's calibration); the arithmetic is measured here on
     # rank 0 (the others sleep); the exchange is dtrain's ring priced on a link (Hardware.allreduce, .collective:
     # the costmodel's alpha-beta-gamma formulas). Two links: this machine's, as scripts/calibrate.py measured it
     # with p ranks busy, and a slow one: p nodes of one rank each, joined by 1 Gbit/s with 50 us a message.
+    world, p, rank, B = setup.world, setup.p, setup.rank, setup.batch
+    SIZES, METHODS, repeats = setup.sizes, setup.methods, setup.repeats
     here = hardware.Hardware.this()
     slow = slow_link(here)
     link = here.link(range(p), p)
@@ -622,7 +709,7 @@ def main() -> None:
     if rank == 0:
         for model, (sizes, batch) in {"digits": (SIZES, B), "MNIST-sized": MNIST}.items():
             arithmetic[model] = {label: arithmetic_seconds(config(sizes[1:-1], batch, 1, **METHODS[label]), sizes,
-                                                           args.repeats) for label in labels}  # fmt: skip
+                                                           repeats) for label in labels}  # fmt: skip
     sleeping_barrier(world)  # (the other ranks slept while rank 0 timed the compressors)
     arithmetic = world.bcast(arithmetic, root=0)
     cost_model, consistent, flips = {}, True, True
@@ -722,6 +809,18 @@ def main() -> None:
     checks.ok("at each break-even bandwidth the faster method changes (10% below: the compressor, 10% above: ddp)",
               flips)  # fmt: skip
 
+
+def main() -> None:
+    """The lesson: its arguments, then its five sections in order (each hands on what a later one compares with),
+    then the exercises and the verdict."""
+    args, setup = arguments()
+    checks = Checks(setup.world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
+    results = introduction(setup)
+    average, trained_digest = section_1_why_a_gradient_compresses(setup, checks, results)
+    runs = section_2_side_by_side(setup, trained_digest, checks, results)
+    section_3_why_error_feedback(setup, runs, checks, results)
+    section_4_fp16_against_bf16(average, checks, results)
+    section_5_when_it_pays(setup, runs, checks, results)
     # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
     mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     conclude(args.json, results, checks)

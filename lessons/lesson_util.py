@@ -1,16 +1,20 @@
-"""What the lessons on MPI ranks do the same way: start, explain, check a claim on every rank, wait without spinning,
-and end.
+"""The lessons' one toolkit: start, refuse bad arguments, explain, time, check a claim on every rank, and end.
 
-A lesson parses its own arguments before any rank talks to another, prints on rank 0, but checks its claims on every
-rank, so that every rank agrees on the verdict and the exit status (a rank that exits non-zero alone aborts the whole
-job; all of them alike just exit, see dtrain.comm.run)::
+A lesson parses its own arguments before any rank talks to another and refuses bad ones before any work; it prints
+on rank 0 (in a lesson that is a plain process, such as 10, 11 and 12, that is the process itself), but checks its
+claims on every rank, so that every rank agrees on the verdict and the exit status (a rank that exits non-zero alone
+aborts the whole job; all of them alike just exit, see dtrain.comm.run)::
 
     parser = argparse.ArgumentParser(description="Lesson N: ...")
     parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
     args, world, p, rank = parse_and_start(parser)                          # parses, then the world
+    refuse_bad_arguments([(args.epochs < 1, "--epochs must be >= 1")])     # exit status 2, said once
     checks = Checks(world)
-    checks.ok("every stage follows single's loss curve", worst < 1e-10)    # prints "   OK: ...: yes" (or NO)
+    heading("1. ...")                                                       # a part's title, after an empty line
+    say("what the numbers below mean")                                      # a paragraph, wrapped to the terminal
     table(["epoch", "loss"], rows, left=())                                 # on rank 0, fitted to the terminal
+    checks.ok("every stage follows single's loss curve", worst < 1e-10)    # "   OK: ..." (or "   FAIL: ...")
+    seconds = slowest_seconds(world, paradigm.step, x, y)                  # the slowest rank's time of a step
     ...
     conclude(args.json, results, checks)   # --json (with every claim's verdict), then "all checks passed: yes"
 """
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from dtrain import terminal
 from dtrain.comm import mpi
+from dtrain.comm.names import MAX, MIN
 
 if TYPE_CHECKING:
     from dtrain.config import TrainConfig
@@ -39,6 +44,21 @@ def parse_and_start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace
 
     world = MPI.COMM_WORLD
     return args, world, world.Get_size(), world.Get_rank()
+
+
+def refuse(why: str) -> None:
+    """End the lesson now, before any work, because of its arguments (or the ranks it was started on): ``why`` on one
+    line of stderr and exit status 2, as argparse refuses a flag it does not know. Every rank finds the same, so the
+    job ends without an abort and says it once (:func:`dtrain.comm.mpi.refuse_arguments`)."""
+    mpi.refuse_arguments(why)
+
+
+def refuse_bad_arguments(problems: list[tuple[object, str]]) -> None:
+    """``problems``: pairs (bad, why), a condition on the arguments and what the argument must be. If any is bad,
+    :func:`refuse` with "bad arguments: " and the why of every bad one, joined by "; ": all that is wrong, at once."""
+    said = [why for bad, why in problems if bad]
+    if said:
+        refuse("bad arguments: " + "; ".join(said))
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +84,7 @@ def lesson_xp(args: argparse.Namespace, world):
 
     missing = backend.gpu_missing()
     if missing:
-        mpi.refuse_arguments(missing)
+        refuse(missing)
     from dtrain.train import select_rank_gpu
 
     select_rank_gpu(world)  # (GPU local rank % GPUs, as dtrain train)
@@ -94,14 +114,14 @@ def big_model_widths(args: argparse.Namespace, p: int, split: bool) -> tuple[int
     each rank takes an equal slice of both batches (and, if ``split``, of every width); a refusal says what is wrong
     and ends the job."""
     widths = whole_numbers(args.hidden)
-    if (args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not widths
-            or min(widths) < 1 or (split and any(h % p for h in widths))):  # fmt: skip
-        slices = "" if split else " (each takes an equal slice)"
-        widths_must = f"and divisible by {p} (they are split over the ranks; got" if split else "(got"
-        mpi.refuse_arguments(
-            f"bad arguments: --batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the "
-            f"{p} ranks{slices}, --epochs >= 1, --steps >= 2, --hidden widths >= 1 {widths_must} {args.hidden!r})",
-        )
+    slices = "" if split else " (each takes an equal slice)"
+    widths_must = f"and divisible by {p} (they are split over the ranks; got" if split else "(got"
+    refuse_bad_arguments([(
+        args.batch_size % p or args.big_batch % p or args.epochs < 1 or args.steps < 2 or not widths
+        or min(widths) < 1 or (split and any(h % p for h in widths)),
+        f"--batch-size {args.batch_size} and --big-batch {args.big_batch} must be divisible by the {p} ranks{slices}, "
+        f"--epochs >= 1, --steps >= 2, --hidden widths >= 1 {widths_must} {args.hidden!r})",
+    )])  # fmt: skip
     return widths
 
 
@@ -114,9 +134,17 @@ def whole_numbers(text: str) -> tuple[int, ...]:
         return ()
 
 
-def say(text: str) -> None:
-    """Print (on rank 0) a paragraph of explanation, indented like the tables and wrapped to the terminal."""
-    mpi.print0(terminal.paragraph(text, "   "))
+def say(text: str, indent: str = "   ", hanging: str | None = None) -> None:
+    """Print (on rank 0) a paragraph of explanation, wrapped to the terminal: each line indented like the tables
+    (``indent``), its second and later lines by ``hanging`` if given (an item that stands out: ``hanging`` deeper;
+    lesson 2's paragraphs: ``indent`` "", ``hanging`` " "). In a lesson that is one process, rank 0 is that process."""
+    mpi.print0(terminal.paragraph(text, indent, hanging))
+
+
+def heading(text: str) -> None:
+    """Print (on rank 0) a part's title, after an empty line, wrapped to the terminal (its later lines standing in by
+    three, like the part's paragraphs)."""
+    mpi.print0("\n" + terminal.paragraph(text, hanging="   "))
 
 
 def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> None:
@@ -126,9 +154,22 @@ def table(header: list[str], rows: list[list[str]], left=(0,), **fitting) -> Non
     mpi.print0(terminal.table(header, rows, left=left, **{"indent": "   ", **fitting}))
 
 
-def everywhere(flag: bool, comm) -> bool:
-    """True on every rank iff ``flag`` is true on every rank."""
-    return comm.allreduce(int(bool(flag)), op=_min()) == 1
+def everywhere(flag: bool, comm=None) -> bool:
+    """True on every rank of ``comm`` (default: the world) iff ``flag`` is true on every rank."""
+    return (mpi.world() if comm is None else comm).allreduce(int(bool(flag)), op=MIN) == 1
+
+
+def slowest_seconds(comm, work, *args) -> float:
+    """The seconds ``work(*args)`` took on the slowest rank of ``comm``, what a synchronous step costs: the ranks start
+    it together (a barrier), each times its own call, and every rank gets the longest (every rank must call this). A
+    GPU call returns before the GPU has done its work: what ``work`` returns (a step's loss), if anything, is read
+    before the clock stops, which waits for it; else ``work`` must wait itself (lesson 2 synchronises the stream)."""
+    comm.Barrier()
+    start = time.perf_counter()
+    result = work(*args)
+    if result is not None:
+        float(result)  # (on a GPU, reading a result waits for the work queued to compute it)
+    return comm.allreduce(time.perf_counter() - start, op=MAX)
 
 
 def sleeping_barrier(comm) -> None:
@@ -139,10 +180,11 @@ def sleeping_barrier(comm) -> None:
 
 
 class Checks:
-    """The lesson's claims, each checked on every rank and printed as an OK line by rank 0. ``verdicts`` keeps them
-    ({claim: passed}, in order): conclude() writes them to the --json file, which is what tests read."""
+    """The lesson's claims, each checked on every rank of ``comm`` (default: the world; a lesson that is one process
+    is a world of one) and printed by rank 0 as "   OK: claim", or "   FAIL: claim" if it does not hold. ``verdicts``
+    keeps them ({claim: passed}, in order): conclude() writes them to the --json file, which is what tests read."""
 
-    def __init__(self, comm):
+    def __init__(self, comm=None):
         self.comm, self.verdicts = comm, {}
 
     @property
@@ -151,7 +193,7 @@ class Checks:
 
     def ok(self, claim: str, flag: bool, note: str = "") -> bool:
         """``claim`` holds iff ``flag`` holds on every rank (every rank must call this); printed on rank 0 as
-        "   OK: claim: yes" (or NO), then ``note``. Returns the verdict, the same on every rank."""
+        "   OK: claim" (or "   FAIL: claim"), then ``note``. Returns the verdict, the same on every rank."""
         return self.ok_here(claim, everywhere(flag, self.comm), note)
 
     def ok_here(self, claim: str, flag: bool, note: str = "") -> bool:
@@ -159,7 +201,8 @@ class Checks:
         there without communicating; conclude() gives every rank the verdict."""
         flag = self.verdicts.get(claim, True) and bool(flag)  # (a claim made again holds only if it held each time)
         self.verdicts[claim] = flag
-        mpi.print0(terminal.paragraph(f"OK: {claim}: {'yes' if flag else 'NO'}{note}", "   ", "       "))
+        word = "OK" if flag else "FAIL"
+        mpi.print0(terminal.paragraph(f"{word}: {claim}{note}", "   ", " " * (3 + len(word) + 2)), comm=self.comm)
         return flag
 
 
@@ -178,16 +221,24 @@ def single_reference(config: TrainConfig, world) -> tuple[dict | None, object]:
     return single, alone
 
 
-def conclude(json_path: str | None, results: dict, checks: Checks) -> None:
+def conclude(json_path: str | None, results: dict, checks: Checks, started: float | None = None,
+             note: str = "") -> None:  # fmt: skip
     """The lesson's last lines: write its measurements ``results`` and its claims' verdicts (under "checks") to
-    ``json_path`` (--json; rank 0 writes), then say whether all its checks passed, and exit 1 on every rank if not."""
-    comm = checks.comm
+    ``json_path`` (--json; rank 0 writes), then say whether all its checks passed (and ``note``, in parentheses), and
+    exit 1 on every rank if not. ``started``: the lesson's time.perf_counter() at its start; the seconds since then
+    go to --json ("seconds") and are said before the verdict."""
+    comm = mpi.world() if checks.comm is None else checks.comm
     passed = everywhere(checks.passed, comm)  # (a claim checked on rank 0 alone is known there only)
+    took = ""
+    if started is not None:
+        seconds = time.perf_counter() - started
+        results, took = {**results, "seconds": seconds}, f"\n(the lesson took {seconds:.0f} s)"
     if json_path and comm.Get_rank() == 0:
         with open(json_path, "w") as f:
             json.dump({**results, "checks": checks.verdicts}, f, indent=1)
         print(f"\nmeasurements written to\n  {json_path}")  # (a path cannot wrap: a line of its own)
-    mpi.print0(f"\nall checks passed: {'yes' if passed else 'NO'}")
+    verdict = f"all checks passed: {'yes' if passed else 'NO'}" + (f" ({note})" if note else "")
+    mpi.print0(took + "\n" + terminal.paragraph(verdict, hanging="   "), comm=comm)
     if not passed:
         comm.Barrier()  # rank 0 has said what failed before any rank leaves (a non-zero exit aborts the job)
         raise SystemExit(1)  # on every rank (the verdict is the same everywhere), so mpiexec's status says so
@@ -228,9 +279,3 @@ def against_single(checks: Checks, single: dict | None, runs: dict, prefixes: tu
     checks.ok(f"every {what} follows single's loss curve", training_ok)
     checks.ok(f"every rank's bytes per step equal {costs}", bytes_ok)
     return curves
-
-
-def _min():
-    from mpi4py import MPI
-
-    return MPI.MIN

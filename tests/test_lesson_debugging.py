@@ -132,7 +132,8 @@ def test_the_lesson_under_dtrain_launch_says_how_to_run_it():
 
 def test_bad_arguments_are_one_line():
     done = subprocess.run([sys.executable, str(LESSON), "--ranks", "2"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and done.stderr.strip().startswith("--ranks must be >= 3"), done.stderr
+    assert done.returncode == 2 and done.stderr.strip().startswith("bad arguments: --ranks must be >= 3"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == "", done.stderr
 
 
 # --- the simulator's messages, as the notebook shows them -------------------------------------------------------

@@ -25,6 +25,7 @@ from mpi_util import COLUMNS, LESSONS, assert_fits
 from dtrain.plan import Model, hardware, plan
 
 LESSON = LESSONS / "11_planning.py"
+sys.path.insert(0, str(LESSONS))  # (the lesson imports lesson_util from its folder)
 _spec = importlib.util.spec_from_file_location("lesson_11_planning", LESSON)
 planning = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(planning)
