@@ -17,9 +17,6 @@ import numpy as np
 
 import dtrain
 from dtrain import terminal
-
-# weights_digest lives with the model stack (paradigms use it too); the driver's callers find it here as before
-from dtrain.backend import weights_digest  # noqa: F401
 from dtrain.errors import MissingPackage, UserError
 
 SCHEMA = "dtrain.metrics/1"

@@ -105,7 +105,7 @@ def train(config: TrainConfig, comm=None) -> dict:
         "final": {k: epochs[-1][k] for k in ("train_loss", "test_loss", "test_accuracy")} if epochs else {},
         "samples_per_s": len(epochs) * len(loader) * config.batch_size / train_time if train_time else 0.0,
         "wall_time_s": wall,
-        "weights_sha256": report.weights_digest(paradigm.full_parameters()),
+        "weights_sha256": backend.weights_digest(paradigm.full_parameters()),
         "environment": report.environment(),
         "costs": kind.costs(sizes, world, config),
     }

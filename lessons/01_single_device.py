@@ -38,13 +38,14 @@ from lesson_util import add_device_flag, heading, lesson_xp, refuse, say
 
 from dtrain import terminal
 from dtrain.autograd import Tensor, softmax_cross_entropy
+from dtrain.backend import weights_digest
 from dtrain.comm import mpi
 from dtrain.config import TrainConfig
 from dtrain.data import ShardedLoader, load_dataset
 from dtrain.errors import MissingPackage
 from dtrain.nn import MLP
 from dtrain.optim import SGD
-from dtrain.report import load_metrics, plot_metrics, pyplot, weights_digest
+from dtrain.report import load_metrics, plot_metrics, pyplot
 from dtrain.train import evaluate, train
 
 parser = argparse.ArgumentParser(description="Lesson 1: single-device training")

@@ -101,7 +101,7 @@ def test_cli_run_equals_library_run(runs):
 def test_weights_digest_is_sha256_of_all_the_bytes():
     import hashlib
 
-    from dtrain.report import weights_digest
+    from dtrain.backend import weights_digest
 
     flat = np.linspace(-1, 1, 1001, dtype=np.float32)
     assert weights_digest(flat) == hashlib.sha256(flat.tobytes()).hexdigest()
