@@ -10,12 +10,14 @@ its flags from what each declares. Adding a paradigm is one new file, and the dr
 The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py, its compressors
 in compression.py, their flags in compression_flags.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in
 zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and
-ps_server.py), ``central-storage`` (central_storage.py), ``local-sgd`` (local_sgd.py) and ``gossip`` (gossip.py),
-whose replicas drift apart and are averaged (replicas.py, with what every whole replica shares: its start), ``tp``
-(tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules in schedules.py and instructions.py, its
-cut and cost in stages.py); these two share model_parallel.py (a local model made of pieces of the whole,
-placement.py) and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the flags' record flags.py;
-the arithmetic several paradigms' prices share is pricing.py.
+ps_server.py, what it prints and reports in ps_report.py), ``central-storage`` (central_storage.py), ``local-sgd``
+(local_sgd.py) and ``gossip`` (gossip.py), whose replicas drift apart and are averaged (replicas.py, with what every
+whole replica shares: its start), ``tp`` (tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules
+in schedules.py and instructions.py, its cut and cost in stages.py, its forward for evaluation in
+pipeline_evaluation.py); these two share model_parallel.py (a local model made of pieces of the whole, placement.py)
+and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the flags' record flags.py; the arithmetic
+several paradigms' prices share is pricing.py. Every paradigm's file reads as its algorithm and ends with its price,
+under the same marked line: ``costs`` (held against the tracer) and what the planner asks.
 
 Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
 digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled

@@ -71,6 +71,7 @@ class CentralStorage(Paradigm):
     def finish(self) -> dict:
         return {"storage_rank": STORAGE, **super().finish()}  # (held_bytes: the optimizer's on rank 0 only)
 
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank: a tree reduce of the gradient and a tree broadcast of the weights; optimizer state on rank 0."""

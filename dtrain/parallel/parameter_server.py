@@ -77,8 +77,6 @@ its own, as in Downpour SGD). At the end of an epoch each worker pulls the serve
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
 from dtrain import terminal
@@ -88,7 +86,7 @@ from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
 from dtrain.optim import buffer_names, buffers_per_parameter
-from dtrain.parallel import Paradigm, ps_server, register
+from dtrain.parallel import Paradigm, pricing, ps_report, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 from dtrain.parallel.ps_worker import Worker
@@ -115,37 +113,27 @@ class ParameterServer(Paradigm):
     order = 4  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (SERVERS, STALENESS)
     synchronous = True
-    configurations, step_time = classmethod(ps_server.configurations), classmethod(ps_server.step_time)  # the plan
 
     @classmethod
     def check(cls, config, world: int) -> None:
         servers = config.servers
         if world < 2:
-            raise ConfigError(
-                f"--paradigm {cls.name} needs at least 2 ranks (a server and a worker), got {world}; "
-                "launch with dtrain launch -n 2 or more"
-            )
+            raise ConfigError(f"--paradigm {cls.name} needs at least 2 ranks (a server and a worker), got {world}; "
+                              "launch with dtrain launch -n 2 or more")  # fmt: skip
         if not 1 <= servers < world:
-            raise ConfigError(
-                f"--servers {servers} must be at least 1 and leave a worker: 1 to {world - 1} on {world} ranks"
-            )
+            raise ConfigError(f"--servers {servers} must be at least 1 and leave a worker: 1 to {world - 1} on {world} "
+                              "ranks")  # fmt: skip
         workers = world - servers
         if config.slow_rank is not None and not 0 <= config.slow_rank < workers:
-            raise ConfigError(
-                f"--slow-rank {config.slow_rank} is not a worker: with --servers {servers} on {world} ranks the "
-                f"workers are ranks 0 to {workers - 1}"
-            )
-        if config.staleness is not None:
-            if cls.synchronous:
-                raise ConfigError(
-                    f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is synchronous"
-                )
+            raise ConfigError(f"--slow-rank {config.slow_rank} is not a worker: with --servers {servers} on {world} "
+                              f"ranks the workers are ranks 0 to {workers - 1}")  # fmt: skip
+        if config.staleness is not None and cls.synchronous:
+            raise ConfigError(f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is "
+                              "synchronous")  # fmt: skip
         if config.checkpoint_every and not cls.synchronous:
-            raise ConfigError(
-                f"--paradigm {cls.name} writes its checkpoint at the end of training only (while the servers serve, "
-                "their shards are at different points of the workers' steps: there is no one step to save); drop "
-                "--checkpoint-every, or use ps-sync"
-            )
+            raise ConfigError(f"--paradigm {cls.name} writes its checkpoint at the end of training only (while the "
+                              "servers serve, their shards are at different points of the workers' steps: there is no "
+                              "one step to save); drop --checkpoint-every, or use ps-sync")  # fmt: skip
         super().check(config, world)
 
     @classmethod
@@ -163,11 +151,8 @@ class ParameterServer(Paradigm):
         self.side: Worker | Server | None = None  # this rank's side of the protocol (build makes it)
         self.gathered_params = self.gathered_optimizer = None
         if self.rank == 0 and not config.quiet:
-            print(terminal.wrapped(self.describe_roles()), flush=True)
-
-    def describe_roles(self) -> str:
-        mode = self.name if self.config.staleness is None else f"{self.name}, staleness bound {self.config.staleness}"
-        return f"{mode}: workers = {_ranks(range(self.workers))}, servers = {_ranks(self.server_ranks)}"
+            print(terminal.wrapped(ps_report.roles(self.name, config.staleness, self.workers, self.server_ranks)),
+                  flush=True)  # fmt: skip
 
     def build(self, make_model, make_optimizer) -> None:
         """A worker: the whole model. A server: its shard of it and that shard's optimizer."""
@@ -228,30 +213,12 @@ class ParameterServer(Paradigm):
         servers = everyone[self.workers :]
         self.gathered_params = np.concatenate([s["params"] for s in servers])
         states = [s["optimizer"] for s in servers]
-        self.gathered_optimizer = {
-            k: np.concatenate([st[k] for st in states]) if isinstance(v, np.ndarray) else v
-            for k, v in states[0].items()
-        }
+        self.gathered_optimizer = {k: np.concatenate([st[k] for st in states]) if isinstance(v, np.ndarray) else v
+                                   for k, v in states[0].items()}  # fmt: skip
         if self.synchronous and isinstance(self.side, Worker):  # every worker's last reply is the final model
             if weights_digest(self.model.flat_params) != weights_digest(self.gathered_params):
                 raise RuntimeError(f"ps-sync: worker {self.rank}'s weights differ from the servers' at the end")
-        staleness = collections.Counter()
-        for s in servers:
-            staleness.update({int(k): v for k, v in s["staleness"].items()})
-        updates = sum(staleness.values())
-        return {
-            "roles": ["worker"] * self.workers + ["server"] * self.config.servers,
-            "shards": [list(b) for b in self.bounds],
-            "staleness": {
-                "histogram": {str(k): staleness[k] for k in sorted(staleness)},
-                "mean": sum(k * v for k, v in staleness.items()) / updates if updates else 0.0,
-                "max": max(staleness, default=0),
-            },
-            "server_updates": [s["updates"] for s in servers],
-            "server_busy_fraction": [s["busy_fraction"] for s in servers],
-            "worker_wait_s": [e["wait_s"] for e in everyone[: self.workers]],
-            "held_bytes": [e["held"] for e in everyone],
-        }
+        return ps_report.figures(everyone, self.workers, self.bounds)  # (ps_report.py)
 
     def held_bytes(self) -> dict:
         """What this rank holds for training, by kind (the accounting :meth:`costs` is checked against)."""
@@ -280,13 +247,13 @@ class ParameterServer(Paradigm):
         """Resume: a worker takes the whole model, a server its shard of the model and of the optimizer state."""
         self.side.load(flat, optimizer_state)
 
-    # --- the cost as code --------------------------------------------------------------------------------------
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists, workers first): bytes sent per step, and parameters, gradients and optimizer state held."""
         b, n = itemsize(config.dtype), parameter_count(sizes)
         workers = world - config.servers
-        shard = [b - a for a, b in shards(n, config.servers)]
+        shard = [stop - start for start, stop in shards(n, config.servers)]
         per_element = buffers_per_parameter(config.optimizer, config.momentum)
         gradient_copies = workers + 1 if cls.synchronous else 1  # ps-sync: a slot per worker and their average
         return {
@@ -296,18 +263,36 @@ class ParameterServer(Paradigm):
             "optimizer": [0] * workers + [per_element * m * b for m in shard],
         }
 
+    @classmethod
+    def updates_like_single(cls, config) -> bool:
+        return cls.synchronous  # (ps-async: a gradient computed on weights others have moved since)
+
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        """S = 1, 2, 4 servers, as long as they leave as many workers (the servers' links are what a step waits on)."""
+        counts = [s for s in (1, 2, 4) if s <= world - s] if cls.synchronous else [1]
+        return [(f"{cls.name} S={s} ({world - s} workers)", {"servers": s}, world) for s in counts]
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """A worker's forward and backward on its slice; each server receives every worker's push of its shard,
+        sums them, updates the shard and answers every pull, one worker after another on its link. ps-async: no
+        waiting for the others, but the servers still serve every worker's push (with an update each)."""
+        b, workers = itemsize(config.dtype), world - config.servers
+        shard = parameter_count(sizes) / config.servers
+        link = hardware.link([0, world - 1], world)  # a worker and a server
+        per_worker = 2 * (link.alpha + shard * b * link.beta) + shard * b * link.gamma  # push in, pull out, summed
+        update = hardware.slowdown(world) * hardware.update_time(
+            shard, b, buffers_per_parameter(config.optimizer, config.momentum))  # fmt: skip
+        compute = pricing.replica_compute(cls, sizes, world, config, hardware, updated=0)  # (no update: the servers')
+        if cls.synchronous:
+            return {"compute": compute, "communication": workers * per_worker + update, "bubble": 0.0}
+        serving = workers * (per_worker + update)  # per round of one step from every worker
+        return {"compute": compute, "communication": max(0.0, serving - compute), "bubble": 0.0}
+
 
 @register
 class AsyncParameterServer(ParameterServer):
     name = "ps-async"
     summary = "parameter servers applying each worker's gradient as it comes (--staleness bounds how far ahead)"
-    synchronous = False
-
-    @classmethod
-    def updates_like_single(cls, config) -> bool:
-        return False  # a gradient computed on weights others have moved since
-
-
-def _ranks(ranks) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+    synchronous = False  # (its policy: ps_server.py's; its price: ParameterServer's, for synchronous = False)

@@ -49,47 +49,22 @@ import time
 
 import numpy as np
 
-from dtrain import collectives, terminal
+from dtrain import terminal
 from dtrain.autograd import Tensor, activation_bytes, softmax_cross_entropy
 from dtrain.backend import array_module, host_or_device_loss, is_device_array
 from dtrain.comm import waitall, watchdog
-from dtrain.comm.trace import EVALUATION, labelled
+from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
-from dtrain.layout import layer_starts, parameter_count
+from dtrain.layout import layer_starts
 from dtrain.nn import Sequential
 from dtrain.parallel import register, schedules, stages
 from dtrain.parallel.flags import ALLREDUCE, Flag
 from dtrain.parallel.grid import DP, PP, TP
 from dtrain.parallel.instructions import AllReduceGradients, Backward, Forward, OptimizerStep, Recv, Send, WaitSends
 from dtrain.parallel.model_parallel import ModelParallel
-from dtrain.parallel.placement import split
+from dtrain.parallel.pipeline_evaluation import PipelineForward
 from dtrain.parallel.stages import check_cut, costs_per_rank, cut
 from dtrain.parallel.tensor_parallel import TensorGroup, check_splittable, shard
-
-
-class PipelineForward:
-    """The whole model's forward, for evaluation: each stage in turn on the whole test batch (no micro-batches), the
-    activations passed on point to point, the logits broadcast from the last stage to every stage."""
-
-    def __init__(self, pipeline: Pipeline):
-        self.pipeline = pipeline
-
-    def __call__(self, x: Tensor) -> Tensor:
-        pipe = self.pipeline
-        comm, last, rows = pipe.grid.pp_comm, pipe.stages - 1, x.shape[0]
-        xp = array_module(x.data)
-        with labelled(pipe.comm, EVALUATION):
-            h = x
-            for v in pipe.mine:
-                if v > 0:
-                    h = Tensor(pipe.receive(xp.empty((rows, pipe.width(v)), dtype=pipe.dtype), (v - 1) % pipe.P, v,
-                                            f"stage {v}: waiting for the evaluation batch's activations"))  # fmt: skip
-                h = pipe.chunks[v](h)
-                if v < last:
-                    waitall([comm.Isend(h.data, dest=(v + 1) % pipe.P, tag=v + 1)])
-            logits = h.data if last in pipe.chunks else xp.empty((rows, pipe.sizes[-1]), dtype=pipe.dtype)
-            collectives.broadcast(comm, logits, root=last % pipe.P)
-        return Tensor(logits)
 
 
 @dataclasses.dataclass
@@ -173,18 +148,9 @@ class Pipeline(ModelParallel):
             print(terminal.wrapped(self.describe()), flush=True)
 
     def describe(self) -> str:
-        parts = []
-        for v in range(self.stages):
-            a, b = self.bounds[v], self.bounds[v + 1]
-            n = parameter_count(self.sizes[a : b + 1])
-            how = f" ({', '.join(split(b - a))} over {self.shape.tp} tensor ranks)" if self.shape.tp > 1 else ""
-            parts.append(f"  stage {v} (pipeline rank {v % self.P}): layers {a}-{b - 1}, "
-                         f"{'-'.join(map(str, self.sizes[a : b + 1]))}, {n:,} parameters{how}")  # fmt: skip
-        rule = "equal layers per chunk" if self.V > 1 else "balanced by parameter count"
-        head = (f"pipeline: {self.stages} stages ({rule}), schedule {self.schedule}, {self.M} micro-batches "
-                f"of {self.config.batch_size // (self.shape.dp * self.M)}; bubble (P-1)/(VM+P-1) = "
-                f"{schedules.bubble_formula(self.P, self.M, self.V):.3f}")  # fmt: skip
-        return "\n".join([head, *parts])
+        """The cut and the schedule, as rank 0 prints them at the start (:func:`stages.describe`)."""
+        rows = self.config.batch_size // (self.shape.dp * self.M)
+        return stages.describe(self.sizes, self.bounds, self.P, self.shape.tp, self.schedule, self.M, self.V, rows)
 
     def width(self, v: int) -> int:
         """The width of the activations entering stage ``v``."""
@@ -297,15 +263,32 @@ class Pipeline(ModelParallel):
         return {**figures, "stages": self.bounds, "schedule": self.schedule, "microbatches": self.M,
                 "virtual_stages": self.V, "per_rank": self.comm.allgather(mine)}  # fmt: skip
 
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step, the bytes held of parameters, gradients and optimizer state, and
-        the peak bytes of activations kept for backward (from the schedule)."""
+        the peak bytes of activations kept for backward (from the schedule): what each stage of the cut sends and
+        holds (:func:`~dtrain.parallel.stages.costs_per_rank`)."""
         return costs_per_rank(sizes, world, cls.shape_of(config, world), *cls.settings(config), config)
 
-    # the plan (stages.py): its ways to run, their time; its activations are costs()'s, from the schedule
-    configurations, step_time = classmethod(stages.configurations), classmethod(stages.pipeline_step_time)
+    @classmethod
+    def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
+        """P stages (P dividing the world) x tp 1 or 2 x the dp the rest makes, GPipe and 1F1B, M = P and 4P
+        micro-batches (:meth:`check` weighs each against the model's layers and the batch)."""
+        chosen = []
+        for tp in (1, 2):
+            for P in (p for p in range(2, world // tp + 1) if world % (p * tp) == 0):
+                dp = world // (P * tp)
+                grid = "".join(f" x {axis}{n}" for axis, n in (("tp", tp), ("dp", dp)) if n > 1)
+                chosen += [(f"pp{P}{grid} {s} M={m}", {"pp": P, "tp": tp, "dp": dp, "schedule": s, "microbatches": m},
+                            world) for s in ("gpipe", "1f1b") for m in (P, 4 * P)]  # fmt: skip
+        return chosen
+
+    @classmethod
+    def step_time(cls, sizes, world: int, config, hardware) -> dict:
+        """The slowest pipeline rank's micro-batches, the bubble and the update (:func:`stages.step_time`)."""
+        return stages.step_time(sizes, world, cls.shape_of(config, world), *cls.settings(config), config, hardware)
 
     @classmethod
     def activations(cls, sizes, world: int, config) -> list:
-        return cls.costs(sizes, world, config)["activations"]
+        return cls.costs(sizes, world, config)["activations"]  # (from the schedule: the micro-batches in flight)

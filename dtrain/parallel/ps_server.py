@@ -15,12 +15,11 @@ model.
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 
 import numpy as np
 
-from dtrain.backend import array_module, itemsize, to_host
+from dtrain.backend import array_module, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
@@ -236,32 +235,3 @@ class ServerLoop:
         if len(self.ended) == self.workers:  # every worker has ended the epoch: the next one starts at 0
             self.pushes = 0
             self.ended.clear()
-
-
-# --- the plan: the ways to run it, and a step's time (ParameterServer.configurations and .step_time) ---------------
-def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
-    """S = 1, 2, 4 servers, as long as they leave as many workers (the servers' links are what a step waits on)."""
-    counts = [s for s in (1, 2, 4) if s <= world - s] if cls.synchronous else [1]
-    return [(f"{cls.name} S={s} ({world - s} workers)", {"servers": s}, world) for s in counts]
-
-
-def step_time(cls, sizes, world: int, config, hardware) -> dict:
-    """A worker's forward and backward on its slice; each server receives every worker's push of its shard,
-    sums them, updates the shard and answers every pull, one worker after another on its link. ps-async: no
-    waiting for the others, but the servers still serve every worker's push (with an update each)."""
-    from dtrain.layout import parameter_count
-    from dtrain.optim import buffers_per_parameter
-
-    b, workers = itemsize(config.dtype), world - config.servers
-    shard = parameter_count(sizes) / config.servers
-    rows = config.batch_size // workers
-    link = hardware.link([0, world - 1], world)  # a worker and a server
-    per_worker = 2 * (link.alpha + shard * b * link.beta) + shard * b * link.gamma  # push in, pull out, summed
-    update = hardware.update_time(shard, b, buffers_per_parameter(config.optimizer, config.momentum))
-    slowdown = hardware.slowdown(world)
-    k = config.accumulate
-    compute = slowdown * (k * hardware.layers_time(list(itertools.pairwise(sizes)), rows // k, b) + hardware.step_s)
-    if cls.synchronous:
-        return {"compute": compute, "communication": workers * per_worker + slowdown * update, "bubble": 0.0}
-    serving = workers * (per_worker + slowdown * update)  # per round of one step from every worker
-    return {"compute": compute, "communication": max(0.0, serving - compute), "bubble": 0.0}

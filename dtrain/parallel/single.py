@@ -29,6 +29,7 @@ class Single(Paradigm):
             )
         super().check(config, world)
 
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
         return [("single (1 rank)", {}, 1)]  # one rank, however many there are: "should we distribute at all?"

@@ -13,9 +13,9 @@ contiguous cut whose largest stage holds the fewest parameters::
 of units instead, Megatron's rule. With tensor parallelism a unit is a column-then-row *pair* of layers
 (:func:`units`), so that every stage holds layers its tensor group can split.
 
-:func:`check_cut` refuses a cut that cannot be made (with the flags that would make it); :func:`costs_per_rank` is
-the pipeline's cost as code: what each stage of the cut sends and holds, from the schedule; :func:`step_time` its
-time on some hardware (tensor parallelism's too: a pipeline of one stage)::
+:func:`check_cut` refuses a cut that cannot be made (with the flags that would make it), :func:`describe` prints
+it; :func:`costs_per_rank` is the pipeline's cost as code: what each stage of the cut sends and holds, from the
+schedule; :func:`step_time` its time on some hardware (tensor parallelism's too: a pipeline of one stage)::
 
     a micro-batch on pipeline rank q   t_q = its chunks' forward and backward on rows/M rows, their tensor group's
                                              all-reduces, and the activations and gradients it sends on
@@ -30,7 +30,7 @@ import itertools
 
 from dtrain.backend import itemsize
 from dtrain.errors import ConfigError
-from dtrain.layout import layer_starts
+from dtrain.layout import layer_starts, parameter_count
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import schedules
 from dtrain.parallel.placement import split
@@ -185,19 +185,16 @@ def step_time(sizes, world: int, shape, schedule: str, M: int, V: int, config, h
     return {"compute": M * compute + update, "communication": M * send + data, "bubble": bubble}
 
 
-def pipeline_step_time(cls, sizes, world: int, config, hardware) -> dict:
-    """``Pipeline.step_time``: :func:`step_time` with its grid and schedule."""
-    return step_time(sizes, world, cls.shape_of(config, world), *cls.settings(config), config, hardware)
-
-
-def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
-    """``Pipeline.configurations``: P stages (P dividing the world) x tp 1 or 2 x the dp the rest makes, GPipe and
-    1F1B, M = P and 4P micro-batches (the pipeline checks each against the model's layers and the batch)."""
-    chosen = []
-    for tp in (1, 2):
-        for P in (p for p in range(2, world // tp + 1) if world % (p * tp) == 0):
-            dp = world // (P * tp)
-            grid = "".join(f" x {axis}{n}" for axis, n in (("tp", tp), ("dp", dp)) if n > 1)
-            chosen += [(f"pp{P}{grid} {s} M={m}", {"pp": P, "tp": tp, "dp": dp, "schedule": s, "microbatches": m},
-                        world) for s in ("gpipe", "1f1b") for m in (P, 4 * P)]  # fmt: skip
-    return chosen
+def describe(sizes, bounds, P: int, tp: int, schedule: str, M: int, V: int, rows: int) -> str:
+    """The cut ``bounds`` of an MLP ``sizes`` over ``P`` pipeline ranks (``V`` chunks each, ``tp`` tensor ranks a
+    stage) and the schedule of ``M`` micro-batches of ``rows``, as a pipeline prints them at the start."""
+    parts = []
+    for v in range(len(bounds) - 1):
+        a, b = bounds[v], bounds[v + 1]
+        widths, n = "-".join(map(str, sizes[a : b + 1])), parameter_count(sizes[a : b + 1])
+        how = f" ({', '.join(split(b - a))} over {tp} tensor ranks)" if tp > 1 else ""
+        parts.append(f"  stage {v} (pipeline rank {v % P}): layers {a}-{b - 1}, {widths}, {n:,} parameters{how}")
+    rule = "equal layers per chunk" if V > 1 else "balanced by parameter count"
+    head = (f"pipeline: {len(bounds) - 1} stages ({rule}), schedule {schedule}, {M} micro-batches of {rows}; bubble "
+            f"(P-1)/(VM+P-1) = {schedules.bubble_formula(P, M, V):.3f}")  # fmt: skip
+    return "\n".join([head, *parts])

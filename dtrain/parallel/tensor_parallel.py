@@ -54,7 +54,7 @@ from dtrain.comm.trace import labelled
 from dtrain.errors import ConfigError
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import buffers_per_parameter
-from dtrain.parallel import register
+from dtrain.parallel import register, stages
 from dtrain.parallel.flags import ALLREDUCE
 from dtrain.parallel.grid import DP, TP
 from dtrain.parallel.model_parallel import ModelParallel
@@ -221,6 +221,7 @@ class TensorParallel(ModelParallel):
     def finish(self) -> dict:
         return {**super().finish(), "layers": split(len(self.sizes) - 1)}
 
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
         """Per rank (lists): bytes sent per step (tensor group and dp group) and the bytes it holds of each kind."""
@@ -237,7 +238,6 @@ class TensorParallel(ModelParallel):
             sent.append(config.accumulate * tensor + data)
         return {"sent_per_step": sent, "parameters": n * b, "gradients": n * b, "optimizer": buffers * n * b}
 
-    # --- the plan: tp x dp grids; a step is a pipeline's of one stage (stages.step_time) ----------------------------
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
         return [(f"tp{t}" + (f" x dp{world // t}" if t < world else ""), {"tp": t, "dp": world // t}, world)
@@ -245,8 +245,8 @@ class TensorParallel(ModelParallel):
 
     @classmethod
     def step_time(cls, sizes, world: int, config, hardware) -> dict:
-        from dtrain.parallel import stages  # (stages builds on this module)
-
+        """A pipeline's of one stage (:func:`stages.step_time`): the --accumulate micro-batches through the whole
+        model, the tensor group's all-reduces in each, the dp all-reduce and the update."""
         shape = cls.shape_of(config, world)
         return stages.step_time(sizes, world, shape, "gpipe", config.accumulate, 1, config, hardware)
 

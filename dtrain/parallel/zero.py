@@ -76,10 +76,9 @@ from dtrain.backend import array_module, is_device_array, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
-from dtrain.parallel import Evaluating, Paradigm, check_replicas, parameter_count, pricing, register
+from dtrain.parallel import Evaluating, Paradigm, check_replicas, parameter_count, pricing, register, zero_shards
 from dtrain.parallel.flags import ALLREDUCE, Flag
-from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, collective_pair, costs_per_rank, units_of
-from dtrain.parallel.zero_shards import communication_time as communication_time
+from dtrain.parallel.zero_shards import Ledger, Unit, UnitOptimizers, collective_pair, units_of
 from dtrain.parallel.zero_shards import paper_formula as paper_formula  # (where the lesson and tests look for it)
 
 STAGES = (1, 2, 3)
@@ -149,8 +148,7 @@ class Zero(Paradigm):
         return DEFAULT_STAGE if config.zero_stage is None else config.zero_stage
 
     @staticmethod
-    def pair(config, world: int) -> tuple[str, str]:
-        """The (reduce-scatter, all-gather) algorithms that ``--allreduce`` names (:func:`collective_pair`)."""
+    def pair(config, world: int) -> tuple[str, str]:  # (reduce-scatter, all-gather): zero_shards.collective_pair
         return collective_pair(config.allreduce, world)
 
     def __init__(self, comm, config):
@@ -163,8 +161,7 @@ class Zero(Paradigm):
     # --- the model: this rank's chunks --------------------------------------------------------------------
     def build(self, make_model, make_optimizer) -> None:
         model = make_model()  # the whole model, from the seed: identical on every rank
-        flat = model.flat_params
-        xp = array_module(flat)
+        flat, xp = model.flat_params, array_module(model.flat_params)
         if self.world > 1 and not is_device_array(flat):
             kernels.load(flat.dtype)  # (Numba's start-up now, not inside the first timed step)
         if self.world == 1 and not self.config.quiet:
@@ -273,27 +270,22 @@ class Zero(Paradigm):
                                   for k, v in optimizer_state.items()})  # fmt: skip
 
     def evaluation_model(self):
-        if self.stage < 3:
-            return self.model
-        return Evaluating(self.model, self.comm)
+        return self.model if self.stage < 3 else Evaluating(self.model, self.comm)  # (stage 3: gathers, labelled)
 
     def finish(self) -> dict:
         if self.stage < 3:
             check_replicas(self.comm, self.model.flat_params, "at the end of training")
         else:
             self.gathered = self.full_parameters()
-        return {
-            "stage": self.stage,
-            "reduce_scatter": self.rs_algorithm,
-            "allgather": self.ag_algorithm,
-            "held_bytes": self.comm.allgather(dict(self.ledger.peak)),  # each rank's peaks (the ledger's)
-        }
+        return {"stage": self.stage, "reduce_scatter": self.rs_algorithm, "allgather": self.ag_algorithm,
+                "held_bytes": self.comm.allgather(dict(self.ledger.peak))}  # fmt: skip  # (each rank's: the ledger's)
 
-    # --- the cost as code ---------------------------------------------------------------------------------
+    # === the price: what a step sends and holds (costs, held against the tracer), and what the planner asks ===
     @classmethod
     def costs(cls, sizes, world: int, config) -> dict:
-        """Per rank (lists): bytes sent per step and the peak bytes held of each kind (module docstring's table)."""
-        return costs_per_rank(sizes, world, cls.stage_of(config), cls.pair(config, world), config)
+        """Per rank (lists): bytes sent per step and the peak bytes held of each kind (the module docstring's table,
+        as code: :func:`~dtrain.parallel.zero_shards.costs_per_rank`, with the chunks each rank owns)."""
+        return zero_shards.costs_per_rank(sizes, world, cls.stage_of(config), cls.pair(config, world), config)
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
@@ -304,5 +296,5 @@ class Zero(Paradigm):
         """A replica's forward and backward, the update of this rank's chunks, and each layer's collectives."""
         stage, pair = cls.stage_of(config), cls.pair(config, world)
         compute = pricing.replica_compute(cls, sizes, world, config, hardware, updated=parameter_count(sizes) / world)
-        return {"compute": compute, "communication": communication_time(sizes, world, stage, pair, config, hardware),
-                "bubble": 0.0}  # fmt: skip
+        communication = zero_shards.communication_time(sizes, world, stage, pair, config, hardware)
+        return {"compute": compute, "communication": communication, "bubble": 0.0}
