@@ -74,7 +74,7 @@ from dtrain import kernels, parallel, report, terminal
 from dtrain import plan as planner
 from dtrain.comm import sim
 from dtrain.errors import UserError
-from dtrain.launch.launcher import THREAD_VARIABLES
+from dtrain.launch.mpiexec import THREAD_VARIABLES
 from dtrain.plan import hardware
 from dtrain.plan.check import measure, steps_for
 from dtrain.train import train

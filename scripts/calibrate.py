@@ -41,7 +41,7 @@ ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUM
 for _name in ONE_THREAD:
     os.environ.setdefault(_name, "1")
 
-from dtrain.launch.launcher import THREAD_VARIABLES
+from dtrain.launch.mpiexec import THREAD_VARIABLES
 
 assert set(ONE_THREAD) == set(THREAD_VARIABLES), "the launcher's thread variables changed: update ONE_THREAD"
 
