@@ -75,6 +75,8 @@ def train(config: TrainConfig, comm=None) -> dict:
     faults.check_reachable(fault, config.epochs * len(loader))
     sizes = [data.n_features, *config.hidden, data.n_classes]
     identity = checkpoint.identity(config, sizes, data)
+    if world > 1 and config.device == "cpu":  # Numba's start-up now, not inside any paradigm's first timed step
+        kernels.load(dtype)
     paradigm = kind(comm, config)
     paradigm.build(
         lambda: MLP(sizes, seed=config.seed, xp=xp, dtype=dtype),

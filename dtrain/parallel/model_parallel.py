@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain import collectives, kernels, terminal
-from dtrain.backend import array_module, is_device_array, to_host
+from dtrain import collectives, terminal
+from dtrain.backend import array_module, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
@@ -75,8 +75,6 @@ class ModelParallel(Paradigm):
             raise AssertionError("the pieces do not cover the local model's flat buffer")
         self.optimizer = make_optimizer(local_model)
         self.peer_pieces = self.grid.tp_comm.allgather(pieces)  # (a few numbers per layer, once)
-        if self.world > 1 and not is_device_array(local_model.flat_params):
-            kernels.load(local_model.flat_params.dtype)  # (Numba's start-up now, not inside the first timed step)
 
     # --- data parallelism across replicas -----------------------------------------------------------------
     def average_gradients(self) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain import collectives, kernels
-from dtrain.backend import array_module, is_device_array
+from dtrain import collectives
+from dtrain.backend import array_module
 from dtrain.collectives import hierarchical
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
@@ -58,8 +58,6 @@ def nodes(comm, config):
 
 def start(comm, flat) -> None:
     """Every rank's ``flat`` becomes rank 0's (a broadcast), checked by digests."""
-    if comm.Get_size() > 1 and not is_device_array(flat):
-        kernels.load(flat.dtype)  # (Numba's start-up now, not inside the first timed step)
     collectives.broadcast(comm, flat, root=0)
     check_replicas(comm, flat, "after the initial broadcast")
 

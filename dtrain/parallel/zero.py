@@ -70,9 +70,9 @@ import itertools
 
 import numpy as np
 
-from dtrain import collectives, kernels
+from dtrain import collectives
 from dtrain.autograd import Tensor
-from dtrain.backend import array_module, is_device_array, to_host
+from dtrain.backend import array_module, to_host
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
@@ -162,8 +162,6 @@ class Zero(Paradigm):
     def build(self, make_model, make_optimizer) -> None:
         model = make_model()  # the whole model, from the seed: identical on every rank
         flat, xp = model.flat_params, array_module(model.flat_params)
-        if self.world > 1 and not is_device_array(flat):
-            kernels.load(flat.dtype)  # (Numba's start-up now, not inside the first timed step)
         if self.world == 1 and not self.config.quiet:
             print(f"zero on 1 rank: nothing to shard, this is plain training (stage {self.stage}'s steps)", flush=True)
         self.sizes, self.n, self.dtype = list(model.sizes), flat.size, flat.dtype
