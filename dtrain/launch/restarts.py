@@ -54,7 +54,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dtrain import checkpoint, faults
+from dtrain import checkpoint, faults, terminal
 from dtrain.config import TrainConfig, default_batch, train_parser
 from dtrain.errors import EXIT_USER_ERROR, ConfigError, UsageError, UserError
 from dtrain.launch import hosts as hostlists
@@ -266,12 +266,12 @@ def run(job: Job) -> int:
     (0 once one succeeds). Ctrl-C on the launcher raises :class:`~dtrain.launch.jobs.JobInterrupted`: no restart.
     A job whose folder holds its last checkpoint has finished: that is said, and nothing runs."""
     if job.finished is not None:
-        _say(f"dtrain launch: the job in {job.folder} has already finished ({job.finished}): nothing to run; to "
-             f"start afresh remove {job.folder} or give another --checkpoint-dir (more --epochs goes on from "
-             "it)")  # fmt: skip
+        terminal.tell(f"dtrain launch: the job in {job.folder} has already finished ({job.finished}): nothing to run; "
+                      f"to start afresh remove {job.folder} or give another --checkpoint-dir (more --epochs goes on "
+                      "from it)")  # fmt: skip
         return 0
     if job.train_config is not None and not job.train_config.checkpoint_every:
-        _say(
+        terminal.tell(
             "dtrain launch: the target writes no checkpoint before the end (no --checkpoint-every), so a restart "
             "starts from the beginning; --checkpoint-every N keeps the work a failure costs to N steps"
         )
@@ -289,7 +289,7 @@ def run(job: Job) -> int:
     except UserError:  # between two attempts (the hostfile gone, too few slots): the attempts so far, then the why
         _write_record(record, [a for a in attempts if a.ended != "running"])
         if any(a.ended != "running" for a in attempts):
-            _say(report([a for a in attempts if a.ended != "running"]))
+            terminal.tell(report([a for a in attempts if a.ended != "running"]))
         raise
 
 
@@ -302,7 +302,9 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
         _write_record(record, attempts[:-1])
         if len(attempts) > 1 or resumed_from is not None:
             where = "the beginning" if resumed_from is None else f"the checkpoint at global step {resumed_from}"
-            _say(f"dtrain launch: attempt {attempt.number} of {job.max_restarts + 1}, on {ranks} ranks, from {where}")
+            terminal.tell(
+                f"dtrain launch: attempt {attempt.number} of {job.max_restarts + 1}, on {ranks} ranks, from {where}"
+            )
         env = {**job.env, "DTRAIN_RESTART": str(attempt.number - 1), "DTRAIN_CHECKPOINT_DIR": str(job.folder),
                faults.PROGRESS_ENV: str(progress), faults.ATTEMPTS_ENV: str(record)}  # fmt: skip
         target = job.target + (["--resume"] if job.train_config is not None and resumed_from is not None else [])
@@ -315,14 +317,14 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
             attempt.ended = "finished"
             keep_banners(watched, False, log, title)
             if len(attempts) > 1:
-                _say(report(attempts))
+                terminal.tell(report(attempts))
             return 0
         keep_banners(watched, _explain(attempt, watched, faults.fired(job.folder)[before:]).known, log, title)
         attempt.reached_step = faults.read_progress(progress)
         if watched.returncode == EXIT_USER_ERROR:
             attempt.ended += " (exit 2: a mistake in what was asked, which a restart would repeat: not restarted)"
             _write_record(record, attempts)
-            _say(report(attempts))
+            terminal.tell(report(attempts))
             return EXIT_USER_ERROR
         restart_from = _last_step(job.folder)
         if attempt.reached_step is not None:
@@ -330,12 +332,14 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
         if len(attempts) > job.max_restarts:
             _write_record(record, attempts)
             failed = f"{len(attempts)} attempt{'s' if len(attempts) > 1 else ''} failed"
-            _say(report(attempts) + f"\ndtrain launch: {failed} (--max-restarts {job.max_restarts}); giving up")
+            terminal.tell(
+                report(attempts) + f"\ndtrain launch: {failed} (--max-restarts {job.max_restarts}); giving up"
+            )
             return watched.returncode
         lost = "" if attempt.steps_lost is None else f"; {attempt.steps_lost} step(s) lost"
         where = f"the checkpoint at global step {restart_from}" if restart_from is not None else "the beginning"
         told = f"; MPI's own report is in {log}" if watched.banners else ""
-        _say(f"dtrain launch: {attempt.ended}{lost}{told}. Restarting in {job.delay_s:g} s from {where} "
+        terminal.tell(f"dtrain launch: {attempt.ended}{lost}{told}. Restarting in {job.delay_s:g} s from {where} "
              f"(restart {len(attempts)} of {job.max_restarts})")  # fmt: skip
         time.sleep(job.delay_s)
         ranks = _ranks_now(job, ranks)
@@ -359,8 +363,8 @@ def _ranks_now(job: Job, ranks: int) -> int:
     for size in range(min(job.ranks, slots), job.min_ranks - 1, -1):
         if job.train_config is None or _accepts(job.train_config, size):
             if size != ranks:
-                _say(f"dtrain launch: the hosts list {slots} slot(s) now: going on with {size} ranks (--min-ranks "
-                     f"{job.min_ranks}); the global batch stays {_batch(job)}")  # fmt: skip
+                terminal.tell(f"dtrain launch: the hosts list {slots} slot(s) now: going on with {size} ranks "
+                              f"(--min-ranks {job.min_ranks}); the global batch stays {_batch(job)}")  # fmt: skip
             return size
     raise UserError(
         f"the hosts list {slots} slot(s) now, fewer than --min-ranks {job.min_ranks} (or no size from there up that "
@@ -496,8 +500,3 @@ def summary(attempts: list[Attempt]) -> dict:
 
 def _write_record(path: Path, failed: list[Attempt]) -> None:
     faults.write_synced(path, json.dumps(summary(failed), indent=1))
-
-
-def _say(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()

@@ -88,6 +88,12 @@ def resolve(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
+def rank_values(rank: int, n: int, dtype=np.float64) -> np.ndarray:
+    """Rank ``rank``'s buffer before a collective: integers that say whose they are (rank r, element i: 100 r + i % 97,
+    plus one so that no rank holds zeros)."""
+    return (100 * rank + np.arange(n) % 97 + 1).astype(dtype)
+
+
 def plural(count: int, word: str) -> str:
     """``"1 rank"``, ``"3 ranks"``."""
     return f"{count} {word}{'' if count == 1 else 's'}"

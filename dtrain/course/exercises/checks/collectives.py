@@ -14,8 +14,9 @@ import dataclasses
 import numpy as np
 
 from dtrain.collectives import hierarchical
-from dtrain.comm.wrapper import CommWrapper, forward
-from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
+from dtrain.course.exercises.checks.ring_diagnosis import ring_went_wrong
+from dtrain.course.exercises.checks.traffic import Recorder, messages, tree_traffic
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, rank_values, ring_steps
 
 HERE = __name__  # (each exercise's check is a function of this module)
 
@@ -45,12 +46,6 @@ EXERCISES = (
              "buf); tree.broadcast(topology.node, buf, 0)  (from dtrain.collectives import ring, tree)"),
 )  # fmt: skip
 DTYPES = (np.float64, np.float32)
-
-
-def rank_values(rank: int, n: int, dtype=np.float64) -> np.ndarray:
-    """Rank ``rank``'s buffer before a collective: integers that say whose they are (rank r, element i: 100 r + i % 97,
-    plus one so that no rank holds zeros)."""
-    return (100 * rank + np.arange(n) % 97 + 1).astype(dtype)
 
 
 def sizes(p: int) -> tuple[int, ...]:
@@ -122,151 +117,7 @@ def ring_allreduce(fn, comm, grade) -> None:
                 grade.note(said)
 
 
-def ring_went_wrong(everyone, rank: int, buf, at_the_end: bool = True) -> str | None:
-    """The ring step that first went wrong, from every rank's messages (``everyone[q]``: rank q's ``(dest, data)``,
-    in order) held against the exercise's ring, and (``at_the_end``) from this rank's ``buf`` at the end; None where
-    the messages do not say (not the ring's 2 (p - 1) messages to the right, or not its chunk order from step 0 on).
-
-    At reduce-scatter step s rank q sends chunk (q - s) % p, the sum of ranks q - s .. q; at all-gather step s chunk
-    (q - s + 1) % p, the whole sum. A message is made from the one received the step before: so the first wrong
-    message (earliest step, then lowest rank) names the step whose receive-and-add (or receive) went wrong."""
-    p, n, dtype = len(everyone), buf.size, buf.dtype
-    if p < 2:
-        return None
-    bounds = [(int(c[0]), int(c[-1]) + 1) if len(c) else (0, 0) for c in np.array_split(np.arange(n), p)]
-    own = [rank_values(q, n, dtype) for q in range(p)]
-    total = sum(own)
-
-    def ring(q: int, k: int) -> tuple[int, np.ndarray]:
-        """Chunk and contents of rank q's k-th message in the exercise's ring."""
-        if k < p - 1:
-            c = (q - k) % p
-            return c, sum(own[(q - j) % p] for j in range(k + 1))[slice(*bounds[c])]
-        c = (q - (k - p + 1) + 1) % p
-        return c, total[slice(*bounds[c])]
-
-    def right(q: int, k: int) -> bool:
-        data, want = everyone[q][k][1], ring(q, k)[1]
-        return data.shape == want.shape and bool(np.array_equal(data, want))
-
-    for q, sent in enumerate(everyone):
-        if len(sent) != 2 * (p - 1) or any(dest != (q + 1) % p or data is None for dest, data in sent):
-            return None
-    if not all(right(q, 0) for q in range(p)):
-        return None
-    show = lambda x: repr(x.item())  # noqa: E731
-    for k in range(1, 2 * (p - 1)):
-        for q in range(p):
-            if right(q, k):
-                continue
-            left, (c, want), data = (q - 1) % p, ring(q, k), everyone[q][k][1]
-            a, b = bounds[c]
-            seen = f"ring step {k} of the reduce-scatter" if k < p - 1 else f"ring step {k - p + 1} of the all-gather"
-            if data.shape != want.shape:
-                return (f"{seen}: rank {q} sent {data.size} elements; the ring sends chunk {c} there (buf[{a}:{b}], "
-                        f"{b - a} elements)")  # fmt: skip
-            i = int(np.flatnonzero(data != want)[0])
-            if k <= p - 1:  # the chunk was made by the add of the reduce-scatter's step k - 1
-                got, mine = everyone[left][k - 1][1], own[q][a:b]
-                how = ("it wrote the chunk over its own values instead of adding it" if np.array_equal(data, got)
-                       else "it did not add the chunk: it passed its own values on" if np.array_equal(data, mine)
-                       else "what it made of the two is not their sum")  # fmt: skip
-                return (f"ring step {k - 1} of the reduce-scatter: rank {q} received chunk {c} from rank {left}, to "
-                        f"add into its own (buf[{a}:{b}] += the chunk received); {how}: at {seen} it sent element "
-                        f"{a + i} as {show(data[i])}, expected {show(want[i])} = {show(got[i])} received + "
-                        f"{show(mine[i])} its own")  # fmt: skip
-            s = k - p  # an all-gather step s + 1 passes on the chunk received at step s
-            why = (": its own values went on (receive the chunk straight into buf[a:b])"
-                   if np.array_equal(data, own[q][a:b]) else "")  # fmt: skip
-            return (f"ring step {s} of the all-gather: rank {q} received the finished chunk {c} from rank {left} "
-                    f"but did not pass it on: at {seen} it sent element {a + i} as {show(data[i])}, expected "
-                    f"{show(want[i])}{why}")  # fmt: skip
-    if not at_the_end or buf.shape != total.shape:
-        return None
-    wrong = np.flatnonzero(buf != total)
-    if not wrong.size:
-        return None
-    e = int(wrong[0])
-    c = next(q for q, (a, b) in enumerate(bounds) if a <= e < b)
-    a, b = bounds[c]
-    at = f"element {e} is {show(buf[e])}, expected {show(total[e])}"
-    if c == (rank + 1) % p:
-        return (f"ring step {p - 2} of the reduce-scatter: rank {rank} made chunk {c}'s sum and passed it on at ring "
-                f"step 0 of the all-gather, but its own buf[{a}:{b}] does not hold it at the end ({at}): add into buf "
-                "itself")  # fmt: skip
-    return (f"ring step {(rank - c) % p} of the all-gather: rank {rank} received the finished chunk {c} from rank "
-            f"{(rank - 1) % p}, but buf[{a}:{b}] does not hold it at the end ({at}): receive it straight into "
-            f"buf[{a}:{b}]")  # fmt: skip
-
-
 # --- who sent to whom -----------------------------------------------------------------------------------------------
-
-
-class Recorder(CommWrapper):
-    """A communicator that notes every message this rank sends, ``(dest, bytes)``, in ``sent`` (the check reads
-    and clears it after each call of the learner's function). Sub-communicators are passed through unrecorded."""
-
-    def __init__(self, comm):
-        super().__init__(comm)
-        self.sent: list[tuple[int, int]] = []
-
-    def p2p(self, call):
-        if call.sends:
-            self.sent.append((int(call.dest), int(call.sendbuf.nbytes)))
-        return forward(self.comm, call)
-
-    def sibling(self, comm):
-        return comm
-
-    def take(self) -> list[tuple[int, int]]:
-        sent, self.sent = self.sent, []
-        return sent
-
-
-def messages(comm, recorder) -> list[tuple[int, int, int]]:
-    """Every message of the world since the last call, ``(source, dest, bytes)`` (an object all-gather: uncounted)."""
-    everyone = comm.allgather(recorder.take())
-    return sorted((source, dest, nbytes) for source, sent in enumerate(everyone) for dest, nbytes in sent)
-
-
-def arrows(edges) -> str:
-    return ", ".join(f"{a} -> {b}" for a, b in edges) or "none"
-
-
-def tree_parents(p: int, root: int) -> dict[int, int]:
-    """The binomial tree rooted at ``root``: each other rank's parent. Relative to the root (v = (rank - root) % p),
-    v's parent is v with its lowest set bit cleared."""
-    return {(v + root) % p: (v - (v & -v) + root) % p for v in range(1, p)}
-
-
-def tree_traffic(sent, p: int, root: int, nbytes: int, upward: bool, what: str) -> str | None:
-    """``sent`` (every message of the case) against the binomial tree rooted at ``root``: each edge once, the whole
-    buffer each time, child to parent (``upward``, a reduce) or parent to child (a broadcast). Returns what is wrong,
-    or None."""
-    parents = tree_parents(p, root)
-    expected = sorted((c, q) if upward else (q, c) for c, q in parents.items())
-    actual = [(a, b) for a, b, _ in sent]
-    if actual == expected:
-        wrong_size = [(a, b, n) for a, b, n in sent if n != nbytes]
-        if not wrong_size:
-            return None
-        a, b, n = wrong_size[0]
-        return f"the message {a} -> {b} carried {n} bytes; {what} sends the whole buffer ({nbytes} bytes) each time"
-    lines = [f"the messages went {arrows(actual)}; {what} rooted at {root} sends exactly {arrows(expected)} "
-             f"(p - 1 = {p - 1} messages, one {'from' if upward else 'to'} every rank but the root)"]  # fmt: skip
-    for a, b in actual:
-        child = a if upward else b
-        if child == root:
-            lines.append(f"rank {a} sent to rank {b}, but the root {'sends nothing' if upward else 'receives nothing'} "
-                         f"in {what}")  # fmt: skip
-            break
-        if child in parents and (b if upward else a) != parents[child]:
-            v = (child - root) % p
-            lines.append(f"rank {a} sent to rank {b}: rank {child}'s parent is rank {parents[child]} (v = (rank - "
-                         f"root) % p = {v}; parent v - lowbit(v) = {v - (v & -v)}, plus the root {root}, "
-                         "mod p)")  # fmt: skip
-            break
-    return "\n".join(lines)
 
 
 def tree_calls(fn, comm, grade):

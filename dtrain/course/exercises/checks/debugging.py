@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain.collectives import chunk_bounds
-from dtrain.course.exercises.checks.collectives import elements, rank_values
-from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, ring_steps
+from dtrain.course.exercises.checks.collectives import elements
+from dtrain.course.exercises.grading import MPI, RINGS, Exercise, plural, rank_values, ring_steps
 
 EXERCISES = (
     Exercise("10.1", "find the deadlock in a ring all-gather", "allgather.py", "ring_allgather", ("comm", "buf"),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtrain.course.exercises.checks.collectives import Recorder, rank_values
-from dtrain.course.exercises.grading import MPI, Exercise, plural
+from dtrain.course.exercises.checks.traffic import Recorder
+from dtrain.course.exercises.grading import MPI, Exercise, plural, rank_values
 from dtrain.parallel import gossip
 
 EXERCISES = (
