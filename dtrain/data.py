@@ -103,6 +103,13 @@ def load_dataset(
     return standardize(ds, dtype)
 
 
+def widths(name: str, features: int = 784, classes: int = 10) -> tuple[int, int]:
+    """(features, classes) of the dataset ``name`` as :func:`load_dataset` would load it, without reading it (a
+    layout over them is checked before any data is read)."""
+    return {"digits": (64, 10), "mnist": (784, 10), "fashion-mnist": (784, 10), "synthetic": (features, classes),
+            "spirals": (2, classes)}[name]  # fmt: skip
+
+
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 8x8 digits shipped with the package: images as (1797, 64) pixel counts 0..16, labels (1797,)."""
     with resources.files("dtrain.datasets").joinpath("digits.npz").open("rb") as f:

@@ -11,13 +11,14 @@
     mpi               native.py         (MPI's own)     (MPI's own)                            the baseline
     auto              costmodel.py picks by message size and p
     FILE.py:FUNCTION  yours.py          your own fn(comm, buf) that sums in place (a course exercise, say)
+    pairwise          alltoall.py       p-1             (p-1)/p n, all-to-all (n % p == 0)     experts, heads
 
 Which file does what::
 
-    __init__.py      the front door (this file): the five collectives, the table of algorithms, one path through it
+    __init__.py      the front door (this file): the six collectives, the table of algorithms, one path through it
     _checks.py       argument checks; debug mode (ranks compare their calls first)
     _chunks.py       how a buffer is cut into p chunks; the scratch buffer each rank reuses
-    naive.py tree.py ring.py doubling.py hierarchical.py native.py      the algorithms (table above)
+    naive.py tree.py ring.py doubling.py hierarchical.py native.py alltoall.py     the algorithms (table above)
     costmodel.py     alpha-beta-gamma: predicted time, exact bytes and messages per rank, the "auto" choice
     calibration.json this machine's alpha, beta, gamma (written by scripts/calibrate.py)
 
@@ -27,6 +28,7 @@ Everything works in place on one C-contiguous float32/float64 array (any shape; 
     collectives.allreduce(comm, grads, op="avg", algorithm="ring")     # returns grads, now averaged
     shard = collectives.reduce_scatter(comm, grads)                    # rank r's chunk r, a view of grads
     collectives.allgather(comm, grads)                                 # chunk r from rank r, to everyone
+    collectives.alltoall(comm, tokens)                                 # chunk j to rank j, in place; n % p == 0
     topo = hierarchical.topology(comm, ranks_per_node=2)               # nodes: built once, handed to every call
     collectives.allreduce(comm, grads, algorithm="hierarchical", topology=topo)
 
@@ -35,7 +37,7 @@ staging, watchdog); with the tracer each call is labelled ``"<collective>/<algor
 (sum / p) and "max". Chunks follow ``chunk_bounds(n, p)``: the first n % p chunks are one element longer.
 
 **One path for every collective.** :data:`TABLE` lists, per collective, each algorithm's function and what it needs
-(a power-of-two p, a topology of nodes, nodes of equal size). Every public function hands its arguments to
+(a power-of-two p, a topology of nodes, nodes of equal size, n % p == 0). Every public function hands its arguments to
 ``_run``, which (1) checks them on every rank before anything is sent (see _checks.py), (2) in debug mode
 (``DTRAIN_DEBUG=1`` or ``set_debug(True)``) compares every rank's call first, so a mismatch raises
 ``CollectiveMismatchError`` on every rank instead of hanging, (3) picks the algorithm ("auto": the cost model's
@@ -53,14 +55,15 @@ from typing import NamedTuple
 import numpy as np
 
 from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, tree, yours
+from dtrain.collectives import alltoall as pairwise  # the module (the name alltoall is the collective, below)
 from dtrain.collectives._checks import CollectiveMismatchError, debug_enabled, set_debug
 from dtrain.collectives._chunks import chunk_bounds, chunk_offsets
 from dtrain.comm import watchdog
 from dtrain.comm.wrapper import innermost
 
 __all__ = [
-    "ALGORITHMS", "OPS", "TABLE", "CollectiveMismatchError", "allgather", "allreduce", "broadcast", "chunk_bounds",
-    "chunk_offsets", "debug_enabled", "reduce", "reduce_scatter", "set_debug",
+    "ALGORITHMS", "OPS", "TABLE", "CollectiveMismatchError", "allgather", "allreduce", "alltoall", "broadcast",
+    "chunk_bounds", "chunk_offsets", "debug_enabled", "reduce", "reduce_scatter", "set_debug",
 ]  # fmt: skip
 
 OPS = ("sum", "avg", "max")
@@ -75,6 +78,7 @@ class Algorithm(NamedTuple):
     nodes: bool = False  # runs on a hierarchical.Topology (passed in place of comm), not on the communicator
     equal_nodes: bool = False  # ... whose nodes all have the same number of ranks
     label: str = ""
+    even_chunks: bool = False  # the buffer must cut into p chunks of equal size (n % p == 0)
 
 
 def _collective(name, **algorithms) -> dict:
@@ -108,6 +112,7 @@ TABLE = {
     "allgather": _collective(
         "allgather", ring=Algorithm(ring.allgather), doubling=Algorithm(doubling.allgather, power_of_two=True)
     ),
+    "alltoall": _collective("alltoall", pairwise=Algorithm(pairwise.alltoall, even_chunks=True)),
 }
 CHOOSE = {"allreduce": costmodel.choose}  # what algorithm="auto" means, for the collectives that have it
 CHOICES = {name: ((AUTO,) if name in CHOOSE else ()) + tuple(table) for name, table in TABLE.items()}
@@ -116,9 +121,10 @@ ALGORITHMS = CHOICES["allreduce"]
 REDUCE_ALGORITHMS = CHOICES["reduce"]  # also broadcast's
 REDUCE_SCATTER_ALGORITHMS = CHOICES["reduce_scatter"]
 ALLGATHER_ALGORITHMS = CHOICES["allgather"]
+ALLTOALL_ALGORITHMS = CHOICES["alltoall"]
 
 
-# --- the five collectives -------------------------------------------------------------------------------------
+# --- the six collectives --------------------------------------------------------------------------------------
 # Each passes the algorithm's own arguments after the buffer, in the algorithm's order (a tuple: calling with
 # positional arguments is the cheapest call), and op and root once more by name, for the checks.
 
@@ -162,6 +168,15 @@ def allgather(comm, buf, algorithm="ring"):
     "doubling" (recursive doubling) needs p a power of 2.
     """
     _run("allgather", comm, buf, algorithm, ())
+    return buf
+
+
+def alltoall(comm, buf, algorithm="pairwise"):
+    """Rank r sends chunk j of ``buf`` to rank j; afterwards chunk j holds rank j's chunk r. Returns ``buf``.
+
+    The chunks must be of equal size: ``buf.size % p == 0``, else a ValueError on every rank before any message.
+    """
+    _run("alltoall", comm, buf, algorithm, ())
     return buf
 
 
@@ -224,6 +239,8 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
         entry = _choose(collective, algorithm, buf.nbytes, p)
     if entry.power_of_two and p & (p - 1):
         raise ValueError(f"algorithm {algorithm!r} needs a power-of-two number of ranks, not {p}: use 'ring'")
+    if entry.even_chunks and buf.size % p:
+        _checks.check_even_chunks(buf.size, p, entry.label)
     if topology is not None or ranks_per_node is not None:
         _check_nodes(entry, comm, p, topology, ranks_per_node)
     return entry

@@ -2,7 +2,8 @@
 
 **Checks.** Every public collective checks its arguments on each rank before sending anything: a buffer that is not
 a C-contiguous writable array of a supported dtype, an unknown op or algorithm (the error lists the choices), a root
-that is not a rank. When all ranks make the same mistake, all ranks raise the same error and nothing hangs.
+that is not a rank, an all-to-all buffer that does not cut into p equal chunks. When all ranks make the same
+mistake, all ranks raise the same error and nothing hangs.
 
 **Debug mode** catches what one rank cannot see alone: rank 0 passes 10 elements and rank 1 passes 11, or rank 2
 calls ``broadcast`` while the others call ``allreduce``. Without it the ranks wait for messages that never come (or
@@ -88,6 +89,16 @@ def check_buffer(buf) -> None:
 def check_root(root, p: int) -> None:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < p:
         raise ValueError(f"root must be a rank of the communicator, an int in [0, {p}), got {root!r}")
+
+
+def check_even_chunks(n: int, p: int, label: str) -> None:
+    """``n`` elements cut into ``p`` chunks of equal size (all-to-all: what rank j sends to rank r, rank j's chunk r,
+    lands in rank r's chunk j, so the two must be as long), or an error that says how to pad."""
+    if n % p:
+        raise ValueError(
+            f"{label} needs a buffer that divides evenly into p = {p} chunks, and {n} elements do not "
+            f"({n} % {p} = {n % p}): pad it to {-(-n // p) * p} elements"
+        )
 
 
 def check_ranks_per_node(ranks_per_node) -> None:

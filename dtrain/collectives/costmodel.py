@@ -15,6 +15,8 @@ step. For an n-byte all-reduce on p ranks (L = ceil(log2 p), p' = 2^floor(log2 p
 
 Small messages are latency-bound (doubling: log p alphas), large ones bandwidth-bound (ring, Rabenseifner: the
 2(p-1)/p n beta that no all-reduce can beat); :func:`choose`, used by ``algorithm="auto"``, takes the cheapest.
+The all-to-all ("pairwise", alltoall.py; n % p == 0) sends every chunk but its own, p - 1 messages of n/p bytes,
+and reduces nothing: ``(p-1) alpha + (p-1)/p n beta`` (:func:`alltoall_time`; ``collective="alltoall"`` below).
 
 ``bytes_sent``/``messages_sent`` are *exact* per rank, uneven chunks and non-power-of-two fix-ups included, for
 what ``dtrain.collectives`` makes each rank send (and ``dtrain.comm.trace`` counts); a buffer of 0 elements sends
@@ -214,6 +216,7 @@ def traffic(algorithm, count, itemsize, p, rank, ranks_per_node=None, *, collect
         "broadcast": {"tree": lambda: _tree_bcast(c, p, r, root), "naive": lambda: _naive_bcast(c, p, r, root)},
         "reduce_scatter": {"ring": lambda: _ring_rs(c, p, r), "rabenseifner": lambda: _halving(c, p, r)},
         "allgather": {"ring": lambda: _ring_ag(c, p, r), "doubling": lambda: _gathering(c, p, r)},
+        "alltoall": {"pairwise": lambda: _ring_rs(c, p, r)},  # the same count: every chunk but chunk r, once each
     }
     if algorithm not in phases.get(collective, {}):
         raise ValueError(f"no traffic model for {collective} with algorithm {algorithm!r}")
@@ -276,6 +279,12 @@ def predict_time(algorithm, nbytes, p, machine=None, ranks_per_node=None, inter=
         inside = _time(2 * (k - 1), 2 * (k - 1) / k * n, (k - 1) / k * n, m)
         return inside + (predict_time("ring", nbytes / k, nodes, outer) if nodes > 1 else 0.0)
     raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALLREDUCE_ALGORITHMS)}")
+
+
+def alltoall_time(nbytes, p, machine=None) -> float:
+    """Predicted seconds for an ``nbytes`` pairwise all-to-all on ``p`` ranks: ``(p-1) alpha + (p-1)/p n beta``."""
+    m = machine or default_machine(p)
+    return _time(p - 1, (p - 1) / p * nbytes, 0, m) if nbytes else 0.0
 
 
 def choose(nbytes, p, machine=None) -> str:

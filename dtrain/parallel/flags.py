@@ -38,6 +38,7 @@ class Flag:
     not_a_choice: str = ""  # said of a value not among the choices, instead of listing them: "is not a ZeRO stage"
     accepts: Callable | None = None  # values it takes beyond the choices: accepts(value) is True for them
     otherwise: str = ""  # added when a value is refused: where else it would be taken
+    repeat: bool = False  # given once per value (--shard w1=_,y --shard b1=y): its value is a tuple of them
 
     @property
     def option(self) -> str:
@@ -46,6 +47,10 @@ class Flag:
     def check(self, value) -> None:
         """A :class:`ConfigError` for a value this flag cannot take (None is "not given" when that is the default)."""
         if value is None and self.default is None:
+            return
+        if self.repeat:
+            for each in value:
+                dataclasses.replace(self, repeat=False).check(each)
             return
         if self.choices is not None and value not in self.choices and not (self.accepts and self.accepts(value)):
             if self.not_a_choice:
@@ -61,6 +66,10 @@ class Flag:
         shared = f" [{', '.join(readers)}]" if len(readers) > 1 else ""
         if isinstance(self.default, bool):
             group.add_argument(self.option, action="store_true", help=self.help + shared)
+            return
+        if self.repeat:
+            group.add_argument(self.option, action="append", type=self.type, metavar=self.metavar,
+                               help=self.help + shared)  # fmt: skip
             return
         shown = "" if self.default is None or "default" in self.help else f" (default {self.default})"
         choices, metavar = self.choices, self.metavar

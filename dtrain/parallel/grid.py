@@ -24,8 +24,10 @@ which talks least, varies slowest (Megatron-LM's order, "tp-dp-pp")::
     dp groups  [0 2] [1 3] [4 6] [5 7]      (same tp and pp: the same shard, different data)
     pp groups  [0 4] [1 5] [2 6] [3 7]      (same dp and tp: the stages of one replica's shard)
 
-Every group is one ``comm.Split(colour, key)`` of the world (:class:`Grid`), so a sub-communicator carries the
-world's layers (tracer, staging, watchdog) and a rank's place in a group is its coordinate on that axis. Nothing
+The grid is a device mesh (mesh.py) with the axes pp, dp, tp, the last varying fastest. Every group is one
+``comm.Split(colour, key)`` of the world (:class:`Grid`, with the mesh's :func:`~dtrain.parallel.mesh.split_axes`),
+so a sub-communicator carries the world's layers (tracer, staging, watchdog) and a rank's place in a group is its
+coordinate on that axis. Nothing
 here sends a byte except the three ``Split`` calls; :func:`shape_of` checks a grid against the world before those.
 """
 
@@ -36,6 +38,7 @@ import dataclasses
 from dtrain import terminal
 from dtrain.errors import ConfigError
 from dtrain.parallel.flags import Flag
+from dtrain.parallel.mesh import split_axes
 
 AXES = ("dp", "tp", "pp")
 # The grid's flags (shape_of checks them against the world; the paradigm whose own axis is left out fills it).
@@ -144,11 +147,8 @@ class Grid:
             raise ConfigError(f"a grid of {shape.size} ranks cannot cover a world of {comm.Get_size()}")
         self.shape, self.rank = shape, comm.Get_rank()
         self.coordinates = shape.coordinates(self.rank)
-        self.comms = {}
-        for axis in AXES:  # colour: the other two coordinates (one group each); key: this axis's coordinate
-            others = tuple(self.coordinates[a] for a in AXES if a != axis)
-            colour = others[0] * shape.size + others[1]
-            self.comms[axis] = comm.Split(colour, self.coordinates[axis])
+        # a mesh's groups (mesh.py): colour, the other two coordinates; key, this axis's coordinate
+        self.comms = split_axes(comm, self.coordinates, {axis: getattr(shape, axis) for axis in AXES})
         self.dp_comm, self.tp_comm, self.pp_comm = (self.comms[a] for a in AXES)
         self.dp_rank, self.tp_rank, self.pp_rank = (self.coordinates[a] for a in AXES)
 

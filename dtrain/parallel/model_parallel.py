@@ -23,10 +23,8 @@ a step runs; ``fill`` names the grid axis a missing flag takes the rest of the w
 
 from __future__ import annotations
 
-import numpy as np
-
 from dtrain import collectives, terminal
-from dtrain.backend import array_module, to_host
+from dtrain.backend import array_module
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
@@ -74,6 +72,7 @@ class ModelParallel(Paradigm):
         if sum(p.size for p in pieces) != local_model.flat_params.size:
             raise AssertionError("the pieces do not cover the local model's flat buffer")
         self.optimizer = make_optimizer(local_model)
+        self.held = placement.Held(local_model, self.optimizer, pieces, self._gather)  # (the whole, from the pieces)
         self.peer_pieces = self.grid.tp_comm.allgather(pieces)  # (a few numbers per layer, once)
 
     # --- data parallelism across replicas -----------------------------------------------------------------
@@ -104,24 +103,13 @@ class ModelParallel(Paradigm):
                                 self.grid.pp_comm, CHECKPOINT)  # fmt: skip
 
     def full_parameters(self):
-        return self.gathered if self.gathered is not None else self._gather(self.model.flat_params)
+        return self.gathered if self.gathered is not None else self.held.parameters()
 
     def optimizer_state(self) -> dict:
-        """The whole optimizer state, as one optimizer over the whole flat buffer would hold it (a collective)."""
-        state, xp = self.optimizer.state_dict(), array_module(self.model.flat_params)
-        return {k: to_host(self._gather(xp.asarray(v))) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+        return self.held.optimizer_state()
 
     def load(self, flat, optimizer_state: dict) -> None:
-        """This rank's pieces of the whole model and of the optimizer state."""
-        placement.take(flat, self.pieces, self.model.flat_params)
-        local = {}
-        for key, value in optimizer_state.items():
-            if isinstance(value, np.ndarray):
-                local[key] = np.empty(self.model.flat_params.size, dtype=value.dtype)
-                placement.take(value, self.pieces, local[key])
-            else:
-                local[key] = value
-        self.optimizer.load_state_dict(local)
+        self.held.load(flat, optimizer_state)
 
     def evaluation_model(self):
         return Evaluating(self.model, self.comm)

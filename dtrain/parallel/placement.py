@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from dtrain import collectives
-from dtrain.backend import array_module
+from dtrain.backend import array_module, to_host
 from dtrain.comm.trace import labelled
 
 
@@ -103,3 +105,33 @@ def gather(local_flat, total: int, tp_comm, peer_pieces, regions=(), pp_comm=Non
         for owner, start, stop in regions:
             collectives.broadcast(pp_comm, whole[start:stop], root=owner)
     return whole
+
+
+class Held:
+    """What a rank holds of a whole model, as pieces (:class:`Piece`): its local ``model`` (flat buffers) and
+    ``optimizer`` over it, and ``gather``, the collective that rebuilds a whole flat buffer from every rank's local
+    one. The whole model's parameters, its optimizer's whole state and resuming from either come from here: a
+    checkpoint of a sharded paradigm is the flat format every paradigm writes and reads."""
+
+    def __init__(self, model, optimizer, pieces, gather):
+        self.model, self.optimizer, self.pieces, self.gather = model, optimizer, pieces, gather
+
+    def parameters(self):
+        return self.gather(self.model.flat_params)
+
+    def optimizer_state(self) -> dict:
+        """As one optimizer over the whole flat buffer would hold it: every buffer gathered (numbers as they are)."""
+        xp, state = array_module(self.model.flat_params), self.optimizer.state_dict()
+        return {k: to_host(self.gather(xp.asarray(v))) if isinstance(v, np.ndarray) else v for k, v in state.items()}
+
+    def load(self, flat, optimizer_state: dict) -> None:
+        """This rank's pieces of a whole flat buffer and of a whole optimizer state."""
+        take(flat, self.pieces, self.model.flat_params)
+        local = {}
+        for key, value in optimizer_state.items():
+            if isinstance(value, np.ndarray):
+                local[key] = np.empty(self.model.flat_params.size, dtype=value.dtype)
+                take(value, self.pieces, local[key])
+            else:
+                local[key] = value
+        self.optimizer.load_state_dict(local)
