@@ -4,7 +4,8 @@ The tour trains one model, the MLP 64-64-64-64-10, on the shipped 8x8 digits wit
 job of its own on ``--ranks`` ranks (4 by default) started with this environment's ``mpiexec``: ``single`` on one
 process first (the reference), then ddp with a ring all-reduce and with a hierarchical one over 2 emulated nodes,
 central storage, synchronous and asynchronous parameter servers (the latter with a straggler), local SGD, gossip,
-ZeRO stage 3, tensor parallelism, a 1F1B pipeline, and a grid of tensor-parallel pipeline stages. Every run has the
+ZeRO stage 3, tensor parallelism, a 1F1B pipeline, a grid of tensor-parallel pipeline stages, and spmd's
+dp-megatron layouts on a 2-axis mesh (their collectives derived, not written). Every run has the
 same model, seed, epochs and global batch (a multiple of the ranks and of the parameter servers' workers), so their
 curves compare. Then one table says, per paradigm, what it bought and what it paid:
 
@@ -106,6 +107,9 @@ def entries(ranks: int) -> dict[str, Entry]:
         Entry("grid", f"grid dp{ranks // 4} x tp2 x pp2" if ranks % 4 == 0 else "grid tp2 x pp2",
               {"paradigm": "pp", "dp": ranks // 4, "tp": 2, "pp": 2}, ranks,
               None if ranks % 4 == 0 else "a grid of tp 2 x pp 2 needs a multiple of 4 ranks"),
+        Entry("spmd", f"spmd dp-megatron (mesh x={ranks // 2},y=2)",
+              {"paradigm": "spmd", "sharding": "dp-megatron", "mesh": f"x={ranks // 2},y=2"}, ranks,
+              None if ranks % 2 == 0 else "a mesh of x by y=2 needs an even number of ranks"),
     ]  # fmt: skip
     return {entry.name: entry for entry in e}
 

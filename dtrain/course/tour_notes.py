@@ -7,6 +7,7 @@ run's measured bytes per step differ from its ``costs()``, :func:`footnote` says
 
 from __future__ import annotations
 
+import collections
 import statistics
 
 from dtrain import parallel
@@ -128,6 +129,13 @@ def _pipeline(s, m, c) -> str:
             f"bubble alone: {(P - 1) / (M + P - 1):.0%})")  # fmt: skip
 
 
+def _spmd(s, m, c) -> str:
+    made = m["communication"]["per_rank"][0]["paradigm"]["collectives_per_step"]
+    counted = collections.Counter(f"{x['kind']} over {x['axis']} ({x['phase']})" for x in made)
+    derived = ", ".join(f"{n} {what}" if n > 1 else what for what, n in counted.items()) or "nothing"
+    return f"{c.curve(s)}; the layouts' collectives, derived: {derived}"
+
+
 NOTES = {
     "single": lambda s, m, c: "the reference: sends nothing; holds the model, its gradients and momentum",
     "ddp-ring": _ddp_ring,
@@ -144,6 +152,7 @@ NOTES = {
     "tp": _tp,
     "pp": _pipeline,
     "grid": _pipeline,
+    "spmd": _spmd,
 }
 
 WHY = {

@@ -71,11 +71,12 @@ def why(sizes, world: int, mesh_text, batch: int, accumulate: int) -> str:
     """Which layout won, against the runner-up, in the planner's seconds."""
     ranked = ranking(sizes, world, mesh_text, batch, accumulate)
     best, words, parts = ranked[0]
-    text = (f"--sharding auto searched {len(ranked)} valid layouts and chose {' '.join(words)}: "
+    text = (f"--sharding auto priced {len(ranked)} valid layouts and chose {' '.join(words)}: "
             f"{best * 1e3:.2f} ms a step on the planner's model ({parts['compute'] * 1e3:.2f} computing, "
             f"{parts['communication'] * 1e3:.2f} communicating)")  # fmt: skip
-    if len(ranked) > 1:
-        second, other, theirs = ranked[1]
+    rivals = [r for r in ranked[1:] if r[0] != best]  # (not a mirror image: the same layout, axes swapped)
+    if rivals:
+        second, other, theirs = rivals[0]
         text += (f"; the runner-up, {' '.join(other)}, {second * 1e3:.2f} ms ({theirs['compute'] * 1e3:.2f} "
                  f"computing, {theirs['communication'] * 1e3:.2f} communicating)")  # fmt: skip
     return terminal.paragraph(text + ".")
