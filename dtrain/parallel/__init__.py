@@ -15,9 +15,12 @@ ps_server.py, what it prints and reports in ps_report.py), ``central-storage`` (
 whole replica shares: its start), ``tp`` (tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules
 in schedules.py and instructions.py, its cut and cost in stages.py, its forward for evaluation in
 pipeline_evaluation.py); these two share model_parallel.py (a local model made of pieces of the whole, placement.py)
-and the rank grid of dp x tp x pp (grid.py). The registry is registry.py, the flags' record flags.py; the arithmetic
-several paradigms' prices share is pricing.py. Every paradigm's file reads as its algorithm and ends with its price,
-under the same marked line: ``costs`` (held against the tracer) and what the planner asks.
+and the rank grid of dp x tp x pp (grid.py); ``spmd`` (spmd.py) derives its communication from a layout per tensor
+on a device mesh (mesh.py, a generalised grid): the notation and the rules in layouts.py, the sharded tensors that
+apply them in sharded.py, the MLP's tensors, named shardings and one forward in shardings.py, its --explain in
+spmd_plan.py, --sharding auto in auto_sharding.py. The registry is registry.py, the flags' record flags.py; the
+arithmetic several paradigms' prices share is pricing.py. Every paradigm's file reads as its algorithm and ends with
+its price, under the same marked line: ``costs`` (held against the tracer) and what the planner asks.
 
 Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
 digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled

@@ -119,9 +119,9 @@ def check_divides(tensor: str, shape, layout: Layout, sizes: dict, what: str = "
     """A ConfigError unless every split dimension of a tensor of ``shape`` divides by its axis's size."""
     for d, (n, axis) in enumerate(zip(shape, layout.dims)):
         if axis is not None and n % sizes[axis]:
-            raise ConfigError(f"{tensor} {spec(layout.dims)}: its dimension {d} ({n}{what}) does not divide by "
-                              f"the {sizes[axis]} ranks of axis {axis}: ranks would hold unequal blocks; choose "
-                              "another layout or sizes that divide")  # fmt: skip
+            raise ConfigError(f"{tensor} laid out as [{spec(layout.dims)}]: its dimension {d} ({n}{what}) does not "
+                              f"divide by the {sizes[axis]} ranks of axis {axis}: ranks would hold unequal blocks; "
+                              "choose another layout or sizes that divide")  # fmt: skip
 
 
 def reduction_op(axis, unaveraged) -> str:

@@ -99,9 +99,9 @@ def parse(text: str | None, world: int | None) -> MeshShape:
         axes.append((name, int(size)))
     shape = MeshShape(tuple(axes))
     if world is not None and shape.size != world:
-        sizes = " x ".join(str(n) for _, n in axes)
-        raise ConfigError(f"--mesh {text} has {sizes} = {shape.size} ranks, but {world} were launched: the mesh must "
-                          f"cover the world exactly")  # fmt: skip
+        sizes = " x ".join(str(n) for _, n in axes) + (f" = {shape.size}" if len(axes) > 1 else "")
+        raise ConfigError(f"--mesh {text} has {sizes} ranks, but {world} were launched: the mesh must cover the "
+                          f"world exactly (launch {shape.size}, or give a mesh of {world})")  # fmt: skip
     return shape
 
 

@@ -72,7 +72,7 @@ class ModelParallel(Paradigm):
         if sum(p.size for p in pieces) != local_model.flat_params.size:
             raise AssertionError("the pieces do not cover the local model's flat buffer")
         self.optimizer = make_optimizer(local_model)
-        self.held = placement.Held(local_model, self.optimizer, pieces, self._gather)  # (the whole, from the pieces)
+        self.whole_model = placement.Held(local_model, self.optimizer, pieces, self._gather)  # (from the pieces)
         self.peer_pieces = self.grid.tp_comm.allgather(pieces)  # (a few numbers per layer, once)
 
     # --- data parallelism across replicas -----------------------------------------------------------------
@@ -103,13 +103,13 @@ class ModelParallel(Paradigm):
                                 self.grid.pp_comm, CHECKPOINT)  # fmt: skip
 
     def full_parameters(self):
-        return self.gathered if self.gathered is not None else self.held.parameters()
+        return self.gathered if self.gathered is not None else self.whole_model.parameters()
 
     def optimizer_state(self) -> dict:
-        return self.held.optimizer_state()
+        return self.whole_model.optimizer_state()
 
     def load(self, flat, optimizer_state: dict) -> None:
-        self.held.load(flat, optimizer_state)
+        self.whole_model.load(flat, optimizer_state)
 
     def evaluation_model(self):
         return Evaluating(self.model, self.comm)

@@ -128,7 +128,7 @@ class SPMD(Paradigm):
             self.layouts, self.sizes, config.batch_size, axis_sizes, self.mesh.coordinates,
             xp=array_module(whole.flat_params), dtype=whole.flat_params.dtype, whole=whole.flat_params)  # fmt: skip
         self.optimizer = make_optimizer(self.model)
-        self.held = placement.Held(self.model, self.optimizer, self.pieces, self._gather)  # (the whole model)
+        self.whole_model = placement.Held(self.model, self.optimizer, self.pieces, self._gather)  # (the whole model)
         self.peer_pieces = self.comm.allgather(self.pieces)  # (a few numbers per parameter, once)
         self.program = Program(axis_sizes, self.mesh.coordinates, self.mesh.comms, config.allreduce)
         if self.rank == 0 and not config.quiet:
@@ -168,13 +168,13 @@ class SPMD(Paradigm):
         return placement.gather(local, self.whole.flat_params.size, self.comm, self.peer_pieces, label=label)
 
     def full_parameters(self):
-        return self.held.parameters()
+        return self.whole_model.parameters()
 
     def optimizer_state(self) -> dict:
-        return self.held.optimizer_state()
+        return self.whole_model.optimizer_state()
 
     def load(self, flat, optimizer_state: dict) -> None:
-        self.held.load(flat, optimizer_state)
+        self.whole_model.load(flat, optimizer_state)
 
     def evaluation_model(self):
         """The whole model, its weights gathered from the blocks (a collective, labelled evaluation's)."""
