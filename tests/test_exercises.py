@@ -100,15 +100,40 @@ def test_planted_bug_fails_with_a_pointed_message(bug, exercise_id, file, expect
 
 def test_every_subject_has_a_planted_bug():
     lessons_with_bugs = {exercises.get(p.values[1]).lesson for p in planted_bugs()}
-    assert lessons_with_bugs >= {1, 2, 3, 8, 10, 13}  # grows with the subjects
+    assert lessons_with_bugs >= {1, 2, 3, 8, 10, 13, 14}  # grows with the subjects
 
 
-@pytest.mark.parametrize("exercise_id", ["13.1", "13.2"])
+@pytest.mark.parametrize("exercise_id", ["13.1", "13.2", "14.1", "14.2"])
 def test_another_correct_way_passes(exercise_id, tmp_path, capsys):
-    """Lesson 13's checks pass solutions that are not dtrain's (tests/exercise_alternatives/compression.py):
-    another exchange of the pairs, another orthonormal basis for PowerSGD's P."""
-    (tmp_path / "compression.py").write_text((BUGS.parent / "exercise_alternatives" / "compression.py").read_text())
+    """Lessons 13's and 14's checks pass solutions that are not dtrain's (tests/exercise_alternatives/): another
+    exchange of the pairs, another orthonormal basis for PowerSGD's P; the matmul rule written in another order with
+    lists for tuples, a redistribution by direct exchange with Sendrecv alone."""
+    file = exercises.get(exercise_id).file
+    (tmp_path / file).write_text((BUGS.parent / "exercise_alternatives" / file).read_text())
     assert checker.check(exercise_id, tmp_path, mpi=False) == 0, capsys.readouterr().out
+
+
+@pytest.mark.mpi
+def test_another_redistribution_passes_under_mpiexec(tmp_path):
+    """14.2's direct exchange passes under mpiexec too, where the bytes are counted by the real ranks' tracer."""
+    (tmp_path / "spmd.py").write_text((BUGS.parent / "exercise_alternatives" / "spmd.py").read_text())
+    found = checker.run_mpi(exercises.get("14.2"), tmp_path / "spmd.py", 3)
+    assert found["status"] == "pass", found
+
+
+def test_the_matmul_exercise_covers_every_pair_and_every_case():
+    """14.1 is graded on all 7 x 7 valid layouts of A and B on a mesh x, y, which reach each of the rule's four
+    cases, and its reference is dtrain's rule read back: C's layout and the gathers that layouts.matmul implies."""
+    from dtrain.course.exercises.checks import spmd
+    from dtrain.parallel import layouts
+    from dtrain.parallel.layouts import Layout
+
+    assert len(spmd.PAIRS) == 49 and len(set(spmd.PAIRS)) == 49
+    seen = {n for a, b in spmd.PAIRS for n in spmd.rule_cases(layouts.matmul(Layout(a), Layout(b))[3])}
+    assert seen == {"1", "2", "3", "4"}
+    assert spmd.matmul_layouts(("x", "y"), ("y", "x")) == (("x", None), "y", [("all-gather", "B", 1, "x")])
+    assert spmd.matmul_layouts((None, "x"), ("y", None)) == (
+        (None, None), None, [("all-gather", "A", 1, "x"), ("all-gather", "B", 0, "y")])  # fmt: skip
 
 
 # --- the checker's words: the case (K of N) and the algorithm's step, a note only when it is the diagnosis ---------

@@ -220,8 +220,8 @@ def matmul(a: Layout, b: Layout) -> tuple[Layout, Layout, Layout, str]:
         case = "1: J whole in both, nothing sent" if ka is None else f"3: J split over {ka} in both: partial({ka})"
     else:  # 2: the operand whose J is split is gathered (both, if two axes split it)
         a, b = (a if ka is None else a.split(1, None)), (b if kb is None else b.split(0, None))
-        which = " and ".join(n for n, k in (("A", ka), ("B", kb)) if k is not None)
-        case = f"2: J split in {which} only: all-gather it"
+        which = "A" if kb is None else "B" if ka is None else None
+        case = f"2: J split in {which} only: all-gather it" if which else "2: J split over two axes: all-gather both"
     if a.dims[0] is not None and a.dims[0] == b.dims[1]:  # 4: C's two dims on one axis: gather B's columns
         b = b.split(1, None)
         case = f"4: axis {a.dims[0]} would split both of C's dims: all-gather B's columns, then " + case

@@ -51,6 +51,7 @@ SUBJECTS = (
     "zero",
     "debugging",
     "compression",
+    "spmd",
 )
 
 

@@ -47,6 +47,7 @@ LESSONS = {
     9: "lessons/09_zero.py",
     10: "lessons/10_debugging.py",
     13: "lessons/13_compression.py",
+    14: "lessons/14_spmd.py",
 }
 RINGS = (1, 2, 3, 4, 5, 8)  # simulated world sizes for a collective: one rank, powers of two and others
 MPI = (2, 3, 4)  # under mpiexec: small, and a non-power-of-two
