@@ -54,12 +54,12 @@ class Sharded:
 
 
 def blocks_first(array, dim: int, p: int):
-    """``array`` with dimension ``dim`` cut into ``p`` blocks, block b first: a contiguous (p, ...) array whose
+    """``array`` with dimension ``dim`` cut into ``p`` blocks, block b first: a new contiguous (p, ...) array whose
     chunk b (of the flat buffer) is block b, as the collectives cut buffers."""
     xp = array_module(array)
     shape = array.shape
     split = (*shape[:dim], p, shape[dim] // p, *shape[dim + 1 :])
-    return xp.ascontiguousarray(xp.moveaxis(array.reshape(split), dim, 0))
+    return xp.array(xp.moveaxis(array.reshape(split), dim, 0), order="C", copy=True)  # (a copy, even for dim 0)
 
 
 def blocks_joined(blocks, dim: int):
@@ -217,9 +217,11 @@ class Program:
             if b2.tensor.requires_grad:  # dB = A^T dC: a sum over C's rows
                 gb = a2.data.T @ grad
                 b2.grad_layout = self._contracted(b2.layout, layout, rows)
-            return ga, gb
+            return gb, ga
 
-        out.tensor = Tensor._make(a2.data @ b2.data, (a2.tensor, b2.tensor), backward)
+        # (B first among the parents: the engine then runs B's moves' backward right after this op's, so a weight
+        # gathered here has its gradient reduce-scattered layer by layer, as FSDP frees it, not at backward's end)
+        out.tensor = Tensor._make(a2.data @ b2.data, (b2.tensor, a2.tensor), backward)
         self.note("matmul", where, (a, b), out, case)
         self.plan[-1]["local"] = (*a2.data.shape, b2.data.shape[1])  # (m, k, n) this rank multiplies
         return out
@@ -228,7 +230,7 @@ class Program:
         """``param`` gathered again (backward's gather of a released parameter)."""
         data = param.data
         for move in layouts.moves(param.layout, target):
-            data = self.collective(move, data, where)
+            data = self.collective(move, data, f"{where} ({param.name})")  # (as redistribute labels it)
         return data
 
     @staticmethod

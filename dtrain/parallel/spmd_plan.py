@@ -38,8 +38,8 @@ def explain(kind, sizes, world: int, config) -> str:
                      " x ".join(map(str, local))])  # fmt: skip
     lines += ["", terminal.table(["tensor", "shape", "layout", "a rank holds"], rows, left=(0, 2))]
     ops = program.plan[: len(program.plan) // k]  # (one micro-batch's ops)
-    lines += ["", "the program, op by op (backward runs each op's conjugate; the model's code is the same for every "
-              "layout):"]  # fmt: skip
+    lines += ["", terminal.paragraph("the program, op by op (backward runs each op's conjugate; the model's code is "
+                                     "the same for every layout):")]  # fmt: skip
     table = [[e["where"], f"{FORMS[e['op']].format(*e['inputs'])} -> {e['output']}", e["case"] or "-"] for e in ops]
     lines.append(terminal.table(["where", "operands -> result", "matmul's case"], table, left=(0, 1, 2)))
     record = program.record
