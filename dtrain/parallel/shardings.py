@@ -189,9 +189,19 @@ def update_moves(params: dict[str, Sharded]) -> list[tuple[tuple, list[str]]]:
     return list(groups.items())
 
 
+def copies(collective: dict, p: int) -> float:
+    """How many times sharded.py copies a collective's result on one rank to lay its blocks out and back: an
+    all-reduce's buffer once (none in the update, made in place), a reduce-scatter's p blocks and the one kept, an
+    all-gather's own block and the joined whole, an all-to-all's blocks out and in."""
+    if collective["kind"] == "all-reduce":
+        return 0.0 if collective["phase"] == "update" else 1.0
+    return {"reduce-scatter": p + 1.0, "all-gather": 1.0 + 1.0 / p, "all-to-all": 2.0}[collective["kind"]]
+
+
 def step_time(program, world: int, config, hardware) -> dict:
     """Predicted seconds of one step on ``hardware``: the local matmuls of the dry run and the update of this rank's
-    blocks (compute), then every collective of the list on its axis's group of ranks (communication)."""
+    blocks (compute), then every collective of the list on its axis's group of ranks, with the copies that lay its
+    blocks out (a read and a write of each, at the memory's bandwidth: :func:`copies`) (communication)."""
     b = itemsize(config.dtype)
     shape = program.shape
     compute = sum(hardware.layers_time([(k, n)], m, b) for m, k, n in
@@ -200,6 +210,7 @@ def step_time(program, world: int, config, hardware) -> dict:
     communication = 0.0
     for c in program.record:
         group, nbytes = shape.groups(c["axis"])[0], c["elements"] * b
+        communication += hardware.slowdown(world) * 2 * copies(c, len(group)) * nbytes / hardware.memory_bandwidth
         if c["kind"] == "all-reduce":
             communication += hardware.allreduce(config.allreduce, nbytes, group, world)
         elif c["kind"] == "reduce-scatter":
