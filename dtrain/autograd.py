@@ -323,7 +323,8 @@ def activation_bytes(output: Tensor) -> int:
     new, and an array a leaf holds (a pipeline stage's received input) is not an intermediate result."""
     order = output._topological_order()
     leaves = {id(node.data) for node in order if node.is_leaf}
-    kept = {id(node.data): node.data.nbytes for node in order if not node.is_leaf and id(node.data) not in leaves}
+    kept = {id(node.data): node.data.nbytes for node in order  # (an array released already is kept by nobody)
+            if not node.is_leaf and node.data is not None and id(node.data) not in leaves}  # fmt: skip
     return sum(kept.values())
 
 

@@ -302,8 +302,8 @@ def _add_paradigm_flags(train_parser) -> None:
 
 def flag_words(flags: dict) -> list[str]:
     """``dtrain train``'s words for ``flags`` (TrainConfig's names and values): ``--name value``, a switch alone
-    when True, nothing when False, a tuple as commas (``--hidden 64,64``), a flag given once per value once per
-    value (``--shard w1=_,y --shard b1=y``)."""
+    when True, nothing when False, a tuple as commas (``--hidden 64,64``), a repeatable flag once per value
+    (``--shard w1=_,y --shard b1=y``)."""
     words, repeated = [], {name for name, flag in parallel.all_flags().items() if flag.repeat}
     for name, value in flags.items():
         option = f"--{name.replace('_', '-')}"

@@ -429,7 +429,7 @@ BAD = [  # (flags, a word the message must name)
     (dict(mesh="x=2,y=2", shard=("w9=_,_",)), "'w9'"),
     (dict(mesh="x=4", shard=("w3=_,x",)), "does not divide"),
     (dict(mesh="x=3,y=2"), "cover the world"),
-    (dict(mesh="x=4", sharding="dp-megatron"), "the mesh has one"),
+    (dict(mesh="x=4", sharding="dp-megatron"), "but the mesh has 1 (x)"),
 ]
 refused = []
 for flags, word in BAD:

@@ -723,7 +723,7 @@ BAD = {
         1,
         ["--sharding", "dp-megatron"],
         "--sharding dp-megatron puts data on the mesh's "
-        "first axis and the model on its second, but the mesh has one (x)",
+        "first axis and the model on its second, but the mesh has 1 (x)",
     ),
 }
 
@@ -748,6 +748,10 @@ REFUSED = [
     (4, dict(mesh="x=2,y=2", batch_size=5), r"input laid out as \[x,_\]: its dimension 0 \(5 rows"),
     (4, dict(mesh="x=2,y=2", sharding="dp-megatron", accumulate=5), "--accumulate 5 must divide each rank's rows"),
     (2, dict(allreduce="hierarchical"), "needs nodes"),
+    (2, dict(shard=("w1=_,x", "w1=x,_")), "--shard names w1 more than once"),
+    (8, dict(mesh="x=2,y=2,z=2", sharding="dp-megatron"), r"but the mesh has 3 \(x, y, z\)"),
+    (2, dict(mesh="datatooverlong=2"), "up to 8 letters"),
+    (4, dict(mesh="x=2,y=2", sharding="auto", hidden=(32, 32, 32)), "more than the 3,000 it prices"),
 ]
 
 

@@ -27,8 +27,8 @@ which talks least, varies slowest (Megatron-LM's order, "tp-dp-pp")::
 The grid is a device mesh (mesh.py) with the axes pp, dp, tp, the last varying fastest. Every group is one
 ``comm.Split(colour, key)`` of the world (:class:`Grid`, with the mesh's :func:`~dtrain.parallel.mesh.split_axes`),
 so a sub-communicator carries the world's layers (tracer, staging, watchdog) and a rank's place in a group is its
-coordinate on that axis. Nothing
-here sends a byte except the three ``Split`` calls; :func:`shape_of` checks a grid against the world before those.
+coordinate on that axis. Nothing here sends a byte except the three ``Split`` calls; :func:`shape_of` checks a grid
+against the world before those.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ get an operand there is a **redistribution** (:func:`moves`), the least communic
 ``C[I, K] = A[I, J] @ B[J, K]``, with J the contracting dimension, has four cases::
 
     1  J whole in both                      A[I_x, J] B[J, K_y] -> C[I_x, K_y]      nothing sent
-    2  J split in one operand               A[I, J_x] B[J, K]   -> all-gather A over x first, then case 1
+    2  J split in one operand               A[I, J_x] B[J, K]   -> all-gather A over x first, then case 1 (the
+                                                                   other way, slicing B's rows locally into case 3
+                                                                   and a partial sum, can send less: GSPMD weighs
+                                                                   both; this rule always gathers)
     3  J split over the same axis in both   A[I, J_x] B[J_x, K] -> C[I, K] partial(x): each rank multiplies its
                                                                    blocks; the sum is made when it is needed
     4  one axis would split both of C's     A[I_x, J] B[J, K_x] -> all-gather B over x first (C[I_x, K_x] cannot be)
@@ -35,7 +38,6 @@ needs each row's classes on one rank. Everything here is arithmetic on layouts: 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from dtrain.errors import ConfigError
 
@@ -78,6 +80,11 @@ class Layout:
     def local_shape(self, shape, sizes: dict) -> tuple:
         """The block of a tensor of global ``shape`` one rank holds (``sizes``: the mesh's axis sizes)."""
         return tuple(n if a is None else n // sizes[a] for n, a in zip(shape, self.dims))
+
+    def block(self, shape, sizes: dict, coordinates: dict) -> tuple:
+        """The slices of a tensor of global ``shape`` that the rank at ``coordinates`` holds."""
+        return tuple(slice(None) if a is None else slice(coordinates[a] * (n // sizes[a]),
+                     (coordinates[a] + 1) * (n // sizes[a])) for n, a in zip(shape, self.dims))  # fmt: skip
 
     def __str__(self) -> str:
         text = "[" + ",".join(REPLICATED if a is None else a for a in self.dims) + "]"
@@ -257,7 +264,3 @@ def cross_entropy(logits: Layout, rows: int, sizes: dict) -> tuple[Layout, Layou
         z = Layout((classes_axis, None)) if swap else Layout((rows_axis, None))
     loss = Layout(()).plus_partial(z.dims[0], "avg")
     return z, loss
-
-
-def local_elements(shape, layout: Layout, sizes: dict) -> int:
-    return math.prod(layout.local_shape(shape, sizes))

@@ -27,7 +27,7 @@ import re
 from dtrain import terminal
 from dtrain.errors import ConfigError
 
-NAME = re.compile(r"[a-z][a-z0-9]*\Z")
+NAME = re.compile(r"[a-z][a-z0-9]{0,7}\Z")  # (short: layouts print an axis name in every tensor's spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,7 @@ class MeshShape:
         rows = [[name, *(str(self.coordinates(r)[name]) for r in ranks)] for name in self.names]
         lines.append(terminal.table(["rank", *map(str, ranks)], rows, indent="  "))
         for name in self.names:
+            # (a group's ranks joined by no-break spaces, so wrapping the line never splits a group)
             groups = " ".join("[" + "\xa0".join(map(str, g)) + "]" for g in self.groups(name))
             lines.append(terminal.paragraph(f"{name} groups: {groups}", "  ", "    ").replace("\xa0", " "))
         return "\n".join(lines)
@@ -92,8 +93,8 @@ def parse(text: str | None, world: int | None) -> MeshShape:
     for part in text.split(","):
         name, equals, size = part.strip().partition("=")
         if not equals or not NAME.match(name) or not size.strip().isdigit() or int(size) < 1:
-            raise ConfigError(f"--mesh {text}: each axis is NAME=SIZE (a lower-case name, a size >= 1), e.g. "
-                              "--mesh x=2,y=2")  # fmt: skip
+            raise ConfigError(f"--mesh {text}: each axis is NAME=SIZE (a lower-case name of up to 8 letters and "
+                              "digits, a size >= 1), e.g. --mesh x=2,y=2")  # fmt: skip
         if name in dict(axes):
             raise ConfigError(f"--mesh {text} names the axis {name} twice")
         axes.append((name, int(size)))

@@ -34,23 +34,27 @@ from dtrain.parallel.layouts import Layout, Move
 
 
 class Sharded:
-    """This rank's block of a tensor of global ``shape``, laid out as ``layout``."""
+    """This rank's block of a tensor of global ``shape``, laid out as ``layout``. An op makes its output's Sharded
+    before its autograd tensor (``tensor`` None until then), because the op's backward needs the output's
+    ``grad_layout``, which the next op writes there."""
 
     __slots__ = ("grad_layout", "layout", "name", "regather", "shape", "tensor")
 
-    def __init__(self, tensor: Tensor, layout: Layout, shape, name: str):
+    def __init__(self, tensor: Tensor | None, layout: Layout, shape, name: str):
         self.tensor, self.layout, self.shape, self.name = tensor, layout, tuple(shape), name
         self.grad_layout: Layout | None = None  # written by the op that uses it, in backward
         self.regather = None  # a parameter gathered for use: how to gather it again once released (FSDP)
 
     @property
     def data(self):
-        if self.tensor.data is None:  # released after forward: gathered again for backward
+        if self.tensor.data is None:  # a gathered weight released after its use in forward: gathered again
             return self.regather()
         return self.tensor.data
 
-    def release(self) -> None:
-        self.tensor.data = None
+    def release(self, regather) -> None:
+        """Drop this block's array (a weight gathered for one matmul: FSDP's resharding); ``regather()`` makes it
+        again when backward needs it."""
+        self.tensor.data, self.regather = None, regather
 
 
 def blocks_first(array, dim: int, p: int):
@@ -79,20 +83,19 @@ class Program:
         self.sizes, self.coordinates, self.comms, self.algorithm = sizes, coordinates, comms, algorithm
         self.record: list[dict] = []
         self.plan: list[dict] = []
-        self.phase = "forward"
-        self.resharded: list[Sharded] = []  # parameters gathered for forward, released after it
+        self.phase = "forward"  # what the collectives made now are recorded as: forward, backward or update
+        # a dry run's (shardings.dry_run): the mesh, what forward keeps for backward, this rank's parameters
+        self.shape, self.activations, self.parameters = None, 0, 0
 
     def end_forward(self) -> None:
-        """Forward is over: release the gathered parameters (backward gathers them again) and count what follows
-        as backward's."""
-        for gathered in self.resharded:
-            gathered.release()
-        self.resharded, self.phase = [], "backward"
+        """Forward is over: what follows is backward's."""
+        self.phase = "backward"
 
     # --- collectives ----------------------------------------------------------------------------------------
-    def collective(self, move: Move, array, where: str):
+    def collective(self, move: Move, array, where: str, spent: bool = False):
         """Make ``move`` on this rank's block ``array`` (an array of its own is returned); collectives are run on
-        the axis's communicator and recorded."""
+        the axis's communicator and recorded. ``spent``: nobody reads ``array`` afterwards, so an all-reduce may sum
+        into it (a partial sum once made whole, a gradient once passed on), as tp's g and f do."""
         xp, p = array_module(array), self.sizes[move.axis]
         if move.kind == "slice":
             mine = self.coordinates[move.axis]
@@ -101,7 +104,8 @@ class Program:
             return array * (1.0 / p)
         comm = None if self.comms is None else self.comms[move.axis]
         if move.kind == "all-reduce":
-            return self.allreduce(xp.array(array, copy=True, order="C"), move, where)
+            own = spent and array.flags.c_contiguous and array.base is None
+            return self.allreduce(array if own else xp.array(array, copy=True, order="C"), move, where)
         if move.kind == "reduce-scatter":
             blocks = blocks_first(array, move.dim, p)
             if comm is not None:
@@ -157,8 +161,10 @@ class Program:
             for move in steps:
                 if move.kind == "all-reduce":
                     self.allreduce(buf, move, where)
-                else:  # a gradient unaveraged over an axis no sum crossed: the mean, locally
+                elif move.kind == "scale":  # a gradient unaveraged over an axis no sum crossed: the mean, locally
                     buf *= 1.0 / self.sizes[move.axis]
+                else:
+                    raise ValueError(f"the update makes gradients whole in place: no {move.kind}")
             if not together:
                 offset = 0
                 for part in parts:
@@ -179,16 +185,17 @@ class Program:
         def backward(grad):
             back = move.conjugate(out.grad_layout)
             x.grad_layout = out.grad_layout if back is None else back.after(out.grad_layout)
-            return (grad if back is None else self.collective(back, grad, where),)
+            return (grad if back is None else self.collective(back, grad, where, spent=True),)
 
-        out.tensor = Tensor._make(self.collective(move, x.data, where), (x.tensor,), backward)
+        spent = move.kind == "all-reduce"  # (a partial sum is read by nothing but the move that makes it whole)
+        out.tensor = Tensor._make(self.collective(move, x.data, where, spent), (x.tensor,), backward)
         return out
 
     def whole_gradient(self, out: Sharded, grad, where: str):
         """The gradient of ``out`` made whole (an op that is not a move needs it so), and its layout."""
         layout = out.grad_layout if out.grad_layout is not None else out.layout.whole
         for move in layouts.made_whole(layout):
-            grad = self.collective(move, grad, where)
+            grad = self.collective(move, grad, where, spent=True)
             layout = move.after(layout)
         return grad, layout
 
@@ -198,13 +205,10 @@ class Program:
                           "inputs": [f"{x.name}{x.layout}" for x in inputs]})  # fmt: skip
 
     def matmul(self, a: Sharded, b: Sharded, where: str, name: str, reshard: bool = False) -> Sharded:
-        """``a @ b`` by the matmul rule. ``reshard``: b (a parameter), if gathered here, is released once forward is
-        over (:meth:`end_forward`) and gathered again for backward, as FSDP and ZeRO-3 do."""
+        """``a @ b`` by the matmul rule. ``reshard``: b (a parameter), if gathered here, is released as soon as it
+        has been used and gathered again in backward if backward needs it, as FSDP and ZeRO-3 do."""
         la, lb, lout, case = layouts.matmul(a.layout, b.layout)
         a2, b2 = self.redistribute(a, la, where), self.redistribute(b, lb, where)
-        if b2 is not b and reshard:
-            b2.regather = lambda: self.collective_again(b, lb, where)
-            self.resharded.append(b2)
         out = Sharded(None, lout, (a.shape[0], b.shape[1]), name)
 
         def backward(grad):
@@ -224,9 +228,11 @@ class Program:
         out.tensor = Tensor._make(a2.data @ b2.data, (b2.tensor, a2.tensor), backward)
         self.note("matmul", where, (a, b), out, case)
         self.plan[-1]["local"] = (*a2.data.shape, b2.data.shape[1])  # (m, k, n) this rank multiplies
+        if b2 is not b and reshard:
+            b2.release(lambda: self.gather_again(b, lb, where))
         return out
 
-    def collective_again(self, param: Sharded, target: Layout, where: str):
+    def gather_again(self, param: Sharded, target: Layout, where: str):
         """``param`` gathered again (backward's gather of a released parameter)."""
         data = param.data
         for move in layouts.moves(param.layout, target):
@@ -258,22 +264,21 @@ class Program:
         self.note("bias add", where, (h, b), out)
         return out
 
-    def activation(self, x: Sharded, kind: str, where: str, name: str) -> Sharded:
+    def relu(self, x: Sharded, where: str, name: str) -> Sharded:
+        """``max(x, 0)`` elementwise, on a whole ``x`` (a partial sum is made first: relu of a sum is not the sum of
+        relus); its gradient, made whole first too, is masked where x was not positive."""
         lx, lout = layouts.elementwise(x.layout)
         x2 = self.redistribute(x, lx, where)
-        y = x2.tensor.relu() if kind == "relu" else x2.tensor.tanh()
+        data = x2.data
         out = Sharded(None, lout, x.shape, name)
-        inner = y._backward
 
         def backward(grad):
             grad, layout = self.whole_gradient(out, grad, where)
             x2.grad_layout = layout
-            return inner(grad)
+            return (grad * (data > 0),)
 
-        if y._backward is not None:
-            y._backward = backward
-        out.tensor = y
-        self.note(kind, where, (x,), out)
+        out.tensor = Tensor._make(array_module(data).maximum(data, 0), (x2.tensor,), backward)
+        self.note("relu", where, (x,), out)
         return out
 
     def cross_entropy(self, logits: Sharded, labels, labels_axis, where: str) -> Sharded:
@@ -284,15 +289,8 @@ class Program:
         if rows_axis != labels_axis:  # whole labels (and rows), whose rows the all-to-all split: this rank's block
             assert labels_axis is None, "the rules never gather a batch's rows"
             labels = blocks_first(labels, 0, self.sizes[rows_axis])[self.coordinates[rows_axis]]
-        loss = softmax_cross_entropy(z.tensor, labels)
-        out = Sharded(loss, lloss, (), "loss")
-        inner = loss._backward
-
-        def backward(grad):  # the seed's gradient is each rank's own mean's: unaveraged over the rows' axis
-            z.grad_layout = Layout(z.layout.dims, (), () if rows_axis is None else (rows_axis,))
-            return inner(grad)
-
-        if loss._backward is not None:
-            loss._backward = backward
+        out = Sharded(softmax_cross_entropy(z.tensor, labels), lloss, (), "loss")
+        # backward starts from each rank's own mean over its rows: a gradient unaveraged over their axis
+        z.grad_layout = Layout(z.layout.dims, (), () if rows_axis is None else (rows_axis,))
         self.note("cross-entropy", where, (logits,), out)
         return out

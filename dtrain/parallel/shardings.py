@@ -48,9 +48,9 @@ def tensors(sizes, batch: int) -> dict[str, tuple]:
 def preset(name: str, axes, layers: int) -> dict[str, tuple]:
     """The dims of each tensor a named sharding splits (the others are replicated), on a mesh with ``axes``."""
     first, last = axes[0], axes[-1]
-    if name == "dp-megatron" and len(axes) < 2:
+    if name == "dp-megatron" and len(axes) != 2:
         raise ConfigError(f"--sharding dp-megatron puts data on the mesh's first axis and the model on its second, "
-                          f"but the mesh has one ({first}): give --mesh x=D,y=M")  # fmt: skip
+                          f"but the mesh has {len(axes)} ({', '.join(axes)}): give --mesh x=D,y=M")  # fmt: skip
     dims = {}
     if name in ("dp", "fsdp", "dp-megatron"):
         dims["input"] = (first, None)
@@ -81,6 +81,10 @@ def layouts_of(sizes, world, mesh_text, shards, sharding, batch, accumulate) -> 
     shapes = tensors(sizes, batch)
     chosen = preset(sharding, shape.names, len(sizes) - 1)  # ("auto" comes here as the --shard words it chose)
     result = {name: Layout(chosen.get(name, (None,) * len(s))) for name, s in shapes.items()}
+    named = [given.partition("=")[0] for given in shards]
+    twice = sorted({t for t in named if named.count(t) > 1})
+    if twice:
+        raise ConfigError(f"--shard names {', '.join(twice)} more than once: give one layout per tensor")
     for given in shards:
         tensor, equals, text = given.partition("=")
         if not equals or tensor not in shapes:
@@ -107,9 +111,7 @@ def parameters(sizes):
     return [name for j in range(1, len(sizes)) for name in (f"w{j}", f"b{j}")]
 
 
-def forward(
-    program: Program, params: dict[str, Sharded], x, labels, input_layout: Layout, rows: int, activation: str
-) -> Sharded:
+def forward(program: Program, params: dict[str, Sharded], x, labels, input_layout: Layout, rows: int) -> Sharded:
     """The MLP's forward and loss on this rank's block ``x`` of a micro-batch of ``rows`` rows (its rows: those of
     ``input_layout``'s rows' axis): the same code for every layout. A weight gathered for its matmul is released
     after forward and gathered again in backward, if backward needs it (resharding, as FSDP and ZeRO-3 do)."""
@@ -121,7 +123,7 @@ def forward(
         h = program.matmul(h, params[f"w{j}"], f"{where}: x @ w{j}", f"z{j}", reshard=True)
         h = program.bias_add(h, params[f"b{j}"], f"{where}: + b{j}", f"h{j}")
         if j < layers:
-            h = program.activation(h, activation, f"{where}: {activation}", f"a{j}")
+            h = program.relu(h, f"{where}: relu", f"a{j}")
     return program.cross_entropy(h, labels, input_layout.dims[0], "loss")
 
 
@@ -140,9 +142,7 @@ def local_model(
     :class:`~dtrain.parallel.placement.Piece` of the whole flat buffer each one is."""
     local, params, pieces = Module(), {}, []
     for (name, shape), (start, _n) in zip(list(tensors(sizes, batch).items())[1:], parameter_spans(sizes)):
-        index = tuple(slice(None) if a is None else slice(coordinates[a] * (n // axis_sizes[a]),
-                      (coordinates[a] + 1) * (n // axis_sizes[a])) for n, a in zip(shape, laid[name].dims))  # fmt: skip
-        pieces.append(placement.Piece(start, shape, index))
+        pieces.append(placement.Piece(start, shape, laid[name].block(shape, axis_sizes, coordinates)))
         block = pieces[-1].view(whole) if whole is not None else np.zeros(laid[name].local_shape(shape, axis_sizes))
         setattr(local, name, Parameter(xp.array(block, dtype=dtype, copy=True), name))
     local.flatten_(xp=xp, dtype=dtype)
@@ -167,8 +167,8 @@ def dry_run(sizes, world, mesh_text, shards, sharding, batch, accumulate, dtype=
     x = np.zeros((local_rows, sizes[0]), DTYPES[dtype])
     for _ in range(accumulate):
         program.phase = "forward"
-        loss = forward(program, params, x, np.zeros(local_rows, np.int64), laid["input"], rows, "relu")
-        program.activations = activation_bytes(loss.tensor)
+        loss = forward(program, params, x, np.zeros(local_rows, np.int64), laid["input"], rows)
+        program.activations = activation_bytes(loss.tensor)  # (the weights gathered and released: not kept)
         program.end_forward()
         loss.tensor.backward()
     program.update(local.flat_grads, local.param_slices, update_moves(params))
@@ -191,11 +191,10 @@ def update_moves(params: dict[str, Sharded]) -> list[tuple[tuple, list[str]]]:
 
 def copies(collective: dict, p: int) -> float:
     """How many times sharded.py copies a collective's result on one rank to lay its blocks out and back: an
-    all-reduce's buffer once (none in the update, made in place), a reduce-scatter's p blocks and the one kept, an
-    all-gather's own block and the joined whole, an all-to-all's blocks out and in."""
-    if collective["kind"] == "all-reduce":
-        return 0.0 if collective["phase"] == "update" else 1.0
-    return {"reduce-scatter": p + 1.0, "all-gather": 1.0 + 1.0 / p, "all-to-all": 2.0}[collective["kind"]]
+    all-reduce none (it sums in place), a reduce-scatter its p blocks and the one kept, an all-gather its own block
+    and the joined whole, an all-to-all its blocks out and in."""
+    return {"all-reduce": 0.0, "reduce-scatter": p + 1.0, "all-gather": 1.0 + 1.0 / p, "all-to-all": 2.0}[
+        collective["kind"]]  # fmt: skip
 
 
 def step_time(program, world: int, config, hardware) -> dict:

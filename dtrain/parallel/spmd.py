@@ -84,9 +84,11 @@ class SPMD(Paradigm):
     def words_of(cls, sizes, world: int, config) -> tuple[tuple[str, ...], str]:
         """(--shard words, the preset under them): --sharding auto becomes the words of the layout it chose."""
         sharding, words = shardings.sharding_of(config), tuple(config.shard or ())
-        if sharding == "auto":
-            chosen = auto_sharding.choose(tuple(sizes), world, config.mesh, config.batch_size, config.accumulate)
-            return chosen + words, "none"
+        if sharding == "auto":  # (a tensor --shard names keeps the user's layout)
+            chosen = auto_sharding.choose(tuple(sizes), world, config.mesh, config.batch_size, config.accumulate,
+                                          config.dtype, config.optimizer, config.momentum)  # fmt: skip
+            named = {w.partition("=")[0] for w in words}
+            return tuple(w for w in chosen if w.partition("=")[0] not in named) + words, "none"
         return words, sharding
 
     @classmethod
@@ -127,6 +129,9 @@ class SPMD(Paradigm):
         self.model, self.params, self.pieces = shardings.local_model(
             self.layouts, self.sizes, config.batch_size, axis_sizes, self.mesh.coordinates,
             xp=array_module(whole.flat_params), dtype=whole.flat_params.dtype, whole=whole.flat_params)  # fmt: skip
+        if len(set(self.comm.allgather(tuple(self.layouts.values())))) > 1:  # (auto on unlike machines could differ)
+            raise ConfigError("the ranks chose different layouts (--sharding auto priced them on unlike machines): "
+                              "give the layout with --sharding or --shard")  # fmt: skip
         self.optimizer = make_optimizer(self.model)
         self.whole_model = placement.Held(self.model, self.optimizer, self.pieces, self._gather)  # (the whole model)
         self.peer_pieces = self.comm.allgather(self.pieces)  # (a few numbers per parameter, once)
@@ -155,7 +160,7 @@ class SPMD(Paradigm):
         for i in range(k):
             program.phase = "forward"
             part = slice(i * size, (i + 1) * size)
-            loss = shardings.forward(program, self.params, x[part], y[part], self.layouts["input"], rows, "relu")
+            loss = shardings.forward(program, self.params, x[part], y[part], self.layouts["input"], rows)
             program.end_forward()
             loss.tensor.backward(np.full_like(loss.tensor.data, 1.0 / k) if k > 1 else None)
             total = total + host_or_device_loss(loss.tensor.data)

@@ -13,8 +13,7 @@ from dtrain import terminal
 from dtrain.parallel import auto_sharding, shardings
 from dtrain.parallel.layouts import spec
 
-FORMS = {"matmul": "{} @ {}", "bias add": "{} + {}", "relu": "relu({})", "tanh": "tanh({})",
-         "cross-entropy": "cross-entropy({})"}  # fmt: skip
+FORMS = {"matmul": "{} @ {}", "bias add": "{} + {}", "relu": "relu({})", "cross-entropy": "cross-entropy({})"}
 
 
 def explain(kind, sizes, world: int, config) -> str:
@@ -29,7 +28,8 @@ def explain(kind, sizes, world: int, config) -> str:
         + "".join(f" --shard {s}" for s in config.shard or ()) + f"; the MLP {'-'.join(map(str, sizes))}, global "
         f"batch {config.batch_size}" + (f" in {k} micro-batches" if k > 1 else "") + ":")]  # fmt: skip
     if sharding == "auto":
-        lines += ["", auto_sharding.why(tuple(sizes), world, config.mesh, config.batch_size, k)]
+        lines += ["", auto_sharding.why(tuple(sizes), world, config.mesh, config.batch_size, k, config.dtype,
+                                       config.optimizer, config.momentum)]  # fmt: skip
     axis_sizes = dict(shape.axes)
     rows = []
     for name, global_shape in shardings.tensors(sizes, config.batch_size).items():
