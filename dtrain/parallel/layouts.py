@@ -38,6 +38,7 @@ needs each row's classes on one rank. Everything here is arithmetic on layouts: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from dtrain.errors import ConfigError
 
@@ -87,6 +88,10 @@ class Layout:
                      (coordinates[a] + 1) * (n // sizes[a])) for n, a in zip(shape, self.dims))  # fmt: skip
 
     def __str__(self) -> str:
+        return self.text
+
+    @functools.cached_property
+    def text(self) -> str:  # (made once: the program notes every op's layouts, every step)
         text = "[" + ",".join(REPLICATED if a is None else a for a in self.dims) + "]"
         for axis, op in self.partial:
             text += f" partial {op}({axis})"
@@ -194,6 +199,11 @@ def moves(source: Layout, target: Layout) -> list[Move]:
     """The moves from ``source`` to ``target``'s dims, whole (the target's partial sums are ignored: a target is
     never partial), fewest bytes first: partial sums made (scattered where the target splits a dimension that is
     whole here), then dimensions gathered or exchanged, then slices (free)."""
+    return list(_moves(source, target))
+
+
+@functools.cache  # (pure, and asked again every step: remembered)
+def _moves(source: Layout, target: Layout) -> tuple[Move, ...]:
     steps, now = [], source
     for axis, op in source.partial:
         dims = [d for d, a in enumerate(target.dims) if a == axis and now.dims[d] is None and axis not in now.dims]
@@ -208,7 +218,7 @@ def moves(source: Layout, target: Layout) -> list[Move]:
         if axis is not None and now.dims[d] is None:
             steps.append(Move("slice", axis, d))
             now = steps[-1].after(now)
-    return steps
+    return tuple(steps)
 
 
 def made_whole(grad: Layout) -> list[Move]:
@@ -219,6 +229,7 @@ def made_whole(grad: Layout) -> list[Move]:
 # --- the rules: what each op needs of its operands, and what it gives -----------------------------------------
 
 
+@functools.cache
 def matmul(a: Layout, b: Layout) -> tuple[Layout, Layout, Layout, str]:
     """``C = A @ B``: (A's layout to use, B's, C's, which of the four cases). Operands are made whole first."""
     a, b = a.whole, b.whole
@@ -236,6 +247,7 @@ def matmul(a: Layout, b: Layout) -> tuple[Layout, Layout, Layout, str]:
     return a, b, out, case
 
 
+@functools.cache
 def bias_add(h: Layout, bias: Layout) -> tuple[Layout, Layout, Layout]:
     """``h + b`` (b added to every row): (h's layout to use, b's, the output's). A partial h is made whole, by a
     reduce-scatter onto its columns when the bias is split over that axis, else an all-reduce; the bias then takes
@@ -248,6 +260,7 @@ def bias_add(h: Layout, bias: Layout) -> tuple[Layout, Layout, Layout]:
     return whole, Layout((whole.dims[1],)), whole
 
 
+@functools.cache
 def elementwise(x: Layout) -> tuple[Layout, Layout]:
     """An activation: (the input's layout to use: whole, the output's: the same)."""
     return x.whole, x.whole

@@ -23,6 +23,7 @@ and ``costs()`` know them without a second derivation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from dtrain import collectives
@@ -240,6 +241,7 @@ class Program:
         return data
 
     @staticmethod
+    @functools.cache  # (pure, and asked again every step: remembered)
     def _contracted(operand: Layout, grad: Layout, axis) -> Layout:
         """The layout of an operand's gradient: the operand's dims, partial over ``axis`` (the contracted dimension's,
         a mean where the gradient is unaveraged over it), unaveraged as the gradient is, but over that axis."""

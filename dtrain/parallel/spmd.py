@@ -136,6 +136,7 @@ class SPMD(Paradigm):
         self.whole_model = placement.Held(self.model, self.optimizer, self.pieces, self._gather)  # (the whole model)
         self.peer_pieces = self.comm.allgather(self.pieces)  # (a few numbers per parameter, once)
         self.program = Program(axis_sizes, self.mesh.coordinates, self.mesh.comms, config.allreduce)
+        self.update_groups = None
         if self.rank == 0 and not config.quiet:
             print(terminal.wrapped(self.shape.describe()), flush=True)
             laid = "  ".join(f"{name}[{spec(layout.dims)}]" for name, layout in self.layouts.items())
@@ -146,7 +147,9 @@ class SPMD(Paradigm):
         """Forward and backward (the collectives the layouts call for inside them), then the update phase: the
         parameters' gradients that are still partial made whole, one collective per group; then the update."""
         loss = self.gradients(x, y)
-        self.program.update(self.model.flat_grads, self.model.param_slices, shardings.update_moves(self.params))
+        if self.update_groups is None:  # (the gradients' layouts are the same every step: grouped once)
+            self.update_groups = shardings.update_moves(self.params)
+        self.program.update(self.model.flat_grads, self.model.param_slices, self.update_groups)
         self.optimizer.step()
         return loss
 
@@ -154,7 +157,7 @@ class SPMD(Paradigm):
         """Forward and backward of the sharded program over --accumulate micro-batches: this rank's mean loss (of
         its rows; whether the ranks' means average or agree, the loss's layout says; the driver averages them)."""
         program, k, started = self.program, self.config.accumulate, time.perf_counter()
-        program.record = []  # (one step's collectives: metrics.json's collectives_per_step)
+        program.record, program.plan = [], []  # (one step's: metrics.json's collectives_per_step)
         self.model.zero_grad()
         size, rows, total = len(y) // k, self.config.batch_size // k, 0.0
         for i in range(k):
