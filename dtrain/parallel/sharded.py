@@ -3,7 +3,7 @@ collectives that the layout rules (layouts.py) call for, run over the mesh's axe
 
 A :class:`Sharded` holds an autograd :class:`~dtrain.autograd.Tensor` (this rank's block) and a
 :class:`~dtrain.parallel.layouts.Layout`. Each op below (:meth:`Program.matmul`, :meth:`Program.bias_add`,
-:meth:`Program.activation`, :meth:`Program.cross_entropy`) asks its rule for the operands' layouts, moves each
+:meth:`Program.relu`, :meth:`Program.cross_entropy`) asks its rule for the operands' layouts, moves each
 operand there (:meth:`Program.redistribute`: one autograd op per move, whose backward is the move's conjugate), and
 computes on the local blocks. Backward runs through the same engine; the only bookkeeping it needs is the layout of
 each gradient, which every op's backward writes on its operands (``grad_layout``) before their own backward runs

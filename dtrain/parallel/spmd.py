@@ -65,7 +65,7 @@ NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp f
 @register
 class SPMD(Paradigm):
     name = "spmd"
-    summary = "layouts on a device mesh: shard tensors, the communication is derived"
+    summary = "layouts on a device mesh, the communication derived"
     order = 14  # where it comes in listings: the course's lesson 14
     flags = (MESH, SHARD, SHARDING, EXPLAIN, ALLREDUCE)
 
