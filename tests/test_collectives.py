@@ -16,7 +16,7 @@ import pytest
 from mpi_util import run_mpi, run_mpi_code
 
 from dtrain import collectives, kernels
-from dtrain.collectives import costmodel, hierarchical
+from dtrain.collectives import costmodel, hierarchical, traffic
 from dtrain.comm import sim
 from dtrain.comm.trace import TracedComm, Tracer
 
@@ -91,7 +91,7 @@ def test_the_checker_catches_a_wrong_reduction(monkeypatch):
 
 
 def test_the_checker_catches_a_wrong_traffic_model(monkeypatch):
-    monkeypatch.setattr(costmodel, "_ring_ag", lambda count, p, r: (p - 1, count))  # "sends everything"
+    monkeypatch.setattr(traffic, "_ring_ag", lambda count, p, r: (p - 1, count))  # "sends everything"
     _, failures = run_checks_on_sim(4, big=False, dtypes=(np.float32,), variants=[("ring", None)], extras=False)
     assert any("cost model says" in f for f in failures)
 

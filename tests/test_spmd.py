@@ -722,8 +722,7 @@ BAD = {
     "dp-megatron on one axis": (
         1,
         ["--sharding", "dp-megatron"],
-        "--sharding dp-megatron puts data on the mesh's "
-        "first axis and the model on its second, but the mesh has 1 (x)",
+        "--sharding dp-megatron puts data on the mesh's first axis and the model on its second, but the mesh has 1 (x)",
     ),
 }
 

@@ -8,19 +8,17 @@
     rabenseifner      doubling.py       2 log2 p        2 (p-1)/p n                            large, power-of-2 p
     hierarchical      hierarchical.py   tree+ring+tree  leaders: ring on n                     nodes, small n
     hierarchical_rs   hierarchical.py   ring x 3        2 (K-1)/K n + ring on n/K              nodes, large n
+    shm               shm.py            2 fences        none: copies 2 (p-1)/p n (shared memory) one node, any n
+    hierarchical_shm  shm.py            shm+ring+shm    leaders: ring on n                     nodes, shm inside
     mpi               native.py         (MPI's own)     (MPI's own)                            the baseline
-    auto              costmodel.py picks by message size and p
+    auto              costmodel.py picks by message size and p (shm: only from calibrate.py's measured size on)
     FILE.py:FUNCTION  yours.py          your own fn(comm, buf) that sums in place (a course exercise, say)
     pairwise          alltoall.py       p-1             (p-1)/p n, all-to-all (n % p == 0)     experts, heads
 
-Which file does what::
-
-    __init__.py      the front door (this file): the six collectives, the table of algorithms, one path through it
-    _checks.py       argument checks; debug mode (ranks compare their calls first)
-    _chunks.py       how a buffer is cut into p chunks; the scratch buffer each rank reuses
-    naive.py tree.py ring.py doubling.py hierarchical.py native.py alltoall.py     the algorithms (table above)
-    costmodel.py     alpha-beta-gamma: predicted time, exact bytes and messages per rank, the "auto" choice
-    calibration.json this machine's alpha, beta, gamma (written by scripts/calibrate.py)
+Which file does what: this one is the front door (the six collectives, the table, one path through it);
+_checks.py checks arguments (and, in debug mode, that ranks make the same call); _chunks.py cuts a buffer into p
+chunks; the algorithms are in the files of the table; costmodel.py predicts time and counts exact bytes and
+messages per rank ("auto"'s choice); calibration.json holds this machine's constants (scripts/calibrate.py).
 
 Everything works in place on one C-contiguous float32/float64 array (any shape; it is treated as flat)::
 
@@ -31,20 +29,18 @@ Everything works in place on one C-contiguous float32/float64 array (any shape; 
     collectives.alltoall(comm, tokens)                                 # chunk j to rank j, in place; n % p == 0
     topo = hierarchical.topology(comm, ranks_per_node=2)               # nodes: built once, handed to every call
     collectives.allreduce(comm, grads, algorithm="hierarchical", topology=topo)
+    grads = shm.buffer(comm, n, np.float32)        # in a shared window: "shm" then sums it in place, zero copy
 
 ``comm`` is an ``mpi4py`` communicator, a simulated one (``dtrain.comm.sim``) or either wrapped (tracer, GPU
 staging, watchdog); with the tracer each call is labelled ``"<collective>/<algorithm>"``. Ops are "sum", "avg"
 (sum / p) and "max". Chunks follow ``chunk_bounds(n, p)``: the first n % p chunks are one element longer.
 
-**One path for every collective.** :data:`TABLE` lists, per collective, each algorithm's function and what it needs
-(a power-of-two p, a topology of nodes, nodes of equal size, n % p == 0). Every public function hands its arguments to
-``_run``, which (1) checks them on every rank before anything is sent (see _checks.py), (2) in debug mode
-(``DTRAIN_DEBUG=1`` or ``set_debug(True)``) compares every rank's call first, so a mismatch raises
+**One path for every collective.** :data:`TABLE` lists each algorithm's function and what it needs (a power-of-two
+p, nodes, nodes of equal size, n % p == 0). ``_run`` (1) checks the call on every rank before anything is sent,
+(2) in debug mode (``DTRAIN_DEBUG=1`` or ``set_debug(True)``) compares every rank's call first, so a mismatch raises
 ``CollectiveMismatchError`` on every rank instead of hanging, (3) picks the algorithm ("auto": the cost model's
-choice for this size and p), (4) tells the watchdog what this rank is in, labels the traffic for the tracer, and
-runs the algorithm on the flat buffer. A small all-reduce takes a few microseconds, so this path is written to cost
-about one: no closures or dictionaries made per call, the auto choice remembered per size, the debug-mode call
-number counted only in debug mode (measured in docs/benchmarks.md).
+choice), (4) tells the watchdog what this rank is in, labels the traffic for the tracer and runs the algorithm. It
+costs about a microsecond: nothing made per call, "auto" remembered per size (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, tree, yours
+from dtrain.collectives import _checks, costmodel, doubling, hierarchical, naive, native, ring, shm, tree, yours
 from dtrain.collectives import alltoall as pairwise  # the module (the name alltoall is the collective, below)
 from dtrain.collectives._checks import CollectiveMismatchError, debug_enabled, set_debug
 from dtrain.collectives._chunks import chunk_bounds, chunk_offsets
@@ -66,8 +62,7 @@ __all__ = [
     "chunk_bounds", "chunk_offsets", "debug_enabled", "reduce", "reduce_scatter", "set_debug",
 ]  # fmt: skip
 
-OPS = ("sum", "avg", "max")
-AUTO = "auto"
+OPS, AUTO = ("sum", "avg", "max"), "auto"
 
 
 class Algorithm(NamedTuple):
@@ -96,6 +91,8 @@ TABLE = {
         rabenseifner=Algorithm(doubling.rabenseifner),
         hierarchical=Algorithm(hierarchical.allreduce, nodes=True),
         hierarchical_rs=Algorithm(hierarchical.allreduce_rs, nodes=True, equal_nodes=True),
+        shm=Algorithm(shm.allreduce),
+        hierarchical_shm=Algorithm(shm.hierarchical_allreduce, nodes=True),
         mpi=Algorithm(native.allreduce),
     ),
     "reduce": _collective(
@@ -108,35 +105,34 @@ TABLE = {
         "reduce_scatter",
         ring=Algorithm(ring.reduce_scatter),
         rabenseifner=Algorithm(doubling.reduce_scatter, power_of_two=True),
+        shm=Algorithm(shm.reduce_scatter),
     ),
     "allgather": _collective(
-        "allgather", ring=Algorithm(ring.allgather), doubling=Algorithm(doubling.allgather, power_of_two=True)
+        "allgather",
+        ring=Algorithm(ring.allgather),
+        doubling=Algorithm(doubling.allgather, power_of_two=True),
+        shm=Algorithm(shm.allgather),
     ),
     "alltoall": _collective("alltoall", pairwise=Algorithm(pairwise.alltoall, even_chunks=True)),
 }
 CHOOSE = {"allreduce": costmodel.choose}  # what algorithm="auto" means, for the collectives that have it
 CHOICES = {name: ((AUTO,) if name in CHOOSE else ()) + tuple(table) for name, table in TABLE.items()}
 
-ALGORITHMS = CHOICES["allreduce"]
-REDUCE_ALGORITHMS = CHOICES["reduce"]  # also broadcast's
-REDUCE_SCATTER_ALGORITHMS = CHOICES["reduce_scatter"]
-ALLGATHER_ALGORITHMS = CHOICES["allgather"]
+ALGORITHMS, REDUCE_ALGORITHMS = CHOICES["allreduce"], CHOICES["reduce"]  # (reduce's: also broadcast's)
+REDUCE_SCATTER_ALGORITHMS, ALLGATHER_ALGORITHMS = CHOICES["reduce_scatter"], CHOICES["allgather"]
 ALLTOALL_ALGORITHMS = CHOICES["alltoall"]
 
 
 # --- the six collectives --------------------------------------------------------------------------------------
-# Each passes the algorithm's own arguments after the buffer, in the algorithm's order (a tuple: calling with
-# positional arguments is the cheapest call), and op and root once more by name, for the checks.
+# Each passes the algorithm's own arguments after the buffer as a tuple (the cheapest call), op and root by name.
 
 
 def allreduce(comm, buf, op="sum", algorithm="auto", *, topology=None, ranks_per_node=None):
     """Reduce ``buf`` over all ranks of ``comm`` in place with ``op``; every rank gets the result. Returns ``buf``.
 
     The hierarchical algorithms run on a ``topology`` (``hierarchical.topology(comm, ranks_per_node)``): build it
-    once and pass it to every call. Without one they still work, the way a learner would expect the line
-    ``allreduce(comm, buf, algorithm="hierarchical")`` to: the call builds a topology for itself (emulated nodes of
-    ``ranks_per_node`` ranks, else the real nodes) and frees it afterwards. That is three ``Split`` calls, each a
-    collective that costs more than a small all-reduce, so it is slow; the other algorithms ignore both arguments.
+    once and pass it to every call. Without one, the call builds one for itself (emulated nodes of
+    ``ranks_per_node`` ranks, else the real nodes) and frees it afterwards: three ``Split`` calls, slow.
     """
     _run("allreduce", comm, buf, algorithm, (op,), op=op, topology=topology, ranks_per_node=ranks_per_node)
     return buf
@@ -235,6 +231,8 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
     if entry is None and collective == "allreduce" and yours.is_spec(algorithm):  # FILE.py:FUNCTION, your own
         run, label = yours.entry(algorithm)
         entry = Algorithm(run, label=label)
+    if entry is None and algorithm == AUTO and collective == "allreduce" and shm_pays(comm, buf.nbytes, p):
+        entry = TABLE["allreduce"]["shm"]  # (not remembered in _chosen: it holds for this communicator only)
     if entry is None:
         entry = _choose(collective, algorithm, buf.nbytes, p)
     if entry.power_of_two and p & (p - 1):
@@ -247,6 +245,13 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
 
 
 _chosen: dict = {}  # (collective, "auto", nbytes, p) -> the entry "auto" picked: the cost model is asked once
+
+
+def shm_pays(comm, nbytes, p) -> bool:
+    """ "auto" takes shared memory for an ``nbytes`` all-reduce when scripts/calibrate.py measured it faster from
+    that size on for ``p`` ranks, and ``comm``'s ranks are real processes on one node (never simulated ones)."""
+    threshold = costmodel.shm_threshold(p)
+    return threshold is not None and nbytes >= threshold and shm.real_node(comm)
 
 
 def _choose(collective, algorithm, nbytes, p) -> Algorithm:

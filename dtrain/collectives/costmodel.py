@@ -10,6 +10,8 @@ step. For an n-byte all-reduce on p ranks (L = ceil(log2 p), p' = 2^floor(log2 p
     doubling       log2(p') (alpha + n beta + n gamma)                              + f (2 alpha + 2 n beta + n gamma)
     rabenseifner   2 log2(p') alpha + 2(p'-1)/p' n beta  + (p'-1)/p' n gamma        + f (2 alpha + 2 n beta + n gamma)
     hierarchical   see hierarchical.py (intra-node terms with ``machine``, inter-node with ``inter``)
+    shm            2 phi + 2 (p-1)/p n delta + (p-1)/p n gamma: no message; two fences (phi) and copies (delta,
+                   seconds per byte copied between ranks' memory), see shm.py; hierarchical_shm: shm + leaders' ring
     mpi            the best of doubling, rabenseifner and ring (what an MPI library chooses between)
     auto           whichever :func:`choose` picks
 
@@ -18,9 +20,7 @@ Small messages are latency-bound (doubling: log p alphas), large ones bandwidth-
 The all-to-all ("pairwise", alltoall.py; n % p == 0) sends every chunk but its own, p - 1 messages of n/p bytes,
 and reduces nothing: ``(p-1) alpha + (p-1)/p n beta`` (:func:`alltoall_time`; ``collective="alltoall"`` below).
 
-``bytes_sent``/``messages_sent`` are *exact* per rank, uneven chunks and non-power-of-two fix-ups included, for
-what ``dtrain.collectives`` makes each rank send (and ``dtrain.comm.trace`` counts); a buffer of 0 elements sends
-nothing. For "mpi" they are the logical volume the tracer sees (MPI's own messages are invisible): the buffer, once.
+Exact bytes and messages per rank: traffic.py (``bytes_sent``, ``messages_sent``, re-exported here).
 
 The machine's constants come from ``calibration.json`` next to this file when present, else the defaults below.
 The file shipped with dtrain was measured on the reference machine of docs/benchmarks.md (2 cores); on yours, run
@@ -40,26 +40,26 @@ import json
 import math
 from pathlib import Path
 
-from dtrain.collectives._chunks import chunk_offsets as _chunk_offsets
+from dtrain.collectives import shm
+from dtrain.collectives.traffic import bytes_sent, chunk_offsets, messages_sent, traffic  # noqa: F401 (the API)
 
 CALIBRATION = Path(__file__).with_name("calibration.json")
-ALLREDUCE_ALGORITHMS = (
-    "ring", "tree", "naive", "doubling", "rabenseifner", "hierarchical", "hierarchical_rs", "mpi"
-)  # fmt: skip
+ALLREDUCE_ALGORITHMS = ("ring", "tree", "naive", "doubling", "rabenseifner", "hierarchical", "hierarchical_rs",
+                        "shm", "hierarchical_shm", "mpi")  # fmt: skip
 CANDIDATES = ("doubling", "rabenseifner", "ring", "tree")  # what choose() picks from (in this order on ties)
 
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """alpha: seconds per message; beta: seconds per byte sent; gamma: seconds per byte reduced.
-
-    The defaults are rough numbers for two MPI processes on one modern machine, driven from Python: ~10 us per
-    message (mostly mpi4py and interpreter overhead), ~5 GB/s copies, ~5 GB/s reductions.
-    """
+    """alpha: seconds per message; beta: per byte sent; gamma: per byte reduced; fence: seconds per shared-memory
+    fence (shm.py); copy: per byte copied from or into another rank's memory. The defaults are rough numbers for
+    two processes on one machine, driven from Python: ~10 us per message, ~5 GB/s copies and reductions."""
 
     alpha: float = 1e-5
     beta: float = 2e-10
     gamma: float = 2e-10
+    fence: float = 2e-5
+    copy: float = 2e-10
 
     @classmethod
     def load(cls, path=CALIBRATION, p: int | None = None) -> Machine:
@@ -79,159 +79,6 @@ class Machine:
 def default_machine(p: int | None = None) -> Machine:
     """The calibrated machine for ``p`` ranks, read once per process."""
     return Machine.load(p=p)
-
-
-# --- exact traffic: (messages, elements) sent by one rank in one phase -----------------------------------------
-@functools.lru_cache(maxsize=4096)
-def chunk_offsets(count: int, p: int) -> tuple:
-    """The collectives' cut (:func:`dtrain.collectives.chunk_offsets`), remembered: the traffic of every rank of a
-    big world reads the same offsets (the planner asks for hundreds of ranks at once)."""
-    return tuple(_chunk_offsets(count, p))
-
-
-def _ring_rs(count, p, r):
-    """Ring reduce-scatter: one message per step, every chunk but chunk r."""
-    off = chunk_offsets(count, p)
-    chunks = [c for c in range(p) if c != r] if p > 1 else []
-    return len(chunks), sum(off[c + 1] - off[c] for c in chunks)
-
-
-def _ring_ag(count, p, r):
-    """Ring all-gather: one message per step, every chunk but chunk r + 1."""
-    off = chunk_offsets(count, p)
-    chunks = [c for c in range(p) if c != (r + 1) % p] if p > 1 else []
-    return len(chunks), sum(off[c + 1] - off[c] for c in chunks)
-
-
-def _tree_reduce(count, p, r, root):
-    return (1, count) if (r - root) % p else (0, 0)
-
-
-def _tree_bcast(count, p, r, root):
-    v = (r - root) % p
-    low = v & -v if v else 1 << max(p - 1, 0).bit_length()  # the root may send to every power of two below p
-    children = sum(1 for k in range(low.bit_length() - 1) if v + (1 << k) < p)
-    return children, children * count
-
-
-def _naive_reduce(count, p, r, root):
-    return (0, 0) if r == root else (1, count)
-
-
-def _naive_bcast(count, p, r, root):
-    return (p - 1, (p - 1) * count) if r == root else (0, 0)
-
-
-def _fold(count, p, r):
-    """The non-power-of-two fix-up: (its traffic, this rank's participant number or None, p').
-
-    Among the first 2r ranks each odd one sends its buffer once, each even one sends the result back once.
-    """
-    p2 = 1 << (p.bit_length() - 1)
-    extra = p - p2
-    if r < 2 * extra:
-        return (1, count), (None if r % 2 else r // 2), p2
-    return (0, 0), r - extra, p2
-
-
-def _doubling(count, p, r):
-    fix, v, p2 = _fold(count, p, r)
-    if v is None:
-        return fix
-    steps = p2.bit_length() - 1
-    return _add(fix, (steps, steps * count))
-
-
-def _halving(count, p2, v):
-    """Recursive halving: at each step, the half of my current range of chunks that I give away."""
-    off = chunk_offsets(count, p2)
-    messages = elements = 0
-    lo, hi, d = 0, p2, p2 // 2
-    while d >= 1:
-        mid = lo + d
-        (lo, hi), give = ((mid, hi), (lo, mid)) if v & d else ((lo, mid), (mid, hi))
-        messages, elements, d = messages + 1, elements + off[give[1]] - off[give[0]], d // 2
-    return messages, elements
-
-
-def _gathering(count, p2, v):
-    """Recursive doubling all-gather: at each step, the range of chunks I own (1, 2, 4 ... chunks)."""
-    off = chunk_offsets(count, p2)
-    messages = elements = 0
-    lo, hi, d = v, v + 1, 1
-    while d < p2:
-        messages, elements = messages + 1, elements + off[hi] - off[lo]
-        (lo, hi), d = ((lo - d, hi) if v & d else (lo, hi + d)), 2 * d
-    return messages, elements
-
-
-def _rabenseifner(count, p, r):
-    fix, v, p2 = _fold(count, p, r)
-    if v is None:
-        return fix
-    return _add(fix, _add(_halving(count, p2, v), _gathering(count, p2, v)))
-
-
-def _hierarchical(count, p, r, k, variant):
-    """Sum of the phases, each priced on its sub-communicator (no ``ranks_per_node``: one node of p ranks)."""
-    k = p if k is None else min(k, p)
-    node, local = divmod(r, k)
-    size = min(k, p - node * k)  # my node's size (the last node may be smaller)
-    m = -(-p // k)  # number of nodes
-    if variant == "hierarchical":
-        phases = [_tree_reduce(count, size, local, 0), _tree_bcast(count, size, local, 0)]
-        if local == 0:
-            phases += [_ring_rs(count, m, node), _ring_ag(count, m, node)]
-    else:
-        off = chunk_offsets(count, size)
-        shard = off[local + 1] - off[local]
-        phases = [_ring_rs(count, size, local), _ring_ag(count, size, local)]
-        phases += [_ring_rs(shard, m, node), _ring_ag(shard, m, node)]
-    return functools.reduce(_add, phases, (0, 0))
-
-
-def _add(a, b):
-    return a[0] + b[0], a[1] + b[1]
-
-
-def traffic(algorithm, count, itemsize, p, rank, ranks_per_node=None, *, collective="allreduce", root=0):
-    """``(messages, bytes)`` sent by ``rank`` in one call of ``collective`` with ``algorithm`` (see module doc)."""
-    if count == 0:
-        return 0, 0
-    if algorithm == "mpi":
-        sends = collective in ("allreduce", "reduce") or rank == root
-        return (1, count * itemsize) if sends else (0, 0)
-    c, r = count, rank
-    phases = {
-        "allreduce": {
-            "ring": lambda: _add(_ring_rs(c, p, r), _ring_ag(c, p, r)),
-            "tree": lambda: _add(_tree_reduce(c, p, r, 0), _tree_bcast(c, p, r, 0)),
-            "naive": lambda: _add(_naive_reduce(c, p, r, 0), _naive_bcast(c, p, r, 0)),
-            "doubling": lambda: _doubling(c, p, r),
-            "rabenseifner": lambda: _rabenseifner(c, p, r),
-            "hierarchical": lambda: _hierarchical(c, p, r, ranks_per_node, algorithm),
-            "hierarchical_rs": lambda: _hierarchical(c, p, r, ranks_per_node, algorithm),
-        },
-        "reduce": {"tree": lambda: _tree_reduce(c, p, r, root), "naive": lambda: _naive_reduce(c, p, r, root)},
-        "broadcast": {"tree": lambda: _tree_bcast(c, p, r, root), "naive": lambda: _naive_bcast(c, p, r, root)},
-        "reduce_scatter": {"ring": lambda: _ring_rs(c, p, r), "rabenseifner": lambda: _halving(c, p, r)},
-        "allgather": {"ring": lambda: _ring_ag(c, p, r), "doubling": lambda: _gathering(c, p, r)},
-        "alltoall": {"pairwise": lambda: _ring_rs(c, p, r)},  # the same count: every chunk but chunk r, once each
-    }
-    if algorithm not in phases.get(collective, {}):
-        raise ValueError(f"no traffic model for {collective} with algorithm {algorithm!r}")
-    messages, elements = phases[collective][algorithm]()
-    return messages, elements * itemsize
-
-
-def bytes_sent(algorithm, count, itemsize, p, rank, ranks_per_node=None, *, collective="allreduce", root=0) -> int:
-    """Exact bytes ``rank`` sends in one ``collective`` of ``count`` elements of ``itemsize`` bytes on ``p`` ranks."""
-    return traffic(algorithm, count, itemsize, p, rank, ranks_per_node, collective=collective, root=root)[1]
-
-
-def messages_sent(algorithm, count, itemsize, p, rank, ranks_per_node=None, *, collective="allreduce", root=0) -> int:
-    """Exact number of messages ``rank`` sends (zero-length ones included) in one call, as ``bytes_sent``."""
-    return traffic(algorithm, count, itemsize, p, rank, ranks_per_node, collective=collective, root=root)[0]
 
 
 # --- predicted time -----------------------------------------------------------------------------------------------
@@ -269,9 +116,14 @@ def predict_time(algorithm, nbytes, p, machine=None, ranks_per_node=None, inter=
         return min(predict_time(a, nbytes, p, m) for a in ("doubling", "rabenseifner", "ring"))
     if algorithm == "auto":
         return predict_time(choose(nbytes, p, m), nbytes, p, m)
-    if algorithm in ("hierarchical", "hierarchical_rs"):
+    if algorithm == "shm":
+        return shm.predict_time("allreduce", nbytes, p, m)
+    if algorithm in ("hierarchical", "hierarchical_rs", "hierarchical_shm"):
         k = p if ranks_per_node is None else min(ranks_per_node, p)
         nodes, outer = -(-p // k), inter or m
+        if algorithm == "hierarchical_shm":
+            inside = shm.predict_time("hierarchical_shm", nbytes, k, m)
+            return inside + (predict_time("ring", nbytes, nodes, outer) if nodes > 1 else 0.0)
         if algorithm == "hierarchical":
             lk = math.ceil(math.log2(k)) if k > 1 else 0
             inside = _time(2 * lk, 2 * lk * n, lk * n, m)
@@ -297,3 +149,16 @@ def choose(nbytes, p, machine=None) -> str:
 @functools.lru_cache(maxsize=4096)
 def _choose_calibrated(nbytes, p) -> str:
     return choose(nbytes, p, default_machine(p))
+
+
+def shm_threshold(p: int) -> int | None:
+    """The all-reduce size from which scripts/calibrate.py measured shm faster than "auto"'s message algorithm on
+    ``p`` ranks of this machine (None: not measured for ``p``, or never faster): where "auto" takes shared memory."""
+    return _shm_thresholds().get(p)
+
+
+@functools.cache
+def _shm_thresholds() -> dict:
+    data = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() else {}
+    by_ranks = data.get("by_ranks", {})
+    return {int(k): int(v["shm_from_bytes"]) for k, v in by_ranks.items() if v.get("shm_from_bytes") is not None}

@@ -18,6 +18,7 @@ Which file does what:
 ``simcomm``     the simulated world's communicator: mpi4py's buffer API over shared queues
 ``wrapper``     the base of every communicator wrapper (calls as records, wrapped sub-communicators, innermost)
 ``trace``       a wrapper counting bytes, messages and time per operation; the Chrome/Perfetto trace
+``windows``     shared-memory windows (MPI-3): every rank of a node reads and writes the others' segments
 ``staging``     a wrapper staging GPU buffers through pinned host memory for an MPI that is not CUDA-aware
 ``cuda_aware``  asks the MPI library whether it takes GPU buffers
 ``watchdog``    ends a job whose rank has waited too long, with a report of what it waited for

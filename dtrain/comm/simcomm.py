@@ -484,6 +484,13 @@ class SimComm(CallRecords):
         values, _ = self._collective(("allreduce", opname), pickle.dumps(obj))
         return functools.reduce(function, [pickle.loads(v) for v in values])
 
+    def Allocate_shared(self, nbytes: int) -> list:
+        """Collective: a shared window of ``nbytes`` per rank (:mod:`dtrain.comm.windows`). Simulated ranks share
+        one process, so the window is one zeroed byte array per rank, made once by the last rank to arrive."""
+        _, segments = self._collective(("Allocate_shared", nbytes), None, lambda _: [
+            np.zeros(nbytes, dtype=np.uint8) for _ in range(self._size)])  # fmt: skip
+        return segments
+
     # --- communicators -------------------------------------------------------------------------------------
     def _split(self, color: int, key: int, call: str, name: str):
         world = self._world

@@ -18,7 +18,10 @@ are traced by the same tracer, so the inner rings of a hierarchical all-reduce a
 sent and received; ``Bcast``: sent by the root, received by the others; ``Reduce``: sent by all, received by the
 root): MPI's internal messages are invisible from here, so these are the *logical* volumes, not the wire's.
 Object methods (``gather``, ``allgather``, ``bcast``, ``allreduce``) pass through uncounted: they carry metrics and
-debug checks, not the algorithm's traffic. ``Barrier`` counts time only.
+debug checks, not the algorithm's traffic. ``Barrier`` counts time only. A shared-memory collective sends no message:
+its loads from and stores into other ranks' memory, and its copies in and out of the window, are *copies*
+(:meth:`Tracer.record_copy`: ``copies``, ``bytes_copied``), which a message between two ranks of one machine also is,
+twice (MPI copies it into shared memory and out again), where the tracer cannot see it.
 
 **Why bytes sent per rank.** The latency-bandwidth model prices an algorithm by the bytes each rank puts on the wire
 (the ring sends ``2 (p-1)/p n`` for an n-byte buffer, whatever p is), and the busiest rank sets the pace. So the
@@ -86,6 +89,8 @@ class OperationStats:
     time_s: float = 0.0
     comm_time_s: float = 0.0
     payload_bytes: int = 0
+    copies: int = 0  # copies from or into another rank's memory (shared windows): a message without a message
+    bytes_copied: int = 0
 
 
 def labelled(comm, name: str, nbytes: int | None = None, resumed: bool = False):
@@ -180,6 +185,21 @@ class Tracer:
         if received[1]:
             args["bytes_received"] = received[1]
         self.events.append({"name": name, "cat": label, "ph": "X", "ts": start, "dur": end - start, "args": args})
+
+    now = staticmethod(_now_us)  # the clock ``record_call`` and ``record_copy`` take their ``start`` from
+
+    def record_copy(self, name: str, start: float, nbytes: int, **args) -> None:
+        """Count one copy of ``nbytes`` (a shared-memory collective's loads from, or stores into, other ranks' memory,
+        or its copy in and out of the window) that began at ``start`` (from ``_now_us``) and has just finished."""
+        end = _now_us()
+        stats = self._stats(self.label)
+        stats.copies += 1
+        stats.bytes_copied += nbytes
+        stats.comm_time_s += (end - start) / 1e6
+        if self.keep_events:
+            args["bytes_copied"] = nbytes
+            self.events.append({"name": name, "cat": self.label, "ph": "X", "ts": start, "dur": end - start,
+                                "args": args})  # fmt: skip
 
     def summary(self) -> dict:
         """This rank's counts as plain JSON data: ``{"rank", "operations": {label: {...}}, "totals": {...}}``."""

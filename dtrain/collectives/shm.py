@@ -1,0 +1,325 @@
+"""Shared memory inside one node: every rank reads the others' buffers in place, no message at all.
+
+Between two ranks of one machine a "message" is a memory copy: MPI copies the sender's buffer into a shared segment
+and the receiver copies it out again. So the ring copies each of its ``2 (p-1)/p n`` bytes twice. Here the buffers
+themselves live in an MPI-3 shared window (:mod:`dtrain.comm.windows`), mapped into every rank's process, and rank r
+sums *its* chunk straight out of everyone's buffer and stores the sum straight into everyone's buffer::
+
+    p = 3          chunk 0      chunk 1      chunk 2          fence 1: every buffer is complete
+    rank 0 buf   [ g0 c0  ]   [ g0 c1  ]   [ g0 c2  ]         rank r: load chunk r of every buffer, sum it
+    rank 1 buf   [ g1 c0  ]   [ g1 c1  ]   [ g1 c2  ]                 (in its own copy of the chunk), then
+    rank 2 buf   [ g2 c0  ]   [ g2 c1  ]   [ g2 c2  ]                 store the sum into chunk r of every buffer
+                   rank 0       rank 1       rank 2           fence 2: every sum is stored
+                   sums c0      sums c1      sums c2
+
+**allreduce** is exactly that; **reduce_scatter** stops after the sum (rank r's chunk r, as the ring's); **allgather**
+loads every other rank's chunk q into its own buffer. Chunks are ``chunk_bounds(n, p)``'s, so the shards match the
+ring's, and each rank sums in a fixed order (its own chunk first, then the others in rank order): the same bits on
+every run (and, to the rounding of a different order of additions, the ring's).
+
+**Why two fences.** Stores into shared memory are not messages: nothing tells the others that they happened. Fence 1
+(:meth:`~dtrain.comm.windows.SharedWindow.fence`: ``Win.Sync``, barrier, ``Win.Sync``) makes sure every rank has
+written its whole gradient before anyone loads it; fence 2 makes sure every sum has been stored before anyone leaves
+(and, with it, that nobody overwrites its buffer, say with the next step's backward, while another rank still loads
+from it). Without ``Win.Sync`` the barrier alone orders the ranks but not their memory on a weakly ordered CPU (ARM,
+POWER): a rank could see the barrier and still load a stale value. Each fence is two memory barriers and one
+``Barrier``: its latency is this algorithm's alpha, and with more ranks than cores it dominates small buffers.
+
+**Zero copy, or copy-in.** When ``buf`` lies in a window on this very communicator (:func:`buffer` allocated it: ddp's
+flat gradients, ZeRO's, local SGD's weights) the algorithm works on it in place. Any other buffer is copied into a
+scratch window first and the result copied back out: ``2 n`` more bytes copied per rank (what MPI's shared-memory
+path also pays, once per message). Every rank must use the same place in its window (the same offset and size), as
+a symmetric allocation gives; each call writes (call number, collective, offset, count) into a header of its segment
+and every rank compares all headers after fence 1, so a mismatch is an error on every rank, never a wrong sum.
+
+**hierarchical_shm** (NCCL's and Horovod's hierarchical all-reduce, with shared memory inside nodes): (1) inside each
+node, rank r sums chunk r and stores the sum into the node leader's buffer; (2) the leaders run the ring between
+nodes; (3) every rank of a node copies the leader's result. Only leaders send messages.
+
+**Cost** (n bytes, p ranks of one node, chunk c_r of rank r; phi: one fence; delta: seconds per byte copied between
+ranks' memory; gamma: per byte reduced)::
+
+    allreduce        2 phi + 2 (p-1) c_r delta + (p-1) c_r gamma       (loads (p-1) c_r, stores (p-1) c_r)
+      copy-in        + 2 n delta                                        (buf into the window and back out)
+    reduce_scatter   2 phi + (p-1) c_r delta + (p-1) c_r gamma     (+ n delta copy-in)
+    allgather        2 phi + (n - c_r) delta                       (+ c_r delta copy-in)
+
+against the ring's ``2 (p-1) (alpha + ...)``: two barriers instead of 2(p-1) message latencies, and each byte
+copied once instead of twice. The exact counts are :func:`bytes_copied`, which the tracer's ``bytes_copied`` matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dtrain import kernels
+from dtrain.collectives import ring
+from dtrain.collectives._chunks import offsets_for
+from dtrain.comm import watchdog, windows
+from dtrain.comm.names import COMM_TYPE_SHARED
+from dtrain.comm.wrapper import innermost
+
+HEADER = windows.ALIGN  # bytes at the start of every segment: the call's (number, collective, offset, count)
+CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "hierarchical_shm": 4}
+
+
+@dataclasses.dataclass
+class Window:
+    """A window on one communicator: a paradigm's buffer (``zero_copy``) or the scratch of the copy-in path."""
+
+    shared: windows.SharedWindow
+    comm: object  # the communicator it was allocated on (its ranks are the window's)
+    zero_copy: bool
+    calls: int = 0
+
+    def segment(self, rank: int, dtype, offset: int, count: int) -> np.ndarray:
+        return self.shared.view(rank, dtype, HEADER + offset, count)
+
+
+_windows: dict[int, list] = {}  # id(the innermost communicator) -> [its Windows]
+_nodes: dict[int, tuple] = {}  # id(the innermost communicator) -> (it, whether its ranks share one node)
+
+
+# --- windows: a paradigm's buffer, the scratch, freeing ----------------------------------------------------------
+
+
+def buffer(comm, count: int, dtype) -> np.ndarray:
+    """A zeroed ``count``-element array of ``dtype`` in a new window on ``comm`` (a collective: every rank calls it
+    with the same count): this rank's segment, which the others can read. Collectives on ``comm`` take it in place."""
+    check_one_node(comm, "a shared buffer")
+    window = _allocate(comm, count * np.dtype(dtype).itemsize, zero_copy=True)
+    view = window.segment(window.shared.rank, dtype, 0, count)
+    view[...] = 0
+    return view
+
+
+def release(comm) -> None:
+    """Free every window on ``comm`` (a collective: every rank calls it, before freeing ``comm``)."""
+    for window in _windows.pop(id(innermost(comm)), []):
+        window.shared.free()
+
+
+def _allocate(comm, nbytes: int, zero_copy: bool) -> Window:
+    window = Window(windows.allocate(comm, HEADER + nbytes), comm, zero_copy)
+    _windows.setdefault(id(innermost(comm)), []).append(window)
+    return window
+
+
+def _place(comm, buf):
+    """Where ``buf``'s data lives in a window on ``comm``: (window, byte offset, whether it is copied in)."""
+    rank, address = comm.Get_rank(), buf.__array_interface__["data"][0]
+    scratch = None
+    for window in _windows.get(id(innermost(comm)), ()):
+        if window.zero_copy:
+            start = window.shared.segments[rank].__array_interface__["data"][0] + HEADER
+            if start <= address and address + buf.nbytes <= start + window.shared.nbytes - HEADER:
+                return window, address - start, False
+        else:
+            scratch = window
+    if scratch is None or scratch.shared.nbytes - HEADER < buf.nbytes:  # (every rank alike: the same nbytes)
+        if scratch is not None:
+            _windows[id(innermost(comm))].remove(scratch)
+            scratch.shared.free()
+        scratch = _allocate(comm, buf.nbytes, zero_copy=False)
+    return scratch, 0, True
+
+
+def check_one_node(comm, what: str = "--allreduce shm") -> None:
+    """Every rank of ``comm`` shares one node's memory (asked once per communicator: a collective), else ValueError."""
+    inner = innermost(comm)
+    known = _nodes.get(id(inner))
+    if known is None:
+        simulated = hasattr(inner, "Allocate_shared")  # simulated ranks are threads of one process
+        node = None if simulated else inner.Split_type(COMM_TYPE_SHARED, key=inner.Get_rank())
+        known = _nodes[id(inner)] = (inner, simulated or node.Get_size() == inner.Get_size())
+        if node is not None:
+            node.Free()
+    if not known[1]:
+        raise ValueError(f"{what} needs every rank on one node; these ranks span several: use hierarchical_shm")
+
+
+def real_node(comm) -> bool:
+    """Whether ``comm``'s ranks are real processes (not simulated) sharing one node: where ``auto`` may pick shm."""
+    inner = innermost(comm)
+    if hasattr(inner, "Allocate_shared"):
+        return False
+    try:
+        check_one_node(comm)
+    except ValueError:
+        return False
+    return True
+
+
+# --- the algorithms -------------------------------------------------------------------------------------------
+
+
+def allreduce(comm, buf, op="sum"):
+    """Sum (avg, max) ``buf`` over ``comm``'s ranks, one node, through shared memory; returns ``buf``."""
+    return _collective(comm, buf, op, "allreduce")
+
+
+def reduce_scatter(comm, buf, op="sum"):
+    """Rank r's chunk r of ``buf`` becomes the reduction; returns it (a view of ``buf``)."""
+    return _collective(comm, buf, op, "reduce_scatter")
+
+
+def allgather(comm, buf):
+    """Rank r contributes chunk r of ``buf``; afterwards every rank holds every chunk. Returns ``buf``."""
+    return _collective(comm, buf, "sum", "allgather")
+
+
+def hierarchical_allreduce(topo, buf, op="sum"):
+    """Shared memory inside each node (a reduce to its leader), the ring between the leaders, the leader's result
+    copied by its node."""
+    node, inner = topo.node, "sum" if op == "avg" else op  # divide once, by the world's size
+    window, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm")
+    leader = views[0]
+    _sum_chunk(node, mine[lo:hi], [views[q][lo:hi] for q, _ in _others(buf.size, len(views), node.Get_rank())],
+               inner, 1.0)  # fmt: skip
+    if node.Get_rank():  # my chunk's sum into the leader's buffer
+        _copy(node, leader[lo:hi], mine[lo:hi], "store into the leader")
+    _fence(window, "fence 2 (every chunk's sum is in its leader's buffer)")
+    if topo.leaders is not None:
+        ring.allreduce(topo.leaders, leader, inner)
+        if op == "avg":
+            kernels.scale_(leader, 1.0 / topo.comm.Get_size())
+    _fence(window, "fence 3 (every leader holds the result)")
+    if node.Get_rank() or copied_in:
+        _copy(node, buf, leader, "load from the leader")
+    _fence(window, "fence 4 (every rank has loaded its leader's result)")
+    return buf
+
+
+def _collective(comm, buf, op, collective):
+    if comm.Get_size() == 1:
+        return buf
+    window, views, mine, lo, hi, copied_in = _enter(comm, buf, collective)
+    r, p = comm.Get_rank(), comm.Get_size()
+    if collective == "allgather":
+        for q, (qlo, qhi) in _others(buf.size, p, r):
+            _copy(comm, mine[qlo:qhi], views[q][qlo:qhi], "load from a peer")
+    else:
+        others = [views[q][lo:hi] for q, _ in _others(buf.size, p, r)]
+        _sum_chunk(comm, mine[lo:hi], others, op, 1.0 / p if op == "avg" else 1.0)
+        if collective == "allreduce":
+            for other in others:
+                _copy(comm, other, mine[lo:hi], "store into a peer")
+    _fence(window, "fence 2 (every rank has loaded and stored)")
+    if copied_in and collective == "allreduce":  # the others' chunks, summed by their owners, out of my segment
+        for _, (qlo, qhi) in _others(buf.size, p, r):
+            _copy(comm, buf[qlo:qhi], views[r][qlo:qhi], "copy out of the window")
+    return buf[lo:hi] if collective == "reduce_scatter" else buf
+
+
+def _enter(comm, buf, collective):
+    """The first half of every call: find the window (copying ``buf`` in if it is not in one), announce the call in
+    the header, fence 1, compare every rank's header. Returns (window, every rank's view of the data in the window,
+    where my own data is (``buf``), my chunk's bounds, whether ``buf`` was copied in)."""
+    if type(buf) is not np.ndarray:
+        raise ValueError(f"{collective}/shm works on host memory, not a {type(buf).__name__}: stage it, or use ring")
+    if collective != "hierarchical_shm":
+        check_one_node(comm)
+    window, offset, copied_in = _place(comm, buf)
+    r, p = comm.Get_rank(), comm.Get_size()
+    views = [window.segment(q, buf.dtype, offset, buf.size) for q in range(p)]
+    lo, hi = offsets_for(buf.size, p)[r : r + 2]
+    if copied_in:  # what the others will load from my segment: every chunk but mine (allgather: mine alone)
+        if collective == "allgather":
+            _copy(comm, views[r][lo:hi], buf[lo:hi], "copy into the window")
+        elif collective == "hierarchical_shm" and r == 0:
+            _copy(comm, views[r], buf, "copy into the window")  # (the leader's whole buffer: the ring runs on it)
+        else:
+            for _, (qlo, qhi) in _others(buf.size, p, r):
+                _copy(comm, views[r][qlo:qhi], buf[qlo:qhi], "copy into the window")
+    window.calls += 1
+    header = window.shared.view(r, np.int64, 0, 4)
+    header[:] = (window.calls, CODES[collective], offset, buf.size)
+    _fence(window, "fence 1 (every rank's buffer is written)")
+    for q in range(p):
+        theirs = window.shared.view(q, np.int64, 0, 4)
+        if q != r and tuple(theirs) != tuple(header):
+            raise ValueError(
+                f"{collective}/shm: rank {r} called (call {header[0]}, {collective}, offset {header[2]}, "
+                f"{header[3]} elements) but rank {q} called (call {theirs[0]}, code {theirs[1]}, offset {theirs[2]}, "
+                f"{theirs[3]} elements): every rank must make the same call on the same place of its window"
+            )
+    mine = views[r] if not copied_in or (collective == "hierarchical_shm" and r == 0) else buf
+    return window, views, mine, lo, hi, copied_in
+
+
+def _others(n, p, r):
+    """(q, q's chunk bounds) for every rank q but r, in rank order."""
+    offsets = offsets_for(n, p)
+    return [(q, offsets[q : q + 2]) for q in range(p) if q != r]
+
+
+def _sum_chunk(comm, mine, others, op, factor):
+    """``mine`` (my chunk of my own data) reduced with the same chunk of the others', in rank order, in place."""
+    start = _clock(comm)
+    if op == "max":
+        for other in others:
+            kernels.max_(mine, other)
+    else:
+        kernels.sum_scale_(mine, [mine, *others], factor)
+    _record(comm, start, "load from the peers and reduce", sum(o.nbytes for o in others))
+
+
+def _copy(comm, dst, src, what):
+    start = _clock(comm)
+    dst[...] = src
+    _record(comm, start, what, src.nbytes)
+
+
+def _fence(window, what):
+    watchdog.note(f"Barrier, {what}")
+    window.shared.fence()
+
+
+def _clock(comm):
+    tracer = getattr(comm, "tracer", None)
+    return None if tracer is None else tracer.now()
+
+
+def _record(comm, start, what, nbytes):
+    if start is not None and nbytes:
+        comm.tracer.record_copy(what, start, nbytes)
+
+
+# === the price: bytes copied per rank (what the tracer counts) and the time, from a machine's constants =========
+
+
+def bytes_copied(collective, count, itemsize, p, rank, copy_in=False) -> int:
+    """Exact bytes ``rank`` copies from or into other ranks' memory (and, with ``copy_in``, into and out of the
+    window) in one call on ``count`` elements: the cost table of the module docstring."""
+    if p == 1 or count == 0:
+        return 0
+    offsets = offsets_for(count, p)
+    c = offsets[rank + 1] - offsets[rank]
+    if collective == "allreduce":
+        elements = 2 * (p - 1) * c + (count + (count - c) if copy_in else 0)
+    elif collective == "reduce_scatter":
+        elements = (p - 1) * c + (count if copy_in else 0)
+    elif collective == "allgather":
+        elements = count - c + (c if copy_in else 0)
+    elif collective == "hierarchical_shm":  # p: the node's ranks, rank: the local rank (0: the leader)
+        elements = (p - 1) * c + (c + count if rank else 0)
+        elements += (count - c if rank else 2 * count) if copy_in else 0
+    else:
+        raise ValueError(f"no copy model for {collective}")
+    return elements * itemsize
+
+
+def predict_time(collective, nbytes, p, machine, copy_in=False) -> float:
+    """Predicted seconds for one call on ``nbytes`` (the cost table above, from ``machine``'s fence, copy and gamma):
+    the busiest rank's (rank 0: its chunk is the longest). "hierarchical_shm" is its part inside one node of ``p``
+    ranks (four fences; rank 0, the leader, loads (p-1) c and every other rank then loads n from it)."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    chunk = -(-nbytes // p)
+    if collective == "hierarchical_shm":
+        return 4 * machine.fence + (p - 1) * chunk * machine.gamma + ((p - 1) * chunk + nbytes) * machine.copy
+    reduced = 0 if collective == "allgather" else (p - 1) * chunk
+    copied = bytes_copied(collective, nbytes, 1, p, 0, copy_in)
+    return 2 * machine.fence + copied * machine.copy + reduced * machine.gamma

@@ -1,0 +1,89 @@
+"""Shared-memory windows: memory that every rank of one node reads and writes directly (MPI-3 RMA).
+
+``allocate(comm, nbytes)`` is a collective over ``comm``, whose ranks must share one machine's memory (a node, from
+``Split_type(COMM_TYPE_SHARED)``, or any group of ranks inside one). Every rank gets a :class:`SharedWindow`:
+``segments[q]`` is rank q's ``nbytes`` as a NumPy byte array *in this rank's address space*, so rank r can read and
+write rank q's segment with plain loads and stores, no message at all::
+
+    one node's shared memory (MPI_Win_allocate_shared: contiguous by default)
+    [ segment of rank 0 | segment of rank 1 | segment of rank 2 | segment of rank 3 ]
+      ^ mapped into every rank's process: segments[q] is the same bytes in each of them
+
+**Ordering.** Plain stores are not messages: nothing tells rank q that rank r has written. MPI's *unified* memory
+model (``Win.Get_attr(WIN_MODEL)``: what MPICH and Open MPI give shared windows) says a store becomes visible to
+the others after a memory barrier, and the standard's recipe for "I wrote, now you may read" is::
+
+    Win.Sync()       my stores are complete and visible (a memory barrier; on x86 nearly free, on ARM a real fence)
+    comm.Barrier()   every rank has done so (and nobody goes on before everyone has)
+    Win.Sync()       my later loads see what the others stored before the barrier
+
+:meth:`SharedWindow.fence` is exactly that. The window is kept in a passive-target epoch from allocation to
+:meth:`SharedWindow.free` (``Lock_all``/``Unlock_all``), which ``Win.Sync`` needs.
+
+**On simulated ranks** (:mod:`dtrain.comm.sim`: threads of one process) a window is one NumPy array per rank, made
+once by the last rank to arrive, and ``fence`` is the barrier alone (the world's lock orders the threads' memory).
+So the same algorithm runs on both, and a notebook can step through it.
+
+**Freeing.** ``free`` is collective (every rank calls it). A job that ends otherwise (an exception and ``Abort``, a
+signal, the watchdog) cannot free collectively; MPICH maps the window from a file in /dev/shm that it unlinks once
+every rank has attached, so nothing is left behind there either (the launcher checks, :mod:`dtrain.launch.launcher`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dtrain.comm.names import MPI
+from dtrain.comm.wrapper import innermost
+
+ALIGN = 64  # bytes: every segment starts on a cache line (and so is aligned for any dtype)
+
+
+class SharedWindow:
+    """This rank's handle on a shared window: every rank's segment (``segments``), ``fence``, ``free``."""
+
+    def __init__(self, comm, nbytes: int, segments: list, win=None):
+        self.comm, self.nbytes, self.segments, self._win = comm, nbytes, segments, win
+        self.rank = comm.Get_rank()
+        self.freed = False
+
+    def view(self, rank: int, dtype, offset: int = 0, count: int | None = None) -> np.ndarray:
+        """Rank ``rank``'s segment as ``count`` elements of ``dtype`` from byte ``offset`` (default: all of it)."""
+        dtype = np.dtype(dtype)
+        count = (self.nbytes - offset) // dtype.itemsize if count is None else count
+        return self.segments[rank][offset : offset + count * dtype.itemsize].view(dtype)
+
+    def fence(self) -> None:
+        """Everything stored before it, by any rank, is visible to every rank after it (``Sync``, barrier, ``Sync``)."""
+        if self._win is not None:
+            self._win.Sync()
+        self.comm.Barrier()
+        if self._win is not None:
+            self._win.Sync()
+
+    def free(self) -> None:
+        """Release the window (a collective: every rank calls it once). The segments must not be used afterwards."""
+        if self.freed:
+            return
+        self.freed = True
+        self.segments = []
+        if self._win is not None:
+            self._win.Unlock_all()
+            self._win.Free()
+
+
+def allocate(comm, nbytes: int) -> SharedWindow:
+    """A window of ``nbytes`` per rank (rounded up to ``ALIGN``) over ``comm``'s ranks, which share one memory; a
+    collective. ``comm`` may be wrapped (tracer, watchdog): the window is allocated on the communicator inside, and
+    ``fence``'s barrier goes through the wrappers (so the tracer and the watchdog see it)."""
+    nbytes = max(ALIGN, -(-int(nbytes) // ALIGN) * ALIGN)
+    inner = innermost(comm)
+    if hasattr(inner, "Allocate_shared"):  # a simulated communicator: one array per rank, made once
+        return SharedWindow(comm, nbytes, inner.Allocate_shared(nbytes))
+    win = MPI.Win.Allocate_shared(nbytes, 1, comm=inner)
+    win.Lock_all()  # the passive-target epoch that Win.Sync needs, until free()
+    segments = []
+    for rank in range(inner.Get_size()):
+        memory, _ = win.Shared_query(rank)
+        segments.append(np.frombuffer(memory, dtype=np.uint8, count=nbytes))
+    return SharedWindow(comm, nbytes, segments, win)
