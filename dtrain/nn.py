@@ -93,6 +93,20 @@ class Module:
             p.grad = self.flat_grads[offset : offset + n].reshape(shape)
             self.param_slices[name] = slice(offset, offset + n)
 
+    def move_flat_grads(self, flat) -> None:
+        """Make ``flat`` (an array of the same size and dtype, say one in memory other ranks can read) the gradient
+        buffer: the gradients are copied into it and every ``.grad`` becomes a view into it. Call it before an
+        optimizer takes the buffers."""
+        self.flat_grads = _moved(self.flat_grads, flat)
+        for where, p in zip(self.param_slices.values(), self.parameters()):
+            p.grad = flat[where].reshape(p.data.shape)
+
+    def move_flat_params(self, flat) -> None:
+        """:meth:`move_flat_grads` for the parameters: ``flat`` becomes ``flat_params``, every ``.data`` a view."""
+        self.flat_params = _moved(self.flat_params, flat)
+        for where, p in zip(self.param_slices.values(), self.parameters()):
+            p.data = flat[where].reshape(p.data.shape)
+
     def check_flat_views(self) -> None:
         """Raise if any parameter's data or grad is no longer a view into the flat buffers (someone rebound it)."""
         for name, p in self.named_parameters():
@@ -210,6 +224,14 @@ class MLP(Sequential):
         super().__init__(layers)
         self.sizes = sizes
         self.flatten_(xp=xp, dtype=dtype)
+
+
+def _moved(old, new):
+    """``new`` holding ``old``'s values, after checking that it can stand in for it."""
+    if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(f"a flat buffer must be {old.shape} {old.dtype}, not {new.shape} {new.dtype}")
+    new[...] = old
+    return new
 
 
 def _same_memory(a, b) -> bool:

@@ -109,7 +109,7 @@ def train(config: TrainConfig, comm=None) -> dict:
         "wall_time_s": wall,
         "weights_sha256": backend.weights_digest(paradigm.full_parameters()),
         "environment": report.environment(),
-        "costs": kind.costs(sizes, world, config),
+        "costs": kind.costs(sizes, world, resolved(config, own_figures)),
     }
     if (attempts := faults.attempts()) is not None:  # started by dtrain launch --max-restarts: the failures before
         metrics["restarts"] = attempts
@@ -135,6 +135,15 @@ def train(config: TrainConfig, comm=None) -> dict:
         report.write_metrics(config.out, metrics)
     comm.free_made()  # the paradigm's sub-communicators (after the final checkpoint, which may gather over them)
     return metrics
+
+
+def resolved(config: TrainConfig, figures: dict) -> TrainConfig:
+    """``config`` with ``--allreduce auto`` replaced by what the paradigm chose at run time (it may take shared memory
+    on a real node, which the cost functions, told only "auto", cannot know): the costs of what ran."""
+    chosen = figures.get("allreduce")
+    if config.allreduce == "auto" and isinstance(chosen, str) and chosen in ("shm", "hierarchical_shm"):
+        return replace(config, allreduce=chosen)
+    return config
 
 
 def dataset_of(config: TrainConfig) -> Dataset:

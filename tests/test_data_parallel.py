@@ -261,3 +261,53 @@ def test_held_bytes_in_the_figures_equal_the_cost_function(paradigm, p, optimize
     predicted = parallel.get(paradigm).costs(SIZES, p, cfg)
     for _, _, figures in sim.run(p, run, cfg, data64[:1]):
         assert figures["held_bytes"] == [{k: predicted[k] for k in ("parameters", "gradients", "optimizer")}] * p
+
+
+# --- --allreduce shm: the gradients in a shared window, summed in place -----------------------------------------
+
+
+def run_in_window(comm, cfg, data):
+    """``run``, and whether the model's gradients lived in a shared window (a view of its segment's bytes, where
+    a model's own flat buffer is an array of its own)."""
+    seen = {}
+
+    def model():
+        seen["model"] = make_model(cfg)()
+        return seen["model"]
+
+    params, summary, figures = run(comm, cfg, data, model)
+    grads = seen["model"].flat_grads
+    return params, summary, figures, grads.base is not None and grads.base.dtype == np.uint8
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ddp_shm_copies_what_its_cost_function_says_and_sends_nothing(p, overlap, data64):
+    """Zero copy: each bucket's loads and stores, 2 (p-1) c_r per rank, counted by the tracer as copies."""
+    cfg = config(allreduce="shm", overlap=overlap)
+    results = sim.run(p, run_in_window, cfg, data64)
+    costs = DataParallel.costs(SIZES, p, cfg)
+    for rank, (_, summary, figures, in_window) in enumerate(results):
+        traced = summary["operations"]["allreduce/shm"]
+        assert in_window, "the gradients must live in the shared window (zero copy)"
+        assert traced["bytes_sent"] == 0 == costs["sent_per_step"][rank]
+        assert traced["bytes_copied"] == STEPS * costs["copied_per_step"][rank], (rank, traced)
+        assert traced["calls"] == STEPS * len(figures["bucket_bytes"])
+
+
+def test_ddp_shm_follows_the_ring_within_the_reduction_order_bound_and_repeats_its_bits(data64):
+    """shm sums each chunk in another order than the ring (its own chunk first, then rank order): the same bits on
+    every run, and the ring's weights to float64 rounding (3 steps: ~1e-15 relative, asserted at 1e-12)."""
+    ring = sim.run(4, run, config(allreduce="ring"), data64)[0][0]
+    first, again = (sim.run(4, run, config(allreduce="shm"), data64)[0][0] for _ in range(2))
+    assert np.array_equal(first, again)
+    assert relative(first, ring) < 1e-12
+
+
+def test_shm_with_a_gpu_is_refused_in_one_line_before_any_message():
+    from dtrain.errors import ConfigError
+
+    for name in ("shm", "hierarchical_shm"):
+        with pytest.raises(ConfigError, match="host memory") as error:
+            DataParallel.check(config(allreduce=name, device="gpu"), 2)
+        assert "\n" not in str(error.value)

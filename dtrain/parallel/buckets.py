@@ -29,7 +29,7 @@ from collections.abc import Generator
 
 from dtrain import collectives
 from dtrain.backend import array_module
-from dtrain.collectives import costmodel, ring
+from dtrain.collectives import costmodel, ring, shm
 from dtrain.comm import waitall, watchdog
 from dtrain.comm.trace import labelled
 from dtrain.layout import spans
@@ -65,12 +65,36 @@ def bucket_bytes(config) -> int:
     return int(mb * (1 << 20))
 
 
-def allreduce_algorithm(config, world: int, nbytes: int) -> str:
+def allreduce_algorithm(config, world: int, nbytes: int, comm=None) -> str:
     """``--allreduce``, with "auto" resolved for all-reduces of up to ``nbytes`` (the largest bucket): the ring when
-    overlapping (the one non-blocking algorithm here), else the cost model's choice."""
+    overlapping (the one non-blocking algorithm here), shared memory where ``comm``'s ranks share a real node and
+    calibrate.py measured it faster from this size on, else the cost model's choice."""
     if config.allreduce != "auto":
         return config.allreduce
-    return "ring" if config.overlap and world > 1 else costmodel.choose(nbytes, world)
+    if config.overlap and world > 1:
+        return "ring"
+    if comm is not None and world > 1 and collectives.shm_pays(comm, nbytes, world):
+        return "shm"
+    return costmodel.choose(nbytes, world)
+
+
+def shared_gradients(comm, model, config, topology=None) -> str:
+    """The all-reduce ``model``'s gradients will get (:func:`allreduce_algorithm`, for the largest bucket); when it
+    is a shared-memory one, the flat gradient moves into a window on the ranks that share it first (``comm``, or
+    the topology's node), so that it is reduced in place, zero copy. Call it before the optimizer takes the
+    buffers; :func:`release` frees the window."""
+    algorithm = allreduce_algorithm(config, comm.Get_size(), _plan(model, config)[1], comm)
+    if algorithm in shm.ALGORITHMS and comm.Get_size() > 1:
+        node = topology.node if algorithm == "hierarchical_shm" else comm
+        model.move_flat_grads(shm.buffer(node, model.flat_grads.size, model.flat_grads.dtype))
+    return algorithm
+
+
+def release(comm, topology=None) -> None:
+    """Free the windows :func:`shared_gradients` made (a collective), before the communicators are freed."""
+    shm.release(comm)
+    if topology is not None:
+        shm.release(topology.node)
 
 
 def buckets_to_start(missing: list[int], started: int, bucket: int) -> list[int]:
@@ -193,8 +217,14 @@ def gradient_buckets(comm, model, config, topology=None) -> Buckets:
     """The reducer of ``model``'s flat gradient over ``comm``: buckets of ``--bucket-mb`` in reverse parameter order,
     all-reduced with ``--allreduce`` (chosen for the largest bucket); ``topology``: the hierarchical all-reduces'
     nodes."""
+    plan, biggest = _plan(model, config)
+    algorithm = allreduce_algorithm(config, comm.Get_size(), biggest, comm)
+    return Buckets(comm, model.flat_grads, plan, algorithm, topology)
+
+
+def _plan(model, config):
+    """The buckets of ``model``'s flat gradient (:func:`plan_buckets`) and the largest one's bytes."""
     flat = model.flat_grads
     layout = [(offset, n, flat.itemsize) for offset, n in spans(p.grad.size for p in model.parameters())]
     plan = plan_buckets(layout, bucket_bytes(config))
-    biggest = max(stop - start for start, stop, _ in plan) * flat.itemsize
-    return Buckets(comm, flat, plan, allreduce_algorithm(config, comm.Get_size(), biggest), topology)
+    return plan, max(stop - start for start, stop, _ in plan) * flat.itemsize

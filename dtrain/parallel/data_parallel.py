@@ -67,10 +67,10 @@ from __future__ import annotations
 
 from dtrain import collectives
 from dtrain.backend import itemsize
-from dtrain.collectives import costmodel, yours
+from dtrain.collectives import costmodel, shm, yours
 from dtrain.layout import parameter_shapes
 from dtrain.parallel import Paradigm, check_replicas, compression, compression_flags, pricing, register, replicas
-from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets
+from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets, release, shared_gradients
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
 
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
@@ -97,6 +97,7 @@ class DataParallel(Paradigm):
             yours.entry(config.allreduce)
         compression_flags.check(config)
         replicas.check_nodes(config, world)
+        replicas.check_shared_memory(config)
 
     def __init__(self, comm, config):
         super().__init__(comm, config)
@@ -107,8 +108,10 @@ class DataParallel(Paradigm):
 
     # --- the model: identical on every rank, and a hook on every parameter --------------------------------
     def build(self, make_model, make_optimizer) -> None:
-        super().build(make_model, make_optimizer)
-        model = self.model
+        self.model = model = make_model()
+        if self.config.compress == "none":  # --allreduce shm: the gradients live in a shared window (buckets.py)
+            shared_gradients(self.grad_comm, model, self.config, self.topology)
+        self.optimizer = make_optimizer(model)
         replicas.start(self.comm, model.flat_params)  # replicas start from rank 0's weights (checked)
         self.reducer = gradient_buckets(self.grad_comm, model, self.config, self.topology)  # buckets.py
         self.algorithm, self.buckets, self.timing = self.reducer.algorithm, self.reducer.slices, self.reducer.timing
@@ -150,6 +153,7 @@ class DataParallel(Paradigm):
 
     def finish(self) -> dict:
         self.check_replicas("at the end of training")
+        release(self.grad_comm, self.topology)  # (the shared window of the gradients, if any)
         if self.topology is not None:
             self.topology.free()
         self.grad_comm.Free()
@@ -187,6 +191,9 @@ class DataParallel(Paradigm):
             return {**base, "sent_per_step": [None] * world, "sent_by": f"your own all-reduce, {algorithm}"}
         sent = [sum(costmodel.bytes_sent(algorithm, n, b, world, rank, config.ranks_per_node) for n in counts)
                 for rank in range(world)]  # fmt: skip
+        if algorithm == "shm":  # no message: each bucket's loads and stores in the shared window (zero copy)
+            copied = [sum(shm.bytes_copied("allreduce", n, b, world, rank) for n in counts) for rank in range(world)]
+            return {**base, "sent_per_step": sent, "copied_per_step": copied}
         return {**base, "sent_per_step": sent}
 
     @classmethod
@@ -195,17 +202,20 @@ class DataParallel(Paradigm):
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
-        """Each all-reduce algorithm; the ring overlapped with backward; the hierarchical ones over the hardware's
-        nodes (this machine: 2 emulated); each compressor (fp16, bf16, top-k 1%, PowerSGD rank 2)."""
+        """Each all-reduce algorithm (shared memory where every rank is on one node); the ring overlapped with
+        backward; the hierarchical ones over the hardware's nodes (this machine: 2 emulated); each compressor
+        (fp16, bf16, top-k 1%, PowerSGD rank 2)."""
         chosen = [(f"ddp {a}", {"allreduce": a}, world) for a in ("ring", "tree", "doubling", "rabenseifner", "mpi")]
         chosen.append(("ddp ring, overlapped", {"allreduce": "ring", "overlap": True}, world))
         chosen += [("ddp fp16", {"compress": "fp16"}, world), ("ddp bf16", {"compress": "bf16"}, world),
                    ("ddp topk 1%", {"compress": "topk", "compress_ratio": 0.01}, world),
                    ("ddp powersgd r=2", {"compress": "powersgd", "powersgd_rank": 2}, world)]  # fmt: skip
+        if not hardware.ranks_per_node or hardware.ranks_per_node >= world:  # one node: its shared memory
+            chosen.append(("ddp shm", {"allreduce": "shm"}, world))
         k = hardware.ranks_per_node or (world // 2 if world >= 4 else None)
         if k and 1 < k < world:
             chosen += [(f"ddp {a} ({-(-world // k)} nodes)", {"allreduce": a, "ranks_per_node": k}, world)
-                       for a in ("hierarchical", "hierarchical_rs")]  # fmt: skip
+                       for a in ("hierarchical", "hierarchical_rs", "hierarchical_shm")]  # fmt: skip
         return chosen
 
     @classmethod

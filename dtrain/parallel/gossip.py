@@ -150,7 +150,7 @@ class Gossip(Paradigm):
         self.steps = 0
 
     def build(self, make_model, make_optimizer) -> None:
-        super().build(make_model, make_optimizer)
+        super().build(lambda: self.replicas.share(make_model()), make_optimizer)  # (the averaging all-reduce)
         self.replicas.start(self.model, make_model)  # rank 0's weights everywhere; a copy for their average
         flat = self.model.flat_params
         self.inbox = [array_module(flat).empty_like(flat) for _ in range(self.degree(self.config, self.world))]

@@ -96,7 +96,7 @@ class LocalSGD(Paradigm):
         self.averages = 0
 
     def build(self, make_model, make_optimizer) -> None:
-        super().build(make_model, make_optimizer)
+        super().build(lambda: self.replicas.share(make_model()), make_optimizer)  # (--allreduce shm: shared weights)
         self.replicas.start(self.model, make_model)  # rank 0's weights everywhere; a copy for their average
         self.warmup = None  # post-local SGD's first W steps are ddp's: its gradient buckets (buckets.py), only then
         if self.config.warmup_sync_steps:

@@ -22,13 +22,13 @@ import numpy as np
 
 from dtrain import collectives
 from dtrain.backend import array_module
-from dtrain.collectives import hierarchical
+from dtrain.collectives import hierarchical, shm
 from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import check_replicas
 from dtrain.parallel.buckets import allreduce_algorithm
 
-HIERARCHICAL = ("hierarchical", "hierarchical_rs")
+HIERARCHICAL = ("hierarchical", "hierarchical_rs", "hierarchical_shm")
 
 
 def check_nodes(config, world: int) -> None:
@@ -39,6 +39,15 @@ def check_nodes(config, world: int) -> None:
         raise ConfigError(
             f"--allreduce hierarchical_rs needs nodes of equal size; {world} ranks with --ranks-per-node {k} "
             f"make nodes of {sizes}: use --allreduce hierarchical, or a rank count divisible by {k}"
+        )
+
+
+def check_shared_memory(config) -> None:
+    """Before any message: a shared-memory all-reduce takes host memory; GPU buffers are refused, not staged."""
+    if config.allreduce in shm.ALGORITHMS and config.device == "gpu":
+        raise ConfigError(
+            f"--allreduce {config.allreduce} reduces host memory in a shared window; with --device gpu use "
+            "--allreduce ring or auto (staged through host memory), or NCCL's own shared memory"
         )
 
 
@@ -82,6 +91,7 @@ class Replicas:
     def check(name: str, config, world: int) -> None:
         """Before any message: the nodes, and no checkpoint in the middle of training."""
         check_nodes(config, world)
+        check_shared_memory(config)
         if config.checkpoint_every:
             raise ConfigError(
                 f"--paradigm {name} writes its checkpoint at the end of training only (between averages every "
@@ -95,11 +105,20 @@ class Replicas:
         self.copy = self.algorithm = self.final_state = None
         self.consensus = []  # the consensus distance at the end of each epoch
 
+    def share(self, model):
+        """Choose the all-reduce that averages the weights; with a shared-memory one, ``model``'s weights move into a
+        window on the ranks that share it (zero copy). Before the optimizer takes the buffers. Returns ``model``."""
+        flat = model.flat_params
+        self.algorithm = allreduce_algorithm(self.config, self.outer.Get_size(), flat.nbytes, self.comm)
+        if self.algorithm in shm.ALGORITHMS and self.outer.Get_size() > 1:
+            node = self.topology.node if self.algorithm == "hierarchical_shm" else self.comm
+            model.move_flat_params(shm.buffer(node, flat.size, flat.dtype))
+        return model
+
     def start(self, model, make_model) -> None:
-        """Rank 0's weights everywhere; a copy of the model for the average; the all-reduce that averages."""
+        """Rank 0's weights everywhere; a copy of the model for the average."""
         start(self.outer, model.flat_params)
         self.copy = make_model()  # the replicas' average, evaluated at the end of each epoch
-        self.algorithm = allreduce_algorithm(self.config, self.outer.Get_size(), model.flat_params.nbytes)
 
     def average(self, flat, via: str = "allreduce") -> None:
         """Every rank's ``flat`` replaced by the replicas' average (:func:`average_weights`)."""
@@ -135,7 +154,9 @@ class Replicas:
                     if isinstance(value, np.ndarray):
                         collectives.allreduce(self.comm, value, "avg", "ring")
         check_replicas(self.outer, flat, "at the end of training")
+        shm.release(self.comm)  # (the weights' shared window, if any)
         if self.topology is not None:
+            shm.release(self.topology.node)
             self.topology.free()
         self.comm.Free()
         return {"allreduce": self.algorithm, "consensus_distance": self.consensus}

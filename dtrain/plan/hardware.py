@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtrain.collectives import costmodel
+from dtrain.collectives import costmodel, shm
 from dtrain.collectives.costmodel import Machine
 from dtrain.comm import usable_cores
 from dtrain.errors import ConfigError
@@ -128,7 +128,7 @@ class Hardware:
         ``ranks_per_node`` (emulated nodes on one machine are priced on its one link)."""
         ranks = list(ranks)
         p, machine = len(ranks), self.link(ranks, world)
-        if algorithm in ("hierarchical", "hierarchical_rs"):
+        if algorithm in ("hierarchical", "hierarchical_rs", "hierarchical_shm"):
             machine = self.link(ranks[:1], world)  # (inside a node)
             k = ranks_per_node or self.ranks_per_node
             inter = self.link([0, k], world) if k and k < p else machine  # (ranks 0 and k: on different nodes)
@@ -153,6 +153,8 @@ class Hardware:
             steps, share = math.ceil(math.log2(p)), math.ceil(math.log2(p)) * nbytes
         elif algorithm == "naive":
             steps, share = p - 1, (p - 1) * nbytes
+        elif algorithm == "shm":  # no message: two fences and the copies (collectives/shm.py's price)
+            return shm.predict_time(collective, nbytes, p, m)
         else:
             raise ValueError(f"no time model for {collective} with {algorithm!r}")
         return steps * m.alpha + share * m.beta + (share * m.gamma if reduces else 0.0)
