@@ -17,8 +17,8 @@
 
 Which file does what: this one is the front door (the six collectives, the table, one path through it);
 _checks.py checks arguments (and, in debug mode, that ranks make the same call); _chunks.py cuts a buffer into p
-chunks; the algorithms are in the files of the table; costmodel.py predicts time and counts exact bytes and
-messages per rank ("auto"'s choice); calibration.json holds this machine's constants (scripts/calibrate.py).
+chunks; the algorithms are in the table's files (shm_windows.py: the windows shm.py works on); costmodel.py predicts
+time ("auto"'s choice), traffic.py counts exact bytes and messages per rank; calibration.json: this machine's numbers.
 
 Everything works in place on one C-contiguous float32/float64 array (any shape; it is treated as flat)::
 

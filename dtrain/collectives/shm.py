@@ -50,106 +50,28 @@ copied once instead of twice. The exact counts are :func:`bytes_copied`, which t
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from dtrain import kernels
 from dtrain.collectives import ring
 from dtrain.collectives._chunks import offsets_for
-from dtrain.comm import watchdog, windows
-from dtrain.comm.names import COMM_TYPE_SHARED
-from dtrain.comm.wrapper import innermost
+from dtrain.collectives.shm_windows import (
+    buffer,
+    check_one_node,
+    holds,
+    place,
+    real_node,
+    release,
+    share_model,
+    unshare_model,
+)
+from dtrain.comm import watchdog
 
-HEADER = windows.ALIGN  # bytes at the start of every segment: the call's (number, collective, offset, count)
+__all__ = ["allgather", "allreduce", "buffer", "bytes_copied", "check_one_node", "hierarchical_allreduce", "holds",
+           "predict_time", "real_node", "reduce_scatter", "release", "share_model", "unshare_model"]  # fmt: skip
+
+ALGORITHMS = ("shm", "hierarchical_shm")  # the all-reduces that work on shared windows
 CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "hierarchical_shm": 4}
-
-
-@dataclasses.dataclass
-class Window:
-    """A window on one communicator: a paradigm's buffer (``zero_copy``) or the scratch of the copy-in path."""
-
-    shared: windows.SharedWindow
-    comm: object  # the communicator it was allocated on (its ranks are the window's)
-    zero_copy: bool
-    calls: int = 0
-
-    def segment(self, rank: int, dtype, offset: int, count: int) -> np.ndarray:
-        return self.shared.view(rank, dtype, HEADER + offset, count)
-
-
-_windows: dict[int, list] = {}  # id(the innermost communicator) -> [its Windows]
-_nodes: dict[int, tuple] = {}  # id(the innermost communicator) -> (it, whether its ranks share one node)
-
-
-# --- windows: a paradigm's buffer, the scratch, freeing ----------------------------------------------------------
-
-
-def buffer(comm, count: int, dtype) -> np.ndarray:
-    """A zeroed ``count``-element array of ``dtype`` in a new window on ``comm`` (a collective: every rank calls it
-    with the same count): this rank's segment, which the others can read. Collectives on ``comm`` take it in place."""
-    check_one_node(comm, "a shared buffer")
-    window = _allocate(comm, count * np.dtype(dtype).itemsize, zero_copy=True)
-    view = window.segment(window.shared.rank, dtype, 0, count)
-    view[...] = 0
-    return view
-
-
-def release(comm) -> None:
-    """Free every window on ``comm`` (a collective: every rank calls it, before freeing ``comm``)."""
-    for window in _windows.pop(id(innermost(comm)), []):
-        window.shared.free()
-
-
-def _allocate(comm, nbytes: int, zero_copy: bool) -> Window:
-    window = Window(windows.allocate(comm, HEADER + nbytes), comm, zero_copy)
-    _windows.setdefault(id(innermost(comm)), []).append(window)
-    return window
-
-
-def _place(comm, buf):
-    """Where ``buf``'s data lives in a window on ``comm``: (window, byte offset, whether it is copied in)."""
-    rank, address = comm.Get_rank(), buf.__array_interface__["data"][0]
-    scratch = None
-    for window in _windows.get(id(innermost(comm)), ()):
-        if window.zero_copy:
-            start = window.shared.segments[rank].__array_interface__["data"][0] + HEADER
-            if start <= address and address + buf.nbytes <= start + window.shared.nbytes - HEADER:
-                return window, address - start, False
-        else:
-            scratch = window
-    if scratch is None or scratch.shared.nbytes - HEADER < buf.nbytes:  # (every rank alike: the same nbytes)
-        if scratch is not None:
-            _windows[id(innermost(comm))].remove(scratch)
-            scratch.shared.free()
-        scratch = _allocate(comm, buf.nbytes, zero_copy=False)
-    return scratch, 0, True
-
-
-def check_one_node(comm, what: str = "--allreduce shm") -> None:
-    """Every rank of ``comm`` shares one node's memory (asked once per communicator: a collective), else ValueError."""
-    inner = innermost(comm)
-    known = _nodes.get(id(inner))
-    if known is None:
-        simulated = hasattr(inner, "Allocate_shared")  # simulated ranks are threads of one process
-        node = None if simulated else inner.Split_type(COMM_TYPE_SHARED, key=inner.Get_rank())
-        known = _nodes[id(inner)] = (inner, simulated or node.Get_size() == inner.Get_size())
-        if node is not None:
-            node.Free()
-    if not known[1]:
-        raise ValueError(f"{what} needs every rank on one node; these ranks span several: use hierarchical_shm")
-
-
-def real_node(comm) -> bool:
-    """Whether ``comm``'s ranks are real processes (not simulated) sharing one node: where ``auto`` may pick shm."""
-    inner = innermost(comm)
-    if hasattr(inner, "Allocate_shared"):
-        return False
-    try:
-        check_one_node(comm)
-    except ValueError:
-        return False
-    return True
 
 
 # --- the algorithms -------------------------------------------------------------------------------------------
@@ -221,7 +143,7 @@ def _enter(comm, buf, collective):
         raise ValueError(f"{collective}/shm works on host memory, not a {type(buf).__name__}: stage it, or use ring")
     if collective != "hierarchical_shm":
         check_one_node(comm)
-    window, offset, copied_in = _place(comm, buf)
+    window, offset, copied_in = place(comm, buf)
     r, p = comm.Get_rank(), comm.Get_size()
     views = [window.segment(q, buf.dtype, offset, buf.size) for q in range(p)]
     lo, hi = offsets_for(buf.size, p)[r : r + 2]

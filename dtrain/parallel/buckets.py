@@ -90,11 +90,12 @@ def shared_gradients(comm, model, config, topology=None) -> str:
     return algorithm
 
 
-def release(comm, topology=None) -> None:
-    """Free the windows :func:`shared_gradients` made (a collective), before the communicators are freed."""
-    shm.release(comm)
-    if topology is not None:
-        shm.release(topology.node)
+def release(comm, model, topology=None) -> None:
+    """Free the windows :func:`shared_gradients` made (a collective), before the communicators are freed; the
+    gradients move back into the process's own memory first (nothing may point into a freed window)."""
+    for group in (comm, None if topology is None else topology.node):
+        if group is not None:
+            shm.unshare_model(group, model)
 
 
 def buckets_to_start(missing: list[int], started: int, bucket: int) -> list[int]:

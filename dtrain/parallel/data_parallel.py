@@ -153,7 +153,7 @@ class DataParallel(Paradigm):
 
     def finish(self) -> dict:
         self.check_replicas("at the end of training")
-        release(self.grad_comm, self.topology)  # (the shared window of the gradients, if any)
+        release(self.grad_comm, self.model, self.topology)  # (the shared window of the gradients, if any)
         if self.topology is not None:
             self.topology.free()
         self.grad_comm.Free()

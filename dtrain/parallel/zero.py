@@ -33,12 +33,11 @@ N chunks by ``chunk_bounds``, and rank r owns chunk r of every layer (FSDP does 
 
 A reduce-scatter and an all-gather are the two halves of a ring all-reduce (:mod:`dtrain.collectives.ring`), so
 stages 1 and 2 send what ddp sends; stage 3 gathers twice, 1.5 times as much. ``--allreduce`` picks the pair:
-``ring`` (any N) or ``rabenseifner`` (recursive halving, then recursive doubling; N a power of two); ``auto`` takes
-the second where it applies, since it needs log2 N steps to the ring's N - 1 for the same bytes.
+``ring`` (any N), ``rabenseifner`` (halving, then doubling; N a power of two: ``auto``'s choice there, log2 N steps
+to the ring's N - 1) or ``shm`` (one node's shared memory; stage 1 keeps its replica in windows: zero copy).
 
-**Collectives per layer, not per model.** Every collective here moves one layer (FSDP moves one wrapped unit), so a
-step of an m-layer model pays m times the latency of ddp's one all-reduce: on a small model ZeRO is slower than ddp
-for that alone, on a large one the bytes dominate and the two cost the same (docs/benchmarks.md, section 7).
+**Collectives per layer, not per model** (FSDP: per wrapped unit): a step pays m times the latency of ddp's one
+all-reduce, slower on a small model, the same once bytes dominate (docs/benchmarks.md, section 7).
 
 **Cost per rank** (n parameters of b bytes; N ranks; s = this rank's chunks, about n/N; L = the largest layer;
 k = 0, 1 or 2 optimizer buffers for plain SGD, momentum, Adam; a = ``--accumulate``)::
@@ -59,8 +58,7 @@ counts the arrays this module holds, by kind, as it allocates and frees (not the
 tracer's bytes are held against :meth:`Zero.costs` in tests/test_zero.py. The whole model exists on every rank while
 it is built from the seed (as in FSDP without a meta device); stage 3 keeps only its chunks.
 
-**Checkpoints** gather the chunks into the flat parameter and optimizer buffers every paradigm writes, so any stage,
-any N, ``ddp`` or ``single`` can resume them.
+**Checkpoints** gather the chunks into the flat buffers every paradigm writes: any stage, N, ddp or single resumes.
 """
 
 from __future__ import annotations
@@ -73,6 +71,7 @@ import numpy as np
 from dtrain import collectives
 from dtrain.autograd import Tensor
 from dtrain.backend import array_module, to_host
+from dtrain.collectives import shm
 from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.nn import Linear, Module, Parameter, Sequential
 from dtrain.optim import FlatBuffers, buffer_names, state_bytes
@@ -161,6 +160,8 @@ class Zero(Paradigm):
     # --- the model: this rank's chunks --------------------------------------------------------------------
     def build(self, make_model, make_optimizer) -> None:
         model = make_model()  # the whole model, from the seed: identical on every rank
+        if self.stage == 1 and self.rs_algorithm == "shm" and self.world > 1:  # shared windows: zero copy
+            shm.share_model(self.comm, model)
         flat, xp = model.flat_params, array_module(model.flat_params)
         if self.world == 1 and not self.config.quiet:
             print(f"zero on 1 rank: nothing to shard, this is plain training (stage {self.stage}'s steps)", flush=True)
@@ -275,6 +276,7 @@ class Zero(Paradigm):
             check_replicas(self.comm, self.model.flat_params, "at the end of training")
         else:
             self.gathered = self.full_parameters()
+        shm.unshare_model(self.comm, self.model)  # (back into this process's memory; the windows freed)
         return {"stage": self.stage, "reduce_scatter": self.rs_algorithm, "allgather": self.ag_algorithm,
                 "held_bytes": self.comm.allgather(dict(self.ledger.peak))}  # fmt: skip  # (each rank's: the ledger's)
 

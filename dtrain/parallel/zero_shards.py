@@ -25,7 +25,7 @@ from dtrain.layout import layer_starts
 from dtrain.optim import buffers_per_parameter
 
 KINDS = ("parameters", "gradients", "optimizer")
-PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling")}  # (reduce-scatter, all-gather)
+PAIRS = {"ring": ("ring", "ring"), "rabenseifner": ("rabenseifner", "doubling"), "shm": ("shm", "shm")}  # (RS, AG)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,8 @@ def collective_pair(name: str, world: int) -> tuple[str, str]:
         name = "rabenseifner" if world > 1 and not world & (world - 1) else "ring"
     if name not in PAIRS:
         raise ConfigError(
-            f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto, ring or "
-            "rabenseifner (recursive halving, then recursive doubling)"
+            f"--allreduce {name} has no reduce-scatter/all-gather pair for zero: choose auto, ring, "
+            "rabenseifner (recursive halving, then recursive doubling) or shm (shared memory, one node)"
         )
     if name == "rabenseifner" and world & (world - 1):
         raise ConfigError(f"--allreduce rabenseifner needs a power-of-two number of ranks, not {world}: use ring")
