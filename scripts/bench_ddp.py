@@ -79,6 +79,7 @@ VARIANTS = {
     "ddp overlap 1-bucket": {"overlap": True, "bucket_mb": 0.0, "allreduce": "auto"},
     "ddp 1MiB-buckets": {"overlap": False, "bucket_mb": 1.0, "allreduce": "auto"},
     "ddp mpi-allreduce": {"overlap": False, "bucket_mb": 0.0, "allreduce": "mpi"},
+    "ddp shm": {"overlap": False, "bucket_mb": None, "allreduce": "shm"},
     "ddp untraced": {"overlap": False, "bucket_mb": None, "allreduce": "auto", "traced": False},
 }
 

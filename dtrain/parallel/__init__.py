@@ -41,7 +41,7 @@ from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
 from dtrain.optim import buffers_per_parameter, state_bytes
 from dtrain.parallel import pricing
-from dtrain.parallel.flags import Flag
+from dtrain.parallel.flags import SHARED_MEMORY, Flag
 from dtrain.parallel.registry import MODULES_VAR, all_flags, get, names, readers, register
 
 __all__ = ["MODULES_VAR", "Evaluating", "Paradigm", "ReplicasDiverged", "all_flags", "check_replicas", "get", "names",
@@ -83,6 +83,9 @@ def _check_flags(cls, config) -> None:
         value = getattr(config, name)
         if name in mine:
             mine[name].check(value)
+            if name == "allreduce" and value in SHARED_MEMORY and config.device == "gpu":
+                raise ConfigError(f"--allreduce {value} reduces host memory in a shared window; with --device gpu use "
+                                  "--allreduce ring or auto (staged through host memory)")  # fmt: skip
         elif value != flag.default:
             raise ConfigError(f"{flag.option} is a flag of --paradigm {', '.join(readers(name))}, not of "
                               f"{cls.name}")  # fmt: skip

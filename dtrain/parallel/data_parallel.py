@@ -97,7 +97,6 @@ class DataParallel(Paradigm):
             yours.entry(config.allreduce)
         compression_flags.check(config)
         replicas.check_nodes(config, world)
-        replicas.check_shared_memory(config)
 
     def __init__(self, comm, config):
         super().__init__(comm, config)

@@ -83,6 +83,7 @@ class Flag:
 ALLREDUCE = Flag("allreduce", "auto", "the all-reduce algorithm (zero: its reduce-scatter and all-gather, ring or "
                  "rabenseifner; tp, pp: the tensor and dp groups' all-reduce)", choices=ALGORITHMS,
                  otherwise=" (your own all-reduce, FILE.py:FUNCTION, works with --paradigm ddp)")  # fmt: skip
+SHARED_MEMORY = ("shm", "hierarchical_shm")  # --allreduce values that reduce host memory in a shared window: no GPU
 # ddp's: the same, or your own all-reduce (dtrain/collectives/yours.py), e.g. a course exercise's ring
 ALLREDUCE_OR_YOURS = dataclasses.replace(
     ALLREDUCE, accepts=is_spec, otherwise="", help=ALLREDUCE.help + ", or FILE.py:FUNCTION: your own "

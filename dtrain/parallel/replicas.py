@@ -42,15 +42,6 @@ def check_nodes(config, world: int) -> None:
         )
 
 
-def check_shared_memory(config) -> None:
-    """Before any message: a shared-memory all-reduce takes host memory; GPU buffers are refused, not staged."""
-    if config.allreduce in shm.ALGORITHMS and config.device == "gpu":
-        raise ConfigError(
-            f"--allreduce {config.allreduce} reduces host memory in a shared window; with --device gpu use "
-            "--allreduce ring or auto (staged through host memory), or NCCL's own shared memory"
-        )
-
-
 def nodes(comm, config):
     """The nodes of ``comm`` that the hierarchical all-reduces run over (a collective), or None for the others; real
     nodes of different sizes are refused for hierarchical_rs (known only now)."""
@@ -91,7 +82,6 @@ class Replicas:
     def check(name: str, config, world: int) -> None:
         """Before any message: the nodes, and no checkpoint in the middle of training."""
         check_nodes(config, world)
-        check_shared_memory(config)
         if config.checkpoint_every:
             raise ConfigError(
                 f"--paradigm {name} writes its checkpoint at the end of training only (between averages every "
