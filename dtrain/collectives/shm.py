@@ -1,7 +1,8 @@
 """Shared memory inside one node: every rank reads the others' buffers in place, no message at all.
 
 Between two ranks of one machine a "message" is a memory copy: MPI copies the sender's buffer into a shared segment
-and the receiver copies it out again. So the ring copies each of its ``2 (p-1)/p n`` bytes twice. Here the buffers
+and the receiver copies it out again (unless it has a single-copy path, Linux's CMA or XPMEM). So the ring copies
+each of its ``2 (p-1)/p n`` bytes twice, and each step waits for a message's latency. Here the buffers
 themselves live in an MPI-3 shared window (:mod:`dtrain.comm.windows`), mapped into every rank's process, and rank r
 sums *its* chunk straight out of everyone's buffer and stores the sum straight into everyone's buffer::
 
@@ -27,21 +28,23 @@ POWER): a rank could see the barrier and still load a stale value. Each fence is
 
 **Zero copy, or copy-in.** When ``buf`` lies in a window on this very communicator (:func:`buffer` allocated it: ddp's
 flat gradients, ZeRO's, local SGD's weights) the algorithm works on it in place. Any other buffer is copied into a
-scratch window first and the result copied back out: ``2 n`` more bytes copied per rank (what MPI's shared-memory
-path also pays, once per message). Every rank must use the same place in its window (the same offset and size), as
+scratch window first (every chunk the others load: all but this rank's own, which it sums where it is) and the
+others' sums copied back out: ``2 (n - c_r)`` more bytes copied per rank (what MPI's shared-memory path pays for
+every message). Every rank must use the same place in its window (the same offset and size), as
 a symmetric allocation gives; each call writes (call number, collective, offset, count) into a header of its segment
 and every rank compares all headers after fence 1, so a mismatch is an error on every rank, never a wrong sum.
 
 **hierarchical_shm** (NCCL's and Horovod's hierarchical all-reduce, with shared memory inside nodes): (1) inside each
 node, rank r sums chunk r and stores the sum into the node leader's buffer; (2) the leaders run the ring between
-nodes; (3) every rank of a node copies the leader's result. Only leaders send messages.
+nodes; (3) every rank of a node copies the leader's result. Only leaders send messages; four fences (one more
+between each phase and the next, so that no rank loads what is not yet written or overwrites what is still read).
 
 **Cost** (n bytes, p ranks of one node, chunk c_r of rank r; phi: one fence; delta: seconds per byte copied between
 ranks' memory; gamma: per byte reduced)::
 
     allreduce        2 phi + 2 (p-1) c_r delta + (p-1) c_r gamma       (loads (p-1) c_r, stores (p-1) c_r)
-      copy-in        + 2 n delta                                        (buf into the window and back out)
-    reduce_scatter   2 phi + (p-1) c_r delta + (p-1) c_r gamma     (+ n delta copy-in)
+      copy-in        + 2 (n - c_r) delta                                (buf into the window and back out)
+    reduce_scatter   2 phi + (p-1) c_r delta + (p-1) c_r gamma     (+ (n - c_r) delta copy-in)
     allgather        2 phi + (n - c_r) delta                       (+ c_r delta copy-in)
 
 against the ring's ``2 (p-1) (alpha + ...)``: two barriers instead of 2(p-1) message latencies, and each byte
@@ -220,9 +223,9 @@ def bytes_copied(collective, count, itemsize, p, rank, copy_in=False) -> int:
     offsets = offsets_for(count, p)
     c = offsets[rank + 1] - offsets[rank]
     if collective == "allreduce":
-        elements = 2 * (p - 1) * c + (count + (count - c) if copy_in else 0)
+        elements = 2 * (p - 1) * c + (2 * (count - c) if copy_in else 0)
     elif collective == "reduce_scatter":
-        elements = (p - 1) * c + (count if copy_in else 0)
+        elements = (p - 1) * c + (count - c if copy_in else 0)
     elif collective == "allgather":
         elements = count - c + (c if copy_in else 0)
     elif collective == "hierarchical_shm":  # p: the node's ranks, rank: the local rank (0: the leader)
