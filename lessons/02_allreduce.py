@@ -22,7 +22,16 @@ What you will see, for one float32 buffer (1 MiB by default; each rank's values 
      * bytes sent by rank 0 counted by the tracer, against the exact formula in costmodel.bytes_sent, and whether
        the two agree on every rank; the cost model's predicted time;
   2. the bytes each rank sent, per algorithm: naive piles (p-1) n on rank 0, the ring spreads 2(p-1)/p n evenly;
-  3. a last line `all algorithms agree with MPI_Allreduce: yes` (the exit status is non-zero if not).
+  3. "On one machine, messages are copies": between two ranks of one machine MPI copies every message twice (into
+     shared memory, out again), so the ring's 2(p-1)/p n bytes sent are 4(p-1)/p n copied; the shared-memory
+     all-reduce (collectives/shm.py) copies 2(p-1)/p n on a buffer that lives in a shared window (zero copy), or
+     2(n - c_r) more when it must copy the buffer in and out (copy-in; c_r: rank r's chunk). The tracer's counts on
+     every rank beside the formulas; then ring, shm (zero copy), shm (copy-in) timed against MPI's Allreduce at 1 and
+     16 MiB (best of --repeats alternating runs), and why shm needs two fences. With one rank there is nothing to
+     copy: the counts come from 4 simulated ranks and the timing is skipped (threads of one process: no MPI to
+     compare with). Ranks on several nodes: the part runs on rank 0's node;
+  4. last lines `all algorithms agree with MPI_Allreduce: yes` and the part's verdicts (the exit status is non-zero
+     if any says NO); --json PATH writes every number and verdict to a file.
 
 `--device gpu` runs the same on GPUs (one per rank, rank % GPUs): each rank's buffer is a CuPy array, all-reduced
 through StagedComm (pinned host memory when MPI is not CUDA-aware; the times then include the copies). The oracles,
@@ -34,6 +43,8 @@ Things to try:
   * --ranks-per-node 2 (or 3 with -n 5): hierarchical does a tree inside each emulated node and a ring between the
     node leaders; hierarchical_rs needs equal nodes and is skipped otherwise;
   * --size-mib 0.001 against --size-mib 16: which algorithm wins when, and which one "auto" picks;
+  * --shm-mib 0.004,0.06,1,64: shm's two fences cost the same at any size, and with many ranks on few cores
+    they dominate a small buffer; which of zero copy and copy-in gains more as the buffer grows?
   * --trace trace.json, then open https://ui.perfetto.dev and drag the file in: one row per rank, each all-reduce
     as a span with every Send/Recv inside it, and its peer and bytes in the details.
 
@@ -49,6 +60,8 @@ the stubs into ex/), each graded by the command under it:
        dtrain exercises check 2.4 --path ex
   2.5  hierarchical all-reduce, hierarchical_allreduce(topology, buf):
        dtrain exercises check 2.5 --path ex
+  2.6  shared-memory all-reduce, shm_allreduce(comm, buf) in ex/shm.py:
+       dtrain exercises check 2.6 --path ex
 Each check runs on simulated ranks, then under mpiexec -n 2, 3, 4, and counts
 who sent what to whom. A ring that passes trains the MLP, with
 --allreduce ex/ring.py:ring_allreduce added to
@@ -58,15 +71,26 @@ who sent what to whom. A ring that passes trains the MLP, with
 import argparse
 import contextlib
 import functools
+import json
 import statistics
 
 import numpy as np
-from lesson_util import add_device_flag, everywhere, lesson_xp, parse_and_start, refuse_bad_arguments, slowest_seconds
+from lesson_util import (
+    add_device_flag,
+    everywhere,
+    lesson_xp,
+    parse_and_start,
+    refuse_bad_arguments,
+    sleeping_barrier,
+    slowest_seconds,
+)
 from lesson_util import say as lesson_say
 
 from dtrain import terminal
 from dtrain.backend import to_host
-from dtrain.collectives import ALGORITHMS, allreduce, costmodel, hierarchical
+from dtrain.collectives import ALGORITHMS, allreduce, chunk_bounds, costmodel, hierarchical, shm
+from dtrain.comm import sim
+from dtrain.comm.names import COMM_TYPE_SHARED, UNDEFINED
 from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import TracedComm, Tracer, write_chrome_trace
 
@@ -83,6 +107,13 @@ parser.add_argument(
 parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated (default: all)")
 parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of one all-reduce per algorithm")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument(
+    "--shm-mib",
+    default="1,16",
+    metavar="SIZES",
+    help="buffer sizes in MiB at which ring and shm are timed against MPI (default %(default)s)",
+)
+parser.add_argument("--json", metavar="PATH", help="write every measurement and verdict to this file")
 add_device_flag(parser)
 
 args, comm, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
@@ -92,11 +123,23 @@ from mpi4py import MPI  # for MPI.SUM (MPI has started by now)
 K = args.ranks_per_node
 algorithms = args.algorithms.split(",")
 unknown = [a for a in algorithms if a not in ALGORITHMS]
+
+
+def sizes_mib(text):
+    """--shm-mib's sizes, or () if it is not a list of positive numbers."""
+    try:
+        sizes = tuple(float(size) for size in text.split(","))
+    except ValueError:
+        return ()
+    return sizes if all(size > 0 for size in sizes) else ()
+
+
+shm_sizes = sizes_mib(args.shm_mib)
 refuse_bad_arguments([(
     unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1),
     f"unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or --size-mib <= 0, --repeats < 1 or "
     "--ranks-per-node < 1",
-)])  # fmt: skip
+), (not shm_sizes, f"--shm-mib must be sizes in MiB > 0, comma-separated (got {args.shm_mib!r})")])  # fmt: skip
 
 count = max(1, int(args.size_mib * 2**20) // 4)
 nbytes = 4 * count
@@ -222,6 +265,95 @@ for alg in algorithms:
 nodes.free()  # collective, like the split
 traced_nodes.free()
 
+# ------------------------------------------------------------------------------ on one machine, messages are copies
+# Shared memory is one node's: the part runs on the world when every rank shares one node, else on rank 0's node (the
+# other ranks wait, asleep); where that is one rank, on simulated ranks (one rank has nothing to copy).
+SIMULATED = 4  # ranks
+COPIERS = (("ring", "ring", False), ("shm, zero copy", "shm", True), ("shm, copy-in", "shm", False))
+
+
+def part_buffers(q, r, n):
+    """Rank r's n float32 in this part (small integers: base + r) and their exact sum over q ranks."""
+    base = (np.arange(n) % 13 - 6).astype(np.float32)
+    return base + r, q * base + q * (q - 1) // 2
+
+
+def count_copies(part):
+    """One traced all-reduce of the lesson's buffer (``count`` float32) by the ring, by shm on a buffer in a shared
+    window (zero copy) and by shm on a plain one (copy-in), on ``part``'s ranks, real or simulated: this rank's
+    bytes sent and copied, the formula's bytes, and whether the result is the exact sum."""
+    q, r = part.Get_size(), part.Get_rank()
+    tracer = Tracer()
+    traced = TracedComm(part, tracer)
+    mine, total = part_buffers(q, r, count)
+    in_window, plain = shm.buffer(traced, count, np.float32), np.empty(count, np.float32)
+    lo, hi = chunk_bounds(count, q)[r]
+    c = 4 * (hi - lo)  # c_r: my chunk, in bytes
+    formulas = {
+        "ring": costmodel.bytes_sent("ring", count, 4, q, r),  # 2(p-1)/p n, exactly for uneven chunks
+        "shm, zero copy": 2 * (q - 1) * c,  # load (p-1) chunks c_r to sum, store the sum into p-1 buffers
+        "shm, copy-in": 2 * (q - 1) * c + 2 * (nbytes - c),  # + every chunk but mine into the window, and out
+    }
+    counted = {}
+    for name, algorithm, zero_copy in COPIERS:
+        buf = in_window if zero_copy else plain
+        for _ in range(2):  # the first call warms up (copy-in allocates its scratch window there): not counted
+            buf[...] = mine
+            tracer.reset()
+            allreduce(traced, buf, algorithm=algorithm)
+        counts = tracer.summary()["operations"][f"allreduce/{algorithm}"]
+        measured = counts["bytes_sent"] if algorithm == "ring" else counts["bytes_copied"]
+        counted[name] = {"bytes_sent": counts["bytes_sent"], "bytes_copied": counts["bytes_copied"],
+                         "copies": counts["copies"], "measured": measured, "formula": formulas[name],
+                         "exact": bool(np.array_equal(buf, total))}  # fmt: skip
+    shm.release(traced)
+    return counted
+
+
+def allreduce_once(part, buf, algorithm) -> None:
+    allreduce(part, buf, algorithm=algorithm)  # (returns nothing: slowest_seconds would read a returned value)
+
+
+def time_against_mpi(part, mib):
+    """ring, shm (zero copy), shm (copy-in) and MPI's Allreduce on ``mib`` MiB: each one's best time (the slowest
+    rank's) over --repeats rounds, every round all four in turn, each round starting one further on."""
+    q, r = part.Get_size(), part.Get_rank()
+    n = max(q, int(mib * 2**20) // 4)
+    mine, total = part_buffers(q, r, n)
+    plain, in_window = np.empty(n, np.float32), shm.buffer(part, n, np.float32)
+    contenders = [("MPI's Allreduce", "mpi", plain)] + [(name, alg, in_window if zero else plain)
+                                                        for name, alg, zero in COPIERS]  # fmt: skip
+    best, exact = {}, True
+    for round_ in range(args.repeats + 1):  # round 0 warms up (connections, the scratch window): not timed
+        turn = round_ % len(contenders)
+        for name, algorithm, buf in contenders[turn:] + contenders[:turn]:
+            buf[...] = mine
+            seconds = slowest_seconds(part, allreduce_once, part, buf, algorithm)
+            exact = exact and np.array_equal(buf, total)
+            if round_:
+                best[name] = min(best.get(name, seconds), seconds)
+    shm.release(part)
+    best = {name: best[name] for name, _, _ in contenders}  # (MPI's first)
+    return {"mib": mib, "bytes": 4 * n, "seconds": best, "exact": everywhere(exact, part)}
+
+
+node = comm.Split_type(COMM_TYPE_SHARED, key=rank)
+one_node, on_rank_0s = node.Get_size() == p, node.bcast(rank, root=0) == 0  # (key=rank: world rank 0 leads its node)
+node.Free()
+part = comm if one_node else comm.Split(0 if on_rank_0s else UNDEFINED, rank)
+copies, timing, untimed = None, [], None  # (rank 0 gets every rank's copies; timing on every rank of the part)
+if part:
+    if part.Get_size() > 1:
+        copies = part.gather(count_copies(part), root=0)
+        timing = [time_against_mpi(part, mib) for mib in shm_sizes]
+    else:  # one rank: nothing to copy between ranks; simulated ranks, threads of this process, count the copies
+        copies = sim.run(SIMULATED, count_copies)
+        untimed = (f"{SIMULATED} simulated ranks are threads of this one process, taking turns in one Python, and "
+                   "there is no MPI whose Allreduce to compare them with")  # fmt: skip
+    if part is not comm:
+        part.Free()
+sleeping_barrier(comm)  # (ranks outside rank 0's node wait here, asleep)
+
 # --------------------------------------------------------------------------------------------------- report
 if args.trace:
     everyone = comm.gather(trace_events, root=0)
@@ -269,13 +401,85 @@ if rank == 0:
         say(f"trace of one all-reduce per algorithm written to {args.trace}: open https://ui.perfetto.dev and drag"
             " the file in (one row per rank; click a Send/Recv to see its peer and bytes)")  # fmt: skip
 
+    # ------------------------------------------------------------------------ on one machine, messages are copies
+    q = len(copies)
+    print("\nOn one machine, messages are copies")
+    where = f"{q} simulated ranks" if untimed else f"the {q} ranks" if one_node else f"the {q} ranks of rank 0's node"
+    say("Between two ranks of one machine a message is a memory copy, made twice: MPI copies it from the sender's"
+        " buffer into shared memory, and the receiver copies it out. So the ring's 2(p-1)/p n bytes sent are"
+        " 4(p-1)/p n bytes copied. shm (collectives/shm.py) keeps the buffers themselves in an MPI-3 shared window,"
+        " which every rank maps: rank r sums chunk r straight out of everyone's buffer and stores the sum straight"
+        " into everyone's, 2(p-1)/p n copied and nothing sent. A buffer that shm.buffer(comm, count, dtype) did not"
+        " allocate in the window is copied in first and the result out: 2(n - c_r) more.")  # fmt: skip
+    print()
+    say(f"Bytes per rank for one all-reduce of n = {nbytes:,} bytes on {where}"
+        + ("" if one_node else " (the ranks span several nodes, and shared memory is one node's)")
+        + "; c_r: rank r's chunk, n/p give or take an element:")  # fmt: skip
+    first = copies[0]
+    copy_rows = [
+        ["ring, sent", "2(p-1)/p n", first["ring"]["formula"], first["ring"]["measured"], "ring"],
+        ["ring, copied by MPI", "2 x sent", 2 * first["ring"]["formula"], None, None],
+        ["shm zero copy, copied", "2(p-1) c_r", first["shm, zero copy"]["formula"],
+         first["shm, zero copy"]["measured"], "shm, zero copy"],
+        ["shm copy-in, copied", "2(p-1) c_r + 2(n - c_r)", first["shm, copy-in"]["formula"],
+         first["shm, copy-in"]["measured"], "shm, copy-in"],
+    ]  # fmt: skip
+    same = {name: all(mine[name]["measured"] == mine[name]["formula"] for mine in copies) for name, _, _ in COPIERS}
+    print(terminal.table(["bytes per rank", "formula", "rank 0", "tracer", "all ranks"], [
+        [what, formula, f"{value:,d}", "-" if measured is None else f"{measured:,d}",
+         "-" if name is None else "=" if same[name] else "DIFFER"]
+        for what, formula, value, measured, name in copy_rows], left=(0, 1)))  # fmt: skip
+    ratio = 2 * first["ring"]["formula"] / first["shm, zero copy"]["formula"]  # (rank 0's chunk: >= 1 element)
+    say(f"(all ranks: = where the tracer counted the formula's bytes on every rank. MPI's copies are out of the"
+        f" tracer's sight: 2 x sent is its shared-memory path, into a shared cell and out; an MPI that moves a"
+        f" large message with the kernel's help, CMA or XPMEM, copies it once.) Through MPI the ring copies"
+        f" {ratio:.2f}x the bytes that shm copies in place; shm with copy-in copies as much as the ring,"
+        f" 4(p-1)/p n, but waits for 2 fences where the ring waits for 2(p-1) = {2 * (q - 1)} messages.")  # fmt: skip
+    print()
+    if untimed:
+        say(f"Timing skipped: {untimed}. Under mpiexec, say dtrain launch -n 4 lessons/02_allreduce.py, this part"
+            " times ring and shm against MPI's Allreduce.")  # fmt: skip
+    else:
+        say(f"The time of one all-reduce on {where} (the slowest rank's), best of {args.repeats} rounds that take"
+            " all four in turn:")  # fmt: skip
+        cells = []
+        for measured in timing:
+            mpi_seconds = measured["seconds"]["MPI's Allreduce"]
+            for i, (name, seconds) in enumerate(measured["seconds"].items()):
+                size = f"{measured['mib']:g} MiB" if not i else ""
+                versus = "(the baseline)" if name == "MPI's Allreduce" else terminal.speed(seconds, mpi_seconds)
+                cells.append([size, name, f"{1e3 * seconds:.3f}", versus])
+        print(terminal.table(["size", "algorithm", "ms", "vs MPI's Allreduce"], cells, left=(0, 1)))
+    print()
+    say("Why two fences. A store into shared memory is not a message: nothing tells the other ranks that it"
+        " happened. Fence 1 comes after every rank has written its buffer and before anyone loads a peer's chunk;"
+        " fence 2 after every sum is stored and before anyone returns, so that nobody reads a chunk not yet summed"
+        " or overwrites its buffer (the next step's gradients) while a peer still loads from it. A fence is"
+        " Win.Sync, Barrier, Win.Sync: the barrier orders the ranks; Win.Sync, a memory barrier, makes this rank's"
+        " stores visible before it and the others' after it. Without it a weakly ordered CPU (ARM, POWER) lets a"
+        " rank pass the barrier and still load a stale value. Write it yourself: exercise 2.6, below.")  # fmt: skip
+
     print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     results_ok = mpi_agrees_with_numpy and all(r["ok"] for r in ran)
     bytes_ok = all(r["sent"] == r["formula"] for r in ran)
+    shm_exact = all(mine[name]["exact"] for mine in copies for name in mine) and all(t["exact"] for t in timing)
+    copies_ok = all(same.values())
     print(f"\nMPI_Allreduce agrees with NumPy's sum: {'yes' if mpi_agrees_with_numpy else 'NO'}")
     print(f"bytes sent match costmodel.bytes_sent on every rank: {'yes' if bytes_ok else 'NO'}")
+    print(f"ring and shm on one machine give the exact sum: {'yes' if shm_exact else 'NO'}")
+    print(f"bytes copied match the formulas on every rank: {'yes' if copies_ok else 'NO'}")
     print(f"all algorithms agree with MPI_Allreduce: {'yes' if results_ok else 'NO'}", flush=True)
-    failed = not (results_ok and bytes_ok)
+    failed = not (results_ok and bytes_ok and shm_exact and copies_ok)
+    if args.json:
+        checks = {"all algorithms agree with MPI_Allreduce": results_ok,
+                  "bytes sent match costmodel.bytes_sent on every rank": bytes_ok,
+                  "ring and shm on one machine give the exact sum": shm_exact,
+                  "bytes copied match the formulas on every rank": copies_ok}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump({"world": p, "bytes": nbytes, "algorithms": rows,
+                       "copies": {"ranks": q, "simulated": bool(untimed), "one_node": one_node, "per_rank": copies},
+                       "timing": timing, "untimed": untimed, "checks": checks}, f, indent=1)  # fmt: skip
+        print(f"\nmeasurements written to\n  {args.json}")
 else:
     failed = False
 if comm.bcast(failed, root=0):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mpi_util import COLUMNS, LESSONS, assert_fits, run_lesson, run_mpi
 
-from dtrain.collectives import ALGORITHMS
+from dtrain.collectives import ALGORITHMS, chunk_bounds
 
 
 def test_lesson_01_single_device_trains():
@@ -49,24 +49,67 @@ def test_lesson_01_plot_without_matplotlib_is_one_line_before_training(tmp_path)
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [1, 3, 4])
-def test_lesson_02_allreduce_every_algorithm_agrees_with_mpi(nranks):
-    args = [str(LESSONS / "02_allreduce.py"), "--size-mib", "0.05", "--repeats", "2"]
+def test_lesson_02_allreduce_every_algorithm_agrees_with_mpi(nranks, tmp_path):
+    flags = ["--size-mib", "0.05", "--repeats", "2", "--shm-mib", "0.05,0.5"]
     if nranks == 4:
-        args += ["--ranks-per-node", "2"]  # the hierarchical algorithms across two emulated nodes
-    out = run_mpi(nranks, args, timeout=180, env={**os.environ, "COLUMNS": str(COLUMNS)}).stdout
-    assert_fits(out, COLUMNS)
+        flags += ["--ranks-per-node", "2"]  # the hierarchical algorithms across two emulated nodes
+    results, out = run_lesson(nranks, "02_allreduce.py", flags, tmp_path, timeout=180, claims=(
+        "all algorithms agree with MPI_Allreduce", "bytes sent match costmodel.bytes_sent on every rank",
+        "ring and shm on one machine give the exact sum", "bytes copied match the formulas on every rank",
+    ))  # fmt: skip
     assert "all algorithms agree with MPI_Allreduce: yes" in out, out
     assert "bytes sent match costmodel.bytes_sent on every rank: yes" in out, out
     for algorithm in ALGORITHMS:  # one row per algorithm, and each says ok
         row = re.search(rf"^{algorithm}\s.*$", out, flags=re.MULTILINE)
         assert row and row.group(0).split()[1 if algorithm != "auto" else 3] == "yes", (algorithm, out)
+    assert_copies_counted(results, out, nranks)
+
+
+def assert_copies_counted(results: dict, out: str, nranks: int, count: int = 13_107) -> None:
+    """Lesson 2's part "On one machine, messages are copies": every rank's traced bytes (ring: sent; shm: copied)
+    are the formulas written here, and the printed table shows rank 0's; timed against MPI on real ranks, said to be
+    skipped on simulated ones (one rank)."""
+    copies = results["copies"]
+    q = 4 if nranks == 1 else nranks  # one rank: 4 simulated ones
+    assert (copies["ranks"], copies["simulated"]) == (q, nranks == 1)
+    n = 4 * count
+    chunk = [4 * (b - a) for a, b in chunk_bounds(count, q)]
+    for r, mine in enumerate(copies["per_rank"]):  # bytes this rank must move, whatever the lesson says
+        exact = {
+            "ring": (n - chunk[r]) + (n - chunk[(r + 1) % q]),  # every chunk but mine, then every chunk but r + 1's
+            "shm, zero copy": 2 * (q - 1) * chunk[r],  # load chunk r of p-1 buffers, store the sum into p-1
+            "shm, copy-in": 2 * (q - 1) * chunk[r] + 2 * (n - chunk[r]),  # + every chunk but mine, in and out
+        }
+        assert {name: mine[name]["measured"] for name in exact} == exact, (r, mine)
+        assert mine["ring"]["bytes_copied"] == 0 and mine["shm, zero copy"]["bytes_sent"] == 0
+        assert all(mine[name]["exact"] for name in exact)
+    ring, zero, copy_in = (
+        copies["per_rank"][0][name]["measured"] for name in ("ring", "shm, zero copy", "shm, copy-in")
+    )
+    assert re.search(rf"^ring, sent\s+2\(p-1\)/p n\s+{ring:,}\s+{ring:,}\s+=$", out, re.M), out
+    assert re.search(rf"^ring, copied by MPI\s+2 x sent\s+{2 * ring:,}\s+-\s+-$", out, re.M), out
+    assert re.search(rf"^shm zero copy, copied\s+2\(p-1\) c_r\s+{zero:,}\s+{zero:,}\s+=$", out, re.M), out
+    assert re.search(rf"^shm copy-in, copied\s+.*\s{copy_in:,}\s+{copy_in:,}\s+=$", out, re.M), out
+    if nranks == 1:
+        assert results["timing"] == [] and "Timing skipped: 4 simulated ranks are threads of this one process" in out
+        return
+    contenders = ["MPI's Allreduce", "ring", "shm, zero copy", "shm, copy-in"]
+    assert [(t["mib"], list(t["seconds"]), t["exact"]) for t in results["timing"]] == [
+        (mib, contenders, True) for mib in (0.05, 0.5)
+    ]
+    assert all(s > 0 for t in results["timing"] for s in t["seconds"].values())
+    for name in contenders[1:]:  # each size's row says which way, against MPI's
+        said = re.findall(rf"^(?:\S+ MiB)?\s+{re.escape(name)}\s+[\d.]+\s+(\d+\.\d\dx (?:faster|slower)|as fast)$",
+                          out, re.M)  # fmt: skip
+        assert len(said) == 2, (name, out)
 
 
 @pytest.mark.parametrize("nranks", [1, 3])  # with 3, said once all the same
-def test_lesson_02_exits_nonzero_on_bad_arguments(nranks):
-    result = run_mpi(nranks, [str(LESSONS / "02_allreduce.py"), "--algorithms", "ring,bogus"], timeout=60, check=False)
+@pytest.mark.parametrize(("flags", "said"), [(["--algorithms", "ring,bogus"], "bogus"), (["--shm-mib", "1,0"], "1,0")])
+def test_lesson_02_exits_nonzero_on_bad_arguments(nranks, flags, said):
+    result = run_mpi(nranks, [str(LESSONS / "02_allreduce.py"), *flags], timeout=60, check=False)
     assert result.returncode == 2
-    assert "bogus" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+    assert said in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
 
 
 @pytest.mark.mpi

@@ -214,9 +214,12 @@ def test_a_lesson_runs_on_the_nodes_a_hostfile_makes(tmp_path, this_machine_twic
     """Lesson 2's hierarchical all-reduce on real nodes (MPI's, not emulated): right values, the formula's bytes."""
     if type(flavours.detect(mpiexec.path())) is not flavours.Mpich:
         pytest.skip("MPICH's hydra makes one shared-memory node per host name; another MPI may not")
-    flags = ["--size-mib", "0.25", "--repeats", "2", "--algorithms", "hierarchical,hierarchical_rs,ring,mpi"]
+    flags = ["--size-mib", "0.25", "--repeats", "2", "--algorithms", "hierarchical,hierarchical_rs,ring,mpi",
+             "--shm-mib", "0.25"]  # fmt: skip
     out = _launch(4, [str(LESSONS / "02_allreduce.py"), *flags], this_machine_twice, cwd=tmp_path).stdout
     assert "hierarchical: the real nodes, as MPI reports them (Split_type): sizes [2, 2]" in out
+    assert "bytes copied match the formulas on every rank: yes" in out, out  # shared memory: on rank 0's node alone
+    assert re.search(r"^ring, sent\s+2\(p-1\)/p n\s+262,144\s+262,144\s+=$", out, re.M), out  # p = 2 there
     assert "all algorithms agree with MPI_Allreduce: yes" in out, out
     assert "bytes sent match costmodel.bytes_sent on every rank: yes" in out, out
     n = 262_144  # bytes: a leader receives its node's sum, sends n in the ring of 2 leaders and n down; a member n up
