@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from dtrain import kernels
-from dtrain.collectives import ring, tree
+from dtrain.collectives import ring, shm_windows, tree
 from dtrain.collectives._checks import check_ranks_per_node
 from dtrain.comm.names import COMM_TYPE_SHARED, UNDEFINED
 
@@ -71,9 +71,10 @@ class Topology:
         return len(set(self.node_sizes)) == 1
 
     def free(self) -> None:
-        """Free the sub-communicators (a collective call: every rank of ``comm`` makes it)."""
+        """Free the sub-communicators and the shared windows on them (a collective call: every rank of ``comm``)."""
         for sub in (self.node, self.leaders, self.cross):
             if sub is not None:
+                shm_windows.release(sub)
                 sub.Free()
 
 

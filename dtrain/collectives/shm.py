@@ -30,9 +30,9 @@ POWER): a rank could see the barrier and still load a stale value. Each fence is
 flat gradients, ZeRO's, local SGD's weights) the algorithm works on it in place. Any other buffer is copied into a
 scratch window first (every chunk the others load: all but this rank's own, which it sums where it is) and the
 others' sums copied back out: ``2 (n - c_r)`` more bytes copied per rank (what MPI's shared-memory path pays for
-every message). Every rank must use the same place in its window (the same offset and size), as
-a symmetric allocation gives; each call writes (call number, collective, offset, count) into a header of its segment
-and every rank compares all headers after fence 1, so a mismatch is an error on every rank, never a wrong sum.
+every message). Every rank must make the same call on the same place of its window (the same offset and size), as a
+symmetric allocation gives; each call announces itself in a control window and every rank reads every rank's
+announcement after fence 1 (shm_windows.py), so a mismatch is an error on every rank, never a hang or a wrong sum.
 
 **hierarchical_shm** (NCCL's and Horovod's hierarchical all-reduce, with shared memory inside nodes): (1) inside each
 node, rank r sums chunk r and stores the sum into the node leader's buffer; (2) the leaders run the ring between
@@ -57,18 +57,11 @@ import numpy as np
 
 from dtrain import kernels
 from dtrain.collectives import ring
+from dtrain.collectives import shm_windows as windows
 from dtrain.collectives._chunks import offsets_for
-from dtrain.collectives.shm_windows import (
-    buffer,
-    check_one_node,
-    holds,
-    place,
-    real_node,
-    release,
-    share_model,
-    unshare_model,
-)
+from dtrain.collectives.shm_windows import buffer, check_one_node, holds, real_node, release, share_model, unshare_model
 from dtrain.comm import watchdog
+from dtrain.comm.windows import fence
 
 __all__ = ["allgather", "allreduce", "buffer", "bytes_copied", "check_one_node", "hierarchical_allreduce", "holds",
            "predict_time", "real_node", "reduce_scatter", "release", "share_model", "unshare_model"]  # fmt: skip
@@ -99,28 +92,28 @@ def hierarchical_allreduce(topo, buf, op="sum"):
     """Shared memory inside each node (a reduce to its leader), the ring between the leaders, the leader's result
     copied by its node."""
     node, inner = topo.node, "sum" if op == "avg" else op  # divide once, by the world's size
-    window, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm")
+    synced, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm")
     leader = views[0]
     _sum_chunk(node, mine[lo:hi], [views[q][lo:hi] for q, _ in _others(buf.size, len(views), node.Get_rank())],
                inner, 1.0)  # fmt: skip
     if node.Get_rank():  # my chunk's sum into the leader's buffer
         _copy(node, leader[lo:hi], mine[lo:hi], "store into the leader")
-    _fence(window, "fence 2 (every chunk's sum is in its leader's buffer)")
+    _fence(node, synced, "fence 2 (every chunk's sum is in its leader's buffer)")
     if topo.leaders is not None:
         ring.allreduce(topo.leaders, leader, inner)
         if op == "avg":
             kernels.scale_(leader, 1.0 / topo.comm.Get_size())
-    _fence(window, "fence 3 (every leader holds the result)")
+    _fence(node, synced, "fence 3 (every leader holds the result)")
     if node.Get_rank() or copied_in:
         _copy(node, buf, leader, "load from the leader")
-    _fence(window, "fence 4 (every rank has loaded its leader's result)")
+    _fence(node, synced, "fence 4 (every rank has loaded its leader's result)")
     return buf
 
 
 def _collective(comm, buf, op, collective):
     if comm.Get_size() == 1:
         return buf
-    window, views, mine, lo, hi, copied_in = _enter(comm, buf, collective)
+    synced, views, mine, lo, hi, copied_in = _enter(comm, buf, collective)
     r, p = comm.Get_rank(), comm.Get_size()
     if collective == "allgather":
         for q, (qlo, qhi) in _others(buf.size, p, r):
@@ -131,7 +124,7 @@ def _collective(comm, buf, op, collective):
         if collective == "allreduce":
             for other in others:
                 _copy(comm, other, mine[lo:hi], "store into a peer")
-    _fence(window, "fence 2 (every rank has loaded and stored)")
+    _fence(comm, synced, "fence 2 (every rank has loaded and stored)")
     if copied_in and collective == "allreduce":  # the others' chunks, summed by their owners, out of my segment
         for _, (qlo, qhi) in _others(buf.size, p, r):
             _copy(comm, buf[qlo:qhi], views[r][qlo:qhi], "copy out of the window")
@@ -139,39 +132,41 @@ def _collective(comm, buf, op, collective):
 
 
 def _enter(comm, buf, collective):
-    """The first half of every call: find the window (copying ``buf`` in if it is not in one), announce the call in
-    the header, fence 1, compare every rank's header. Returns (window, every rank's view of the data in the window,
-    where my own data is (``buf``), my chunk's bounds, whether ``buf`` was copied in)."""
+    """The first half of every call: announce it (shm_windows.py), copy ``buf`` into the scratch unless it lies in a
+    window, fence 1, agree with every rank (growing the scratch together if it was too small). Returns (the windows
+    the fences sync, every rank's view of the data, where my own data is, my chunk's bounds, whether copied in)."""
     if type(buf) is not np.ndarray:
         raise ValueError(f"{collective}/shm works on host memory, not a {type(buf).__name__}: stage it, or use ring")
     if collective != "hierarchical_shm":
         check_one_node(comm)
-    window, offset, copied_in = place(comm, buf)
     r, p = comm.Get_rank(), comm.Get_size()
-    views = [window.segment(q, buf.dtype, offset, buf.size) for q in range(p)]
     lo, hi = offsets_for(buf.size, p)[r : r + 2]
-    if copied_in:  # what the others will load from my segment: every chunk but mine (allgather: mine alone)
-        if collective == "allgather":
-            _copy(comm, views[r][lo:hi], buf[lo:hi], "copy into the window")
-        elif collective == "hierarchical_shm" and r == 0:
-            _copy(comm, views[r], buf, "copy into the window")  # (the leader's whole buffer: the ring runs on it)
-        else:
-            for _, (qlo, qhi) in _others(buf.size, p, r):
-                _copy(comm, views[r][qlo:qhi], buf[qlo:qhi], "copy into the window")
-    window.calls += 1
-    header = window.shared.view(r, np.int64, 0, 4)
-    header[:] = (window.calls, CODES[collective], offset, buf.size)
-    _fence(window, "fence 1 (every rank's buffer is written)")
-    for q in range(p):
-        theirs = window.shared.view(q, np.int64, 0, 4)
-        if q != r and tuple(theirs) != tuple(header):
-            raise ValueError(
-                f"{collective}/shm: rank {r} called (call {header[0]}, {collective}, offset {header[2]}, "
-                f"{header[3]} elements) but rank {q} called (call {theirs[0]}, code {theirs[1]}, offset {theirs[2]}, "
-                f"{theirs[3]} elements): every rank must make the same call on the same place of its window"
-            )
+    call, window = windows.announce(comm, buf, CODES[collective])
+    copied_in = not call.zero_copy
+    if copied_in and window is not None:
+        _copy_in(comm, window, buf, collective, lo, hi)
+    control = windows.state(comm).control
+    _fence(comm, (control,) if window is None else (control, window.shared), "fence 1 (every rank's data is written)")
+    if windows.agree(comm, call, f"{collective}/shm"):  # the scratch was too small on some rank: all grow it
+        window = windows.grow(comm, buf.nbytes)
+        _copy_in(comm, window, buf, collective, lo, hi)
+        _fence(comm, (control, window.shared), "fence 1 again (the grown scratch is written)")
+    views = [window.segment(q, buf.dtype, call.offset, buf.size) for q in range(p)]
     mine = views[r] if not copied_in or (collective == "hierarchical_shm" and r == 0) else buf
-    return window, views, mine, lo, hi, copied_in
+    return (control, window.shared), views, mine, lo, hi, copied_in
+
+
+def _copy_in(comm, window, buf, collective, lo, hi):
+    """What the others will load from my segment: every chunk but mine (allgather: mine alone; a node's leader in
+    hierarchical_shm: everything, since the ring between leaders runs on it)."""
+    r, mine = comm.Get_rank(), window.segment(comm.Get_rank(), buf.dtype, 0, buf.size)
+    if collective == "allgather":
+        _copy(comm, mine[lo:hi], buf[lo:hi], "copy into the window")
+    elif collective == "hierarchical_shm" and r == 0:
+        _copy(comm, mine, buf, "copy into the window")
+    else:
+        for _, (qlo, qhi) in _others(buf.size, comm.Get_size(), r):
+            _copy(comm, mine[qlo:qhi], buf[qlo:qhi], "copy into the window")
 
 
 def _others(n, p, r):
@@ -197,9 +192,9 @@ def _copy(comm, dst, src, what):
     _record(comm, start, what, src.nbytes)
 
 
-def _fence(window, what):
+def _fence(comm, shared, what):
     watchdog.note(f"Barrier, {what}")
-    window.shared.fence()
+    fence(comm, shared)
 
 
 def _clock(comm):
@@ -218,6 +213,8 @@ def _record(comm, start, what, nbytes):
 def bytes_copied(collective, count, itemsize, p, rank, copy_in=False) -> int:
     """Exact bytes ``rank`` copies from or into other ranks' memory (and, with ``copy_in``, into and out of the
     window) in one call on ``count`` elements: the cost table of the module docstring."""
+    if collective == "hierarchical_shm" and p == 1:  # a node of one rank: its leader copies in and out, or nothing
+        return 2 * count * itemsize if copy_in else 0
     if p == 1 or count == 0:
         return 0
     offsets = offsets_for(count, p)

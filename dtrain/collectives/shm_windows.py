@@ -1,18 +1,27 @@
-"""The windows shm.py's collectives run on: a paradigm's buffers (zero copy) and each communicator's scratch.
+"""The windows shm.py's collectives run on: a paradigm's buffers (zero copy), each communicator's scratch (copy-in)
+and its control block, where every call announces itself.
 
-:func:`buffer` puts an array in a new window on a communicator, whose ranks share one node: a paradigm's flat
+:func:`buffer` puts an array in a new window on a communicator whose ranks share one node: a paradigm's flat
 gradients or weights, so that shm.py's collectives sum them where they lie. Any other buffer reaches a collective
 through the communicator's *scratch* window (copy-in), which grows when a larger buffer comes. The windows are kept
-per communicator (:func:`windows_of`, found again by address: :func:`place`) until :func:`release` frees them, which
-every rank calls, before freeing the communicator; :func:`share_model` and :func:`unshare_model` move a model's flat
-buffers into windows and back (nothing may point into a freed window). Every segment starts with ``HEADER`` bytes
-where each call announces itself (shm.py compares them). :func:`check_one_node` asks once per communicator whether its
-ranks share a node (a collective); :func:`real_node` says where "auto" may take shared memory (never simulated ranks).
+per communicator, in the order they were made (the same on every rank), until :func:`release` frees them, which every
+rank calls before freeing the communicator; :func:`share_model` and :func:`unshare_model` move a model's flat
+buffers into windows and back (nothing may point into a freed window).
+
+**Agree before acting.** Allocating or growing a window is a collective: a rank that did it alone while the others
+waited in a fence would hang the job. So no rank allocates on its own during a call. Each writes its :class:`Call`
+(call number, collective, zero copy or not, which window, offset, elements, item size, whether its buffer fits the
+scratch) into its slot of the communicator's *control* window (:func:`announce`), and after the first fence every
+rank reads every slot (:func:`agree`): different calls are a ValueError on every rank, and a scratch too small for
+the call is grown by every rank together (:func:`grow`). :func:`check_one_node` asks once per communicator whether
+its ranks share a node (a collective); :func:`real_node` says where "auto" may take shared memory (never on simulated
+ranks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,24 +29,66 @@ from dtrain.comm import windows
 from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.wrapper import innermost
 
-HEADER = windows.ALIGN  # bytes at the start of every segment: the call's (number, collective, offset, count)
-
 
 @dataclasses.dataclass
 class Window:
     """A window on one communicator: a paradigm's buffer (``zero_copy``) or the scratch of the copy-in path."""
 
     shared: windows.SharedWindow
-    comm: object  # the communicator it was allocated on (its ranks are the window's)
     zero_copy: bool
-    calls: int = 0
 
     def segment(self, rank: int, dtype, offset: int, count: int) -> np.ndarray:
-        return self.shared.view(rank, dtype, HEADER + offset, count)
+        return self.shared.view(rank, dtype, offset, count)
 
 
-_windows: dict[int, list] = {}  # id(the innermost communicator) -> [its Windows]
+class Call(NamedTuple):
+    """What a rank is about to do, written into the control window before fence 1 and compared after it."""
+
+    number: int  # this communicator's shm calls so far, this one included
+    collective: int  # shm.py's CODES
+    zero_copy: int  # 1: in a window of its own (``window``: its place in the list), 0: copied into the scratch
+    window: int
+    offset: int  # bytes from the start of the window's segment
+    count: int
+    itemsize: int
+    fits: int  # copy-in: whether the buffer fits the scratch as it is (if not, every rank grows it after fence 1)
+
+    def differs(self, other) -> bool:
+        return self[:-1] != other[:-1]
+
+    def text(self) -> str:
+        where = f"window {self.window} at byte {self.offset}" if self.zero_copy else "a buffer of its own (copy-in)"
+        return f"(call {self.number}, collective {self.collective}, {self.count} x {self.itemsize} bytes, {where})"
+
+
+@dataclasses.dataclass
+class Communicator:
+    """The shared-memory state of one communicator: its control window, its windows, its calls so far."""
+
+    comm: object  # the innermost communicator, kept so that its id is not reused while this lives
+    control: windows.SharedWindow
+    windows: list = dataclasses.field(default_factory=list)
+    calls: int = 0
+
+    @property
+    def scratch(self) -> Window | None:
+        return next((w for w in self.windows if not w.zero_copy), None)
+
+
+_state: dict[int, Communicator] = {}  # id(the innermost communicator) -> its state
 _nodes: dict[int, tuple] = {}  # id(the innermost communicator) -> (it, whether its ranks share one node)
+
+
+def state(comm) -> Communicator:
+    """``comm``'s windows; its control window is made (a collective) by the first shm call or buffer on it."""
+    inner = innermost(comm)
+    found = _state.get(id(inner))
+    if found is None:
+        found = _state[id(inner)] = Communicator(inner, windows.allocate(comm, len(Call._fields) * 8))
+    return found
+
+
+# --- a paradigm's buffers, and freeing ---------------------------------------------------------------------------
 
 
 def buffer(comm, count: int, dtype) -> np.ndarray:
@@ -56,9 +107,12 @@ def holds(comm, array) -> bool:
 
 
 def release(comm) -> None:
-    """Free every window on ``comm`` (a collective: every rank calls it, before freeing ``comm``)."""
-    for window in _windows.pop(id(innermost(comm)), []):
-        window.shared.free()
+    """Free every window on ``comm`` (a collective: every rank calls it, before freeing ``comm``); harmless twice."""
+    found = _state.pop(id(innermost(comm)), None)
+    if found is not None:
+        for window in found.windows:
+            window.shared.free()
+        found.control.free()
 
 
 def share_model(comm, model, grads: bool = True) -> None:
@@ -79,34 +133,71 @@ def unshare_model(comm, model) -> None:
 
 
 def _allocate(comm, nbytes: int, zero_copy: bool) -> Window:
-    window = Window(windows.allocate(comm, HEADER + nbytes), comm, zero_copy)
-    _windows.setdefault(id(innermost(comm)), []).append(window)
+    window = Window(windows.allocate(comm, nbytes), zero_copy)
+    state(comm).windows.append(window)
     return window
 
 
 def _find(comm, buf):
-    """(the zero-copy window on ``comm`` that holds ``buf``, its byte offset there), or None."""
+    """(index of the zero-copy window on ``comm`` that holds ``buf``, the window, ``buf``'s byte offset), or None."""
+    found = _state.get(id(innermost(comm)))
+    if found is None:
+        return None
     rank, address = comm.Get_rank(), buf.__array_interface__["data"][0]
-    for window in _windows.get(id(innermost(comm)), ()):
+    for index, window in enumerate(found.windows):
         if window.zero_copy:
-            start = window.shared.segments[rank].__array_interface__["data"][0] + HEADER
-            if start <= address and address + buf.nbytes <= start + window.shared.nbytes - HEADER:
-                return window, address - start
+            start = window.shared.segments[rank].__array_interface__["data"][0]
+            if start <= address and address + buf.nbytes <= start + window.shared.nbytes:
+                return index, window, address - start
     return None
 
 
-def place(comm, buf):
-    """Where ``buf``'s data lives in a window on ``comm``: (window, byte offset, whether it is copied in)."""
+# --- one call: announce, agree, grow -------------------------------------------------------------------------------
+
+
+def announce(comm, buf, collective: int):
+    """Before fence 1: this rank's :class:`Call`, written into its control slot. Returns (the call, the window its
+    data is or will be copied in, or None when the scratch must grow first)."""
+    here = state(comm)
+    here.calls += 1
     found = _find(comm, buf)
     if found is not None:
-        return (*found, False)
-    scratch = next((w for w in _windows.get(id(innermost(comm)), ()) if not w.zero_copy), None)
-    if scratch is None or scratch.shared.nbytes - HEADER < buf.nbytes:  # (every rank alike: the same nbytes)
-        if scratch is not None:
-            _windows[id(innermost(comm))].remove(scratch)
-            scratch.shared.free()
-        scratch = _allocate(comm, buf.nbytes, zero_copy=False)
-    return scratch, 0, True
+        index, window, offset = found
+        call = Call(here.calls, collective, 1, index, offset, buf.size, buf.itemsize, 1)
+    else:
+        window = here.scratch
+        if window is not None and window.shared.nbytes < buf.nbytes:
+            window = None
+        call = Call(here.calls, collective, 0, -1, 0, buf.size, buf.itemsize, int(window is not None))
+    here.control.view(comm.Get_rank(), np.int64, 0, len(call))[:] = call
+    return call, window
+
+
+def agree(comm, call: Call, label: str) -> bool:
+    """After fence 1: every rank's call read back; a ValueError on every rank if they differ. Returns whether the
+    scratch is too small for this call on some rank (then every rank grows it now: :func:`grow`)."""
+    here, r = state(comm), comm.Get_rank()
+    calls = [Call(*map(int, here.control.view(q, np.int64, 0, len(call)))) for q in range(comm.Get_size())]
+    for q, theirs in enumerate(calls):
+        if theirs.differs(call):
+            raise ValueError(
+                f"{label}: rank {r} called {call.text()} but rank {q} called {theirs.text()}: every rank must make "
+                "the same call, on the same place of the same window (or every rank on a buffer of its own)"
+            )
+    return not all(theirs.fits for theirs in calls)
+
+
+def grow(comm, nbytes: int) -> Window:
+    """Every rank together: the scratch replaced by one of ``nbytes`` (after :func:`agree` said so)."""
+    here = state(comm)
+    old = here.scratch
+    if old is not None:
+        here.windows.remove(old)
+        old.shared.free()
+    return _allocate(comm, nbytes, zero_copy=False)
+
+
+# --- which ranks share a node ----------------------------------------------------------------------------------
 
 
 def check_one_node(comm, what: str = "--allreduce shm") -> None:

@@ -485,10 +485,10 @@ class SimComm(CallRecords):
         return functools.reduce(function, [pickle.loads(v) for v in values])
 
     def Allocate_shared(self, nbytes: int) -> list:
-        """Collective: a shared window of ``nbytes`` per rank (:mod:`dtrain.comm.windows`). Simulated ranks share
+        """Collective: a shared window of ``nbytes`` on this rank (:mod:`dtrain.comm.windows`). Simulated ranks share
         one process, so the window is one zeroed byte array per rank, made once by the last rank to arrive."""
-        _, segments = self._collective(("Allocate_shared", nbytes), None, lambda _: [
-            np.zeros(nbytes, dtype=np.uint8) for _ in range(self._size)])  # fmt: skip
+        _, segments = self._collective(("Allocate_shared",), nbytes, lambda sizes: [
+            np.zeros(size, dtype=np.uint8) for size in sizes])  # fmt: skip  # (each rank's own size, as in MPI)
         return segments
 
     # --- communicators -------------------------------------------------------------------------------------

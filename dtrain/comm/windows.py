@@ -55,11 +55,7 @@ class SharedWindow:
 
     def fence(self) -> None:
         """Everything stored before it, by any rank, is visible to every rank after it (``Sync``, barrier, ``Sync``)."""
-        if self._win is not None:
-            self._win.Sync()
-        self.comm.Barrier()
-        if self._win is not None:
-            self._win.Sync()
+        fence(self.comm, (self,))
 
     def free(self) -> None:
         """Release the window (a collective: every rank calls it once). The segments must not be used afterwards."""
@@ -70,6 +66,17 @@ class SharedWindow:
         if self._win is not None:
             self._win.Unlock_all()
             self._win.Free()
+
+
+def fence(comm, shared: tuple) -> None:
+    """:meth:`SharedWindow.fence` for several windows on ``comm`` at once: each synced, one barrier, each synced."""
+    for window in shared:
+        if window._win is not None:
+            window._win.Sync()
+    comm.Barrier()
+    for window in shared:
+        if window._win is not None:
+            window._win.Sync()
 
 
 def allocate(comm, nbytes: int) -> SharedWindow:
@@ -83,7 +90,7 @@ def allocate(comm, nbytes: int) -> SharedWindow:
     win = MPI.Win.Allocate_shared(nbytes, 1, comm=inner)
     win.Lock_all()  # the passive-target epoch that Win.Sync needs, until free()
     segments = []
-    for rank in range(inner.Get_size()):
+    for rank in range(inner.Get_size()):  # (each rank's own size: MPI lets ranks ask for different ones)
         memory, _ = win.Shared_query(rank)
-        segments.append(np.frombuffer(memory, dtype=np.uint8, count=nbytes))
+        segments.append(np.frombuffer(memory, dtype=np.uint8))
     return SharedWindow(comm, nbytes, segments, win)
