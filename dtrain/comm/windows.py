@@ -55,7 +55,11 @@ class SharedWindow:
 
     def fence(self) -> None:
         """Everything stored before it, by any rank, is visible to every rank after it (``Sync``, barrier, ``Sync``)."""
-        fence(self.comm, (self,))
+        if self._win is not None:
+            self._win.Sync()
+        self.comm.Barrier()
+        if self._win is not None:
+            self._win.Sync()
 
     def free(self) -> None:
         """Release the window (a collective: every rank calls it once). The segments must not be used afterwards."""
