@@ -392,6 +392,9 @@ def _die_by(signum: int) -> int:
     interrupted: a shell then reports 128 + signum and stops a script or a loop, which an exit with 130 would not."""
     sys.stdout.flush()
     sys.stderr.flush()
+    MPI = sys.modules.get("mpi4py.MPI")  # (imported, MPI made this process a world of one, with a segment in /dev/shm
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():  # that only MPI_Finalize removes)
+        MPI.Finalize()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     return 128 + signum  # (only if the signal did not end the process)

@@ -80,7 +80,8 @@ class Job:
         finally:
             self._restore()
             self.process.__exit__(*exc_info)
-            if self.process.returncode != 0:  # killed or aborted: its ranks never removed their shared memory
+            if self.process.returncode != 0 or self.received:  # killed, aborted or stopped: its ranks may not have
+                # removed their shared memory
                 processes.free_shared_memory(self._started)
 
     def _interrupted(self, signum, frame):
