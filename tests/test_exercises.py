@@ -479,3 +479,82 @@ def test_a_learners_allreduce_that_cannot_load_is_refused_before_training(tmp_pa
     assert done.returncode == 2 and "has the wrong parameters" in done.stderr and "epoch" not in done.stdout
     done = dtrain_command("train", "--paradigm", "zero", "--allreduce", f"{tmp_path}/ring.py:ring_allreduce")
     assert done.returncode == 2 and "works with --paradigm ddp" in done.stderr
+
+
+# --- 2.6: on simulated ranks a rank sees another's stores only after a fence, so a missing one fails every time ----
+def test_the_checkers_window_shows_a_store_to_another_rank_only_after_a_fence():
+    """The memory model of 2.6's check (checks/shared_memory.py): each rank stores into its own copy of the window;
+    a fence publishes every rank's stores; until then another rank loads the new window's signalling NaN."""
+    import numpy as np
+
+    from dtrain.comm import sim, windows
+    from dtrain.course.exercises.checks.shared_memory import WeakMemory
+
+    def rank(comm):
+        model = WeakMemory(comm)
+        model.begin(4, np.float64)
+        win = windows.allocate(model, 32)
+        if comm.Get_rank() == 0:
+            win.view(0, np.float64, 0, 4)[...] = 7.0
+        seen = [win.view(0, np.float64, 0, 4).copy()]
+        win.fence()
+        seen.append(win.view(0, np.float64, 0, 4).copy())
+        model.Barrier()  # a plain barrier (not the window's fence) publishes nothing
+        if comm.Get_rank() == 0:
+            win.view(0, np.float64, 0, 4)[0] = 8.0
+        model.Barrier()
+        seen.append(win.view(0, np.float64, 0, 4).copy())
+        assert model.finish(np.zeros(4)) is None and (model.fences, model.barriers) == (1, 2)
+        return [s.tolist() for s in seen]
+
+    first, second = sim.run(2, rank)
+    assert first == [[7.0] * 4, [7.0] * 4, [8.0, 7.0, 7.0, 7.0]]  # (rank 0 sees its own stores at once)
+    assert np.isnan(second[0]).all() and second[1:] == [[7.0] * 4, [7.0] * 4]
+
+
+SHM_BUGS = {  # planted bug -> its whole finding, on 3 simulated ranks
+    "shm_forgets_the_first_fence": (
+        "rank 0, case 1 of 10 (3 ranks, 1 float64 element; rank r holds 100 r + 1, 100 r + 2, ...): buf after the "
+        "call (the sum over all ranks): element 0 is nan, expected 303.0 (1 of 1 elements wrong)\nrank 0 read rank "
+        "1's chunk 0 (buf[0:1]) before rank 1's fence: rank 1 wrote it before fence 1, and rank 0 read it then too, "
+        "with no fence between; a rank sees another's stores only after a fence that follows them (rank 0 made 1 "
+        "fence in this call; the algorithm makes 2: fence 1 after copying buf in, fence 2 after storing the sums)"
+    ),
+    "shm_sums_before_copying_in": (
+        "rank 0 read rank 1's chunk 0 (buf[0:1]) before rank 1 had written it and fenced: rank 1 wrote it before "
+        "fence 1, and rank 0 read it before fence 1 too (it stored what it read only between fence 1 and fence 2); a "
+        "rank sees another's stores only after a fence that follows them"
+    ),
+    "shm_forgets_the_second_fence": (
+        "rank 0 stored into rank 1's segment at chunk 0 (buf[0:1]) after fence 1, and no fence followed: rank 1 need "
+        "not see that store (fence 2 comes after every rank has stored its sums, before anyone copies its segment out)"
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(SHM_BUGS))
+def test_a_misplaced_fence_fails_the_same_way_every_time(bug):
+    """2.6's planted bugs on 3 simulated ranks, five times over: the same finding each time (no luck in it), naming
+    the rank, the chunk it loaded too early, whose store it missed and which fence."""
+    from dtrain.course.exercises import run
+
+    found = [run.run_sim(exercises.get("2.6"), BUGS / f"{bug}.py", [3]) for _ in range(5)]
+    assert all(f == found[0] for f in found), found
+    assert found[0]["status"] == "fail" and SHM_BUGS[bug] in found[0]["message"], found[0]
+
+
+def test_another_shared_memory_allreduce_passes(tmp_path, capsys):
+    """2.6 passes a correct solution that is not dtrain's (its own chunk from buf, the sum stored into the others'
+    segments only), and dtrain's own, whose window outlives the call (it keeps one per communicator)."""
+    (tmp_path / "shm.py").write_text((BUGS.parent / "exercise_alternatives" / "shm.py").read_text())
+    assert checker.check("2.6", tmp_path, mpi=False) == 0, capsys.readouterr().out
+
+
+@pytest.mark.mpi
+def test_the_shared_memory_allreduce_passes_under_mpiexec_on_mpis_own_window(tmp_path):
+    """Under mpiexec the window is MPI's (Win.Allocate_shared), the fences Win.Sync, Barrier, Win.Sync."""
+    (tmp_path / "shm.py").write_text((BUGS.parent / "exercise_alternatives" / "shm.py").read_text())
+    found = checker.run_mpi(exercises.get("2.6"), tmp_path / "shm.py", 3)
+    assert found["status"] == "pass", found
+    reference = reference_folder(tmp_path / "ref") / "shm.py"
+    assert checker.run_mpi(exercises.get("2.6"), reference, 4)["status"] == "pass"

@@ -4,7 +4,8 @@ Every rank starts from values of its own that are small integers (exact in float
 ranks is exact whatever order an algorithm adds in, and a result either is the sum or is wrong. The traffic is held
 against closed forms written here (a binomial tree's edges, recursive doubling's partners), not against dtrain's own
 implementations: the check wraps the communicator in a :class:`Recorder` that notes where every message went, so a
-failure can say who sent to whom.
+failure can say who sent to whom. Exercise 2.6 (shared memory: no messages, two fences) is graded in
+:mod:`.shared_memory`, whose simulated window shows a rank another's stores only after a fence.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ EXERCISES = (
              (1, 2, 3, 4, 5, 6, 8), MPI,
              "tree.reduce(topology.node, buf, 0); if topology.leaders is not None: ring.allreduce(topology.leaders, "
              "buf); tree.broadcast(topology.node, buf, 0)  (from dtrain.collectives import ring, tree)"),
+    Exercise("2.6", "shared-memory all-reduce", "shm.py", "shm_allreduce", ("comm", "buf"),
+             "dtrain.collectives.shm:allreduce", "dtrain.course.exercises.checks.shared_memory:shm_allreduce",
+             RINGS, MPI,
+             "win = windows.allocate(comm, buf.nbytes); copy buf into win.view(r, buf.dtype, 0, n); win.fence(); sum "
+             "chunk_bounds(n, p)[r] of every rank's segment; store the sum into that chunk of every segment; "
+             "win.fence(); copy your segment back into buf; win.free()"),
 )  # fmt: skip
 DTYPES = (np.float64, np.float32)
 
