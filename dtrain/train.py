@@ -25,6 +25,7 @@ import numpy as np
 
 from dtrain import backend, checkpoint, faults, kernels, parallel, report, terminal
 from dtrain.autograd import Tensor, no_grad, softmax_cross_entropy
+from dtrain.collectives import shm_windows
 from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.prepare import layers, prepare
 from dtrain.comm.staging import StagedComm
@@ -133,6 +134,7 @@ def train(config: TrainConfig, comm=None) -> dict:
             write_chrome_trace(config.trace, events)
     if config.out and rank == 0:
         report.write_metrics(config.out, metrics)
+    shm_windows.release_mine()  # the shared windows (after everything that reads the buffers in them)
     comm.free_made()  # the paradigm's sub-communicators (after the final checkpoint, which may gather over them)
     return metrics
 

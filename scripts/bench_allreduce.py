@@ -4,6 +4,8 @@
     python scripts/bench_allreduce.py --ranks 4 --max-size 4MiB --rounds 9   # quicker (9 rounds is the least)
     python scripts/bench_allreduce.py --repeat 3       # 3 separate jobs per p: median and range of each ratio
     python scripts/bench_allreduce.py --ranks 2 --max-size 64KiB --watchdog 300   # armed vs unarmed, interleaved
+    python scripts/bench_allreduce.py --algorithms mpi,ring,shm,shm-copyin,hierarchical_shm --min-size 1MiB \
+        --stat best --out docs/bench/shm                    # shared memory inside a node, best of the rounds
 
 The script launches itself under ``mpiexec`` once per rank count (through dtrain's launcher: one thread per rank,
 yielding waits when oversubscribed), then prints p's tables (fitted to the terminal), writes a JSON file and a PNG of
@@ -20,7 +22,12 @@ in the JSON). ``mpi`` is ``comm.Allreduce(MPI.IN_PLACE, buf)`` called directly, 
 dtrain's Python (argument checks, dispatch, the algorithm's own loop) and MPI pays none of it. The model's time is the
 cost model's predicted time for that algorithm (alpha-beta-gamma, from ``dtrain/collectives/costmodel.py``), shown
 over the measured time. Algorithms and MPI are interleaved within each round, and each result is the median over
-rounds, so machine noise hits all alike.
+rounds (``--stat best``: the fastest round), so machine noise hits all alike.
+
+The shared-memory all-reduces (:mod:`dtrain.collectives.shm`) are measured on the buffer a caller would give them:
+``shm`` and ``hierarchical_shm`` on one from ``shm.buffer`` (a window on the world, or on the topology's node: zero
+copy, as ddp's flat gradients), ``shm-copyin`` and ``hierarchical_shm-copyin`` on an ordinary NumPy array (copied into
+a scratch window and back out on every call). Every other row, MPI's included, gets an ordinary array.
 """
 
 from __future__ import annotations
@@ -39,6 +46,36 @@ from bench_util import add_worker_flags, faster, faster_range, run_meta, write_r
 from dtrain import terminal
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+# The rows that are not plain algorithm names: (the algorithm, the buffer it gets). "window": shm.buffer on the world;
+# "node": shm.buffer on the topology's node (zero copy for hierarchical_shm); "plain": an ordinary NumPy array.
+VARIANTS = {
+    "shm": ("shm", "window"),
+    "shm-copyin": ("shm", "plain"),
+    "hierarchical_shm": ("hierarchical_shm", "node"),
+    "hierarchical_shm-copyin": ("hierarchical_shm", "plain"),
+}
+DEFAULT_ALGORITHMS = "mpi,ring,tree,naive,doubling,rabenseifner,hierarchical,auto,shm,shm-copyin,hierarchical_shm"
+
+
+def variant(label: str) -> tuple[str, str]:
+    """A row's (algorithm, buffer): "shm-copyin" -> ("shm", "plain"); "ring+watchdog" -> ("ring", "plain")."""
+    name = label.removesuffix("+watchdog")
+    return VARIANTS.get(name, (name, "plain"))
+
+
+def model_time(label, size, p, machine, ranks_per_node):
+    """The cost model's time for a row (None where it has none): the copy-in rows add their copies (shm.py)."""
+    from dtrain.collectives import costmodel, shm
+
+    algorithm, place = variant(label)
+    try:
+        if algorithm == "shm" and place == "plain":
+            return shm.predict_time("allreduce", size, p, machine, copy_in=True)
+        if algorithm == "hierarchical_shm" and place == "plain":
+            return None  # (the model prices the zero-copy path)
+        return costmodel.predict_time(algorithm, size, p, machine, ranks_per_node=ranks_per_node)
+    except (ValueError, KeyError):
+        return None
 
 
 def parse_size(text: str) -> int:
@@ -61,7 +98,7 @@ def human(n: int) -> str:
 def run_ranks(args) -> None:
     from mpi4py import MPI
 
-    from dtrain.collectives import TABLE, allreduce, costmodel, hierarchical
+    from dtrain.collectives import TABLE, allreduce, costmodel, hierarchical, shm
     from dtrain.comm import watchdog
 
     comm = MPI.COMM_WORLD
@@ -75,29 +112,35 @@ def run_ranks(args) -> None:
     # other rows measure exactly what allreduce(comm, buf, algorithm=...) costs a caller.
     nodes = hierarchical.topology(comm, args.ranks_per_node)
     on_nodes = {name for name, entry in TABLE["allreduce"].items() if entry.nodes}
-    options = {a: {"topology": nodes} if a.removesuffix("+watchdog") in on_nodes else {} for a in algorithms}
+    options = {a: {"topology": nodes} if variant(a)[0] in on_nodes else {} for a in algorithms}
+    places = {variant(a)[1] for a in algorithms}
     rows = []
     for size in sizes:
         count = size // 4
         src = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
-        buf = np.empty_like(src)
+        buffers = {"plain": np.empty_like(src)}  # the shared ones: every rank allocates them (collectives)
+        if "window" in places:
+            buffers["window"] = shm.buffer(comm, count, np.float32)
+        if "node" in places:
+            buffers["node"] = shm.buffer(nodes.node, count, np.float32)
         # fewer rounds for big messages keeps the whole run to minutes; never fewer than 9
         rounds = max(9, min(args.rounds, int(args.rounds * (1 << 20) / max(size, 1 << 20))))
         times = {a: [] for a in algorithms}
 
-        def run(alg, buf=buf):
+        def run(alg, buffers=buffers):
+            algorithm, place = variant(alg)
             if alg == "mpi":  # the baseline: MPI's own collective, called directly (none of dtrain's Python)
-                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                comm.Allreduce(MPI.IN_PLACE, buffers[place], op=MPI.SUM)
             else:
-                allreduce(comm, buf, op="sum", algorithm=alg.removesuffix("+watchdog"), **options[alg])
+                allreduce(comm, buffers[place], op="sum", algorithm=algorithm, **options[alg])
 
-        for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, MPI buffers)
-            buf[...] = src
+        for alg in algorithms:  # warm-up: first-call costs (Numba compilation, sub-communicators, scratch windows)
+            buffers[variant(alg)[1]][...] = src
             run(alg)
         for _ in range(rounds):
             for alg in algorithms:
                 reps = max(1, min(50, (256 << 10) // size))  # repeat tiny messages to beat timer resolution
-                buf[...] = src
+                buffers[variant(alg)[1]][...] = src
                 watchdog.configure(args.watchdog if alg.endswith("+watchdog") else 0)  # outside the timed part
                 comm.Barrier()
                 t0 = time.perf_counter()
@@ -105,26 +148,26 @@ def run_ranks(args) -> None:
                     run(alg)
                 elapsed = (time.perf_counter() - t0) / reps
                 times[alg].append(comm.allreduce(elapsed, op=MPI.MAX))
-        mpi_time = statistics.median(times["mpi"]) if "mpi" in times else None
+        shm.release(comm)  # the windows of this size: zero copy's, and the copy-in path's scratch
+        shm.release(nodes.node)
+        stat = min if args.stat == "best" else statistics.median
+        mpi_time = stat(times["mpi"]) if "mpi" in times else None
         for alg in algorithms:
-            t = statistics.median(times[alg])
+            t = stat(times[alg])
             algbw = size / t
-            try:
-                model = costmodel.predict_time(
-                    alg.removesuffix("+watchdog"), size, p, machine, ranks_per_node=args.ranks_per_node
-                )
-            except (ValueError, KeyError):
-                model = None
             rows.append(
                 {
                     "p": p,
                     "bytes": size,
                     "algorithm": alg,
                     "time_s": t,
+                    "median_s": statistics.median(times[alg]),
+                    "best_s": min(times[alg]),
+                    "rounds": len(times[alg]),
                     "algbw_GBps": algbw / 1e9,
                     "busbw_GBps": algbw * 2 * (p - 1) / p / 1e9,
                     "ratio_vs_mpi": (mpi_time / t) if mpi_time else None,
-                    "model_time_s": model,
+                    "model_time_s": model_time(alg, size, p, machine, args.ranks_per_node),
                 }
             )
     nodes.free()
@@ -136,8 +179,20 @@ def run_ranks(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="2,4", help="comma-separated rank counts (default %(default)s)")
-    parser.add_argument("--algorithms", default="mpi,ring,tree,naive,doubling,rabenseifner,hierarchical,auto")
+    parser.add_argument(
+        "--algorithms",
+        default=DEFAULT_ALGORITHMS,
+        help="comma-separated rows: dtrain's all-reduce algorithms, mpi (MPI's own Allreduce), and shm-copyin and "
+        "hierarchical_shm-copyin (shm and hierarchical_shm on an ordinary array; without -copyin they get a buffer "
+        "from shm.buffer, zero copy). Default: %(default)s",
+    )
     parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated node size for hierarchical")
+    parser.add_argument(
+        "--stat",
+        choices=("median", "best"),
+        default="median",
+        help="each row's time over the rounds: their median, or the fastest (best of the alternating rounds)",
+    )
     parser.add_argument("--min-size", default="4KiB")
     parser.add_argument("--max-size", default="64MiB")
     parser.add_argument(
@@ -161,9 +216,10 @@ def main() -> None:
     from dtrain.collectives import ALGORITHMS
     from dtrain.launch import launcher
 
-    unknown = set(args.algorithms.split(",")) - set(ALGORITHMS)
+    rows_known = ("mpi", *ALGORITHMS, *VARIANTS)
+    unknown = set(args.algorithms.split(",")) - set(rows_known)
     if unknown:
-        raise SystemExit(f"unknown algorithm(s) {sorted(unknown)}: choose from {', '.join(ALGORITHMS)}")
+        raise SystemExit(f"unknown algorithm(s) {sorted(unknown)}: choose from {', '.join(dict.fromkeys(rows_known))}")
     all_rows = []
     for p in [int(v) for v in args.ranks.split(",")]:
         for run in range(args.repeat):  # separate jobs: run-to-run variation on a shared machine shows in the range
@@ -174,9 +230,12 @@ def main() -> None:
                 if rc != 0:
                     raise SystemExit(f"benchmark on {p} ranks failed (exit {rc})")
                 all_rows += [{**row, "run": run} for row in json.loads(result.read_text())]
-        print_table([r for r in all_rows if r["p"] == p], p, args.repeat)
+        print_table([r for r in all_rows if r["p"] == p], p, args.repeat, args.stat)
     out = Path(args.out)
-    write_results(out, "allreduce", {"meta": run_meta(repeat=args.repeat), "rows": all_rows})
+    text = "\n\n".join(table([r for r in all_rows if r["p"] == p], p, args.repeat, args.stat, width=None)
+                       for p in dict.fromkeys(r["p"] for r in all_rows))  # fmt: skip
+    meta = run_meta(repeat=args.repeat, stat=args.stat)
+    write_results(out, "allreduce", {"meta": meta, "rows": all_rows}, text=f"{meta['command']}\n\n{text}")
     plot(median_rows(all_rows), out / "allreduce_busbw.png")
     print(f"wrote {out / 'allreduce_busbw.png'}")
 
@@ -198,26 +257,27 @@ def median_rows(rows) -> list[dict]:
             "ratio_max": max(ratios) if ratios else None,
         }
         for key in ("time_s", "algbw_GBps", "busbw_GBps", "ratio_vs_mpi", "model_time_s"):
-            values = [g[key] for g in group if g[key] is not None]
+            values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         merged.append(row)
     return merged
 
 
-def print_table(rows, p, repeat) -> None:
-    print("\n" + table(rows, p, repeat))
+def print_table(rows, p, repeat, stat="median") -> None:
+    print("\n" + table(rows, p, repeat, stat))
 
 
-def table(rows, p, repeat, width="auto") -> str:
+def table(rows, p, repeat, stat="median", width="auto") -> str:
     """p's results fitted to ``width`` (:mod:`dtrain.terminal`): a table each of the bus bandwidth, the speed
     against MPI's own Allreduce (and its range over the runs), and the cost model's time over the measured one; a
-    row per message size, a column per algorithm."""
+    row per message size, a column per algorithm. ``stat``: what a run's time is (the rounds' median, or best)."""
     rows = median_rows(rows)
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
     sizes = sorted({r["bytes"] for r in rows})
     at = {(r["bytes"], r["algorithm"]): r for r in rows}
     theirs = [a for a in algorithms if a != "mpi"]
-    runs = f", the median of {repeat} runs" if repeat > 1 else ""
+    runs = ", best of each run's rounds" if stat == "best" else ""
+    runs += f", the median of {repeat} runs" if repeat > 1 else ""
     parts = [("bus bandwidth, GB/s" + runs, algorithms, lambda r: f"{r['busbw_GBps']:.2f}"),
              ("speed against MPI's own Allreduce in the same run (MPI's time over the algorithm's)" + runs, theirs,
               lambda r: faster(r["ratio_vs_mpi"]))]  # fmt: skip

@@ -4,6 +4,7 @@
     python scripts/calibrate.py --ranks 2,4      # rank counts to measure under load (default 2,3,4,8)
     python scripts/calibrate.py --dry-run        # only print the fit
     python scripts/calibrate.py --compute        # only the compute rates (dtrain plan's), keeping the links
+    python scripts/calibrate.py --shm            # only shared memory's constants (fence, copy, shm_from_bytes)
     python scripts/calibrate.py --gpu preset.json   # on a GPU machine: a dtrain plan preset of it (see below)
 
 The alpha-beta model says sending n bytes takes ``alpha + beta * n``. Two ranks play ping-pong: rank 0 sends n
@@ -15,6 +16,26 @@ Those are the constants of an idle machine. An all-reduce keeps *every* rank bus
 script also measures a ring step with all p ranks at once (each sends n bytes right and receives n from the left,
 ``Sendrecv``; the slowest rank counts) and the reduction with all p ranks reducing at once, and fits alpha, beta and
 gamma for that p. With more ranks than cores these are the numbers that predict what an algorithm will take.
+
+Shared memory inside a node (:mod:`dtrain.collectives.shm`) has constants of its own, measured for each p with all
+p ranks at once and written beside that p's alpha, beta and gamma:
+
+* ``fence``: seconds per :meth:`dtrain.comm.windows.SharedWindow.fence` on a window over the p ranks (``Win.Sync``,
+  barrier, ``Win.Sync``; the slowest rank's time per fence over a loop of them);
+* ``copy``: seconds per byte that a rank copies out of another rank's segment of a window (16 MiB, every rank copying
+  its right neighbour's at once; the slowest rank);
+* ``shm_from_bytes``: where ``algorithm="auto"`` starts taking shm on a real node (:func:`costmodel.shm_threshold`):
+  the smallest all-reduce size, of those measured (1 KiB to 64 MiB, x4), from which shm was faster than the
+  algorithm :func:`costmodel.choose` picks for that size at *every* larger size measured, or null if it never was.
+  shm is timed on its copy-in path (an ordinary NumPy array, copied into a scratch window and back out), because
+  ``auto`` takes any buffer the caller has: a buffer already in a window (zero copy, also timed and kept under
+  ``shm_allreduce``) only does better, so the threshold never sends ``auto`` to shm where shm is slower. Each size
+  interleaves the contenders round by round (9 to 15 rounds) and compares their best rounds (the slowest rank's
+  time; on a shared machine noise only ever adds time); the medians are kept beside them. The same size for zero
+  copy is written as ``shm_zero_copy_from_bytes`` (for reading; the cost model does not use it).
+
+``--shm`` measures these alone and adds them to calibration.json, keeping everything else in it (``choose`` then
+picks with the constants already there, which are the ones ``auto`` uses).
 
 The compute rates ``dtrain plan`` prices a step with (:mod:`dtrain.plan.hardware`: FLOP/s of the matrix products,
 seconds
@@ -59,6 +80,8 @@ from bench_util import faster
 from dtrain import terminal
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SHM_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]  # all-reduces
+COPY_BYTES = 16 << 20  # what each rank copies out of its neighbour's segment to time a copy
 OUTPUT = Path(__file__).resolve().parents[1] / "dtrain" / "collectives" / "calibration.json"
 
 
@@ -138,6 +161,111 @@ def loaded_reduce_time_per_byte(comm, nbytes: int = 16 << 20, reps: int = 10) ->
     return statistics.median(samples) / nbytes
 
 
+def fence_time(comm, reps: int = 50, batches: int = 7) -> float:
+    """Seconds per :meth:`SharedWindow.fence` on a window over all of ``comm``'s ranks: the median over ``batches``
+    of the slowest rank's time per fence in a loop of ``reps``."""
+    from mpi4py import MPI
+
+    from dtrain.comm import windows
+
+    window = windows.allocate(comm, windows.ALIGN)
+    for _ in range(5):  # warm up
+        window.fence()
+    samples = []
+    for _ in range(batches):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            window.fence()
+        samples.append(comm.allreduce((time.perf_counter() - t0) / reps, op=MPI.MAX))
+    window.free()
+    return statistics.median(samples)
+
+
+def copy_time_per_byte(comm, nbytes: int = COPY_BYTES, reps: int = 10) -> float:
+    """Seconds per byte of copying another rank's segment of a shared window into this rank's memory, every rank
+    copying its right neighbour's at once (the slowest rank's time, median over ``reps``)."""
+    from mpi4py import MPI
+
+    from dtrain.comm import windows
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    window = windows.allocate(comm, nbytes)
+    window.segments[r][...] = r + 1  # (its pages touched by their owner, as a paradigm's buffer is)
+    window.fence()
+    src, dst = window.segments[(r + 1) % p], np.ones(nbytes, dtype=np.uint8)
+    dst[...] = src  # warm up
+    samples = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        dst[...] = src
+        samples.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    window.fence()
+    window.free()
+    return statistics.median(samples) / nbytes
+
+
+def shm_against_chosen(comm, machine, sizes=SHM_SIZES) -> list[dict]:
+    """For each all-reduce size: the time (slowest rank; the best round, and the median) of the algorithm
+    ``costmodel.choose`` picks with ``machine``, of shm on an ordinary array (copy-in) and of shm on a buffer in a
+    window (zero copy), interleaved round by round."""
+    from mpi4py import MPI
+
+    from dtrain import collectives
+    from dtrain.collectives import costmodel, shm
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    measured = []
+    for size in sizes:
+        count = size // 4
+        src = np.random.default_rng(r).standard_normal(count).astype(np.float32)
+        plain, zero = np.empty_like(src), shm.buffer(comm, count, np.float32)
+        chosen = costmodel.choose(size, p, machine)
+        contenders = {"chosen": (chosen, plain), "shm_copyin": ("shm", plain), "shm_zero_copy": ("shm", zero)}
+        # small ones repeated to beat the timer's resolution, never so often that p**reps overflows float32
+        reps = max(1, min(50, (256 << 10) // size, 90 // (p - 1).bit_length()))
+        rounds = max(9, min(15, int(15 * (1 << 20) / size)))
+        times = {name: [] for name in contenders}
+        for algorithm, buf in contenders.values():  # warm up (Numba, the scratch window, the caches)
+            for _ in range(3):
+                buf[...] = src
+                collectives.allreduce(comm, buf, algorithm=algorithm)
+        for _ in range(rounds):
+            for name, (algorithm, buf) in contenders.items():
+                buf[...] = src
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    collectives.allreduce(comm, buf, algorithm=algorithm)
+                times[name].append(comm.allreduce((time.perf_counter() - t0) / reps, op=MPI.MAX))
+        shm.release(comm)
+        row = {"bytes": size, "chosen": chosen}
+        for name, samples in times.items():
+            row[f"{name}_s"], row[f"{name}_median_s"] = min(samples), statistics.median(samples)
+        measured.append(row)
+    return measured
+
+
+def shm_from_bytes(measured: list[dict], key: str = "shm_copyin_s") -> int | None:
+    """The smallest measured size from which shm (``key``'s path) was faster than the chosen algorithm at every
+    larger measured size too; None if it was not faster at the largest."""
+    threshold = None
+    for row in sorted(measured, key=lambda row: row["bytes"], reverse=True):
+        if row[key] >= row["chosen_s"]:
+            break
+        threshold = row["bytes"]
+    return threshold
+
+
+def shared_memory(comm, machine) -> dict:
+    """The shared-memory constants for ``comm``'s ranks, all at once: fence, copy, and where shm starts to pay."""
+    measured = shm_against_chosen(comm, machine)
+    return {"fence": fence_time(comm), "copy": copy_time_per_byte(comm), "shm_from_bytes": shm_from_bytes(measured),
+            "shm_zero_copy_from_bytes": shm_from_bytes(measured, "shm_zero_copy_s"),
+            "shm_allreduce": measured}  # fmt: skip
+
+
 LOAD_SHAPES = [((64, 256, 256, 256, 10), 24), ((784, 512, 512, 10), 64), ((64, 64, 64, 64, 10), 24)]
 
 
@@ -208,12 +336,18 @@ def worker(result_path: str, mode: str) -> None:
                   "cuda_aware": staged.cuda_aware, "why": staged.cuda_aware_reason}  # fmt: skip
     elif mode == "pingpong":
         result = [pingpong(comm, n, reps_for(n)) for n in SIZES]
+    elif mode == "shm":  # choose() picks with the constants calibration.json already holds (auto's)
+        from dtrain.collectives import costmodel
+
+        result = shared_memory(comm, costmodel.Machine.load(p=comm.Get_size()))
     else:
-        result = {
-            "seconds": [ring_step(comm, n, reps_for(n)) for n in SIZES],
-            "gamma": loaded_reduce_time_per_byte(comm),
-            **dtrain_stack(comm),
-        }
+        from dtrain.collectives import costmodel
+
+        seconds = [ring_step(comm, n, reps_for(n)) for n in SIZES]
+        gamma = loaded_reduce_time_per_byte(comm)
+        alpha, beta = fit(SIZES, seconds)  # (every rank has the same numbers: the slowest rank's)
+        machine = costmodel.Machine(alpha=alpha, beta=beta, gamma=gamma)  # what choose() will pick with
+        result = {"seconds": seconds, "gamma": gamma, **dtrain_stack(comm), **shared_memory(comm, machine)}
     if comm.Get_rank() == 0:
         Path(result_path).write_text(json.dumps(result))
 
@@ -227,6 +361,29 @@ def measure(nranks: int, mode: str):
         if rc != 0:
             raise SystemExit(f"{mode} on {nranks} ranks failed (exit {rc})")
         return json.loads(result.read_text())
+
+
+def print_shared_memory(p: int, found: dict) -> None:
+    """p's shared-memory constants and the all-reduces the threshold was read from (a table fitted to the
+    terminal)."""
+
+    def where(threshold):
+        return "at no size up to the largest" if threshold is None else f"from {threshold} bytes up"
+
+    print()
+    print(terminal.paragraph(f"shared memory, all {p} ranks at once: {found['fence'] * 1e6:.1f} us per fence, copies "
+                             f"at {1e-9 / found['copy']:.1f} GB/s. shm is faster than the algorithm choose() picks: "
+                             f"copy-in {where(found['shm_from_bytes'])} (shm_from_bytes, where auto takes shm), zero "
+                             f"copy {where(found['shm_zero_copy_from_bytes'])}", hanging="  "))  # fmt: skip
+    cells = [[str(row["bytes"]), row["chosen"], f"{row['chosen_s'] * 1e6:.1f}",
+              f"{row['shm_copyin_s'] * 1e6:.1f}", faster(row["chosen_s"] / row["shm_copyin_s"]),
+              f"{row['shm_zero_copy_s'] * 1e6:.1f}", faster(row["chosen_s"] / row["shm_zero_copy_s"])]
+             for row in found["shm_allreduce"]]  # fmt: skip
+    header = ["bytes", "chosen", "chosen us", "shm copy-in us", "copy-in", "shm zero copy us", "zero copy"]
+    print(terminal.table(header, cells, left=(1,)))
+
+
+SHM_KEYS = ("fence", "copy", "shm_from_bytes", "shm_zero_copy_from_bytes", "shm_allreduce")
 
 
 def print_fit(title, times, alpha, beta) -> None:
@@ -315,6 +472,11 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,3,4,8", help="rank counts to measure under load (default %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     parser.add_argument("--compute", action="store_true", help="only refit the compute rates, keep the links")
+    parser.add_argument(
+        "--shm",
+        action="store_true",
+        help="only measure shared memory's fence, copy and shm_from_bytes for each of --ranks, keeping the rest",
+    )
     parser.add_argument("--gpu", metavar="FILE", help="measure this GPU machine; write a dtrain plan preset to FILE")
     parser.add_argument("--worker", metavar="RESULT", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="pingpong", help=argparse.SUPPRESS)
@@ -329,6 +491,18 @@ def main() -> None:
     from dtrain import kernels
     from dtrain.plan.hardware import step_seconds
 
+    previous = json.loads(OUTPUT.read_text()) if OUTPUT.exists() else {}
+    if args.shm:
+        by_ranks = previous.get("by_ranks", {})
+        for p in [int(v) for v in args.ranks.split(",")]:
+            found = measure(p, "shm")
+            print_shared_memory(p, found)
+            by_ranks[str(p)] = {**by_ranks.get(str(p), {}), **found, "shm_command": "python " + " ".join(sys.argv),
+                                "shm_date": time.strftime("%F")}  # fmt: skip
+        if not args.dry_run:
+            OUTPUT.write_text(json.dumps({**previous, "by_ranks": by_ranks}, indent=1) + "\n")
+            print(f"wrote {OUTPUT}")
+        return
     compute = fit_compute()
     if args.compute:
         if not args.dry_run:
@@ -348,11 +522,13 @@ def main() -> None:
         a, b = fit(SIZES, loaded["seconds"])
         slowdown = statistics.median(busy / one for busy, one in zip(loaded["busy_step_s"], alone))
         by_ranks[str(p)] = {"alpha": a, "beta": b, "gamma": loaded["gamma"], "seconds": loaded["seconds"],
-                            "alpha_dtrain": loaded["alpha_dtrain"], "slowdown": slowdown}  # fmt: skip
+                            "alpha_dtrain": loaded["alpha_dtrain"], "slowdown": slowdown,
+                            **{key: loaded[key] for key in SHM_KEYS}}  # fmt: skip
         print(terminal.paragraph(f"dtrain's own all-reduce: {loaded['alpha_dtrain'] * 1e6:.1f} us per message; "
                                  f"compute with all {p} ranks busy: {faster(1 / by_ranks[str(p)]['slowdown'])} than "
                                  "one process alone", hanging="  "))  # fmt: skip
         print_fit(f"ring step, all {p} ranks at once", loaded["seconds"], a, b)
+        print_shared_memory(p, loaded)
         summary.append((f"{p} ranks busy", a, b, loaded["gamma"]))
     cells = []
     for name, a, b, g in summary:
@@ -362,7 +538,9 @@ def main() -> None:
     print(terminal.table(["", "alpha us", "beta ns/B", "bandwidth GB/s", "gamma ns/B"], cells))
     if args.dry_run:
         return
+    by_ranks = {**previous.get("by_ranks", {}), **by_ranks}  # rank counts not measured this time keep theirs
     calibration = {
+        **previous,
         "alpha": alpha,
         "beta": beta,
         "gamma": gamma,

@@ -28,7 +28,7 @@ import pytest
 from mpi_util import run_mpi
 
 from dtrain import collectives, kernels
-from dtrain.collectives import costmodel, hierarchical, shm
+from dtrain.collectives import costmodel, hierarchical, shm, shm_windows
 from dtrain.comm import sim, windows
 from dtrain.comm.trace import TracedComm, Tracer
 from dtrain.comm.wrapper import innermost
@@ -354,6 +354,8 @@ def _zero(comm, n=16):
 
 
 MISMATCHES = {
+    "op": lambda comm, r: shm.allreduce(comm, _zero(comm), "max" if r == 0 else "sum"),  # (the front door's checks
+    # compare ops only in debug mode: shm's own announcement catches it always)
     "size": lambda comm, r: collectives.allreduce(comm, _zero(comm)[: 5 + r], algorithm="shm"),
     "offset": lambda comm, r: collectives.allreduce(comm, _zero(comm)[r : r + 5], algorithm="shm"),
     "collective": lambda comm, r: (collectives.allgather if r else collectives.allreduce)(
@@ -675,3 +677,26 @@ def test_shm_threshold_is_none_for_a_rank_count_not_calibrated(tmp_path, monkeyp
     finally:
         monkeypatch.undo()
         costmodel._shm_thresholds.cache_clear()
+
+
+def test_release_mine_frees_this_ranks_windows_on_every_communicator_and_no_other_ranks(allocated):
+    """The driver's end of a run: every window this rank made, on any communicator, and none of another rank's
+    (simulated ranks are threads of one process: their windows are all in one table)."""
+
+    def rank_main(comm):
+        sub = comm.Dup()
+        zero = shm.buffer(comm, 8, np.float32)
+        collectives.allreduce(sub, np.ones(8), algorithm="shm")
+        comm.Barrier()  # every rank has made its windows
+        if comm.Get_rank() == 0:
+            shm_windows.release_mine()
+        comm.Barrier()
+        freed = [w.freed for inner, w in allocated if inner in (innermost(comm), innermost(sub))]
+        comm.Barrier()
+        if comm.Get_rank():
+            shm_windows.release_mine()
+        return freed, zero
+
+    results = run(3, rank_main)
+    assert all(results[0][0]) and len(results[0][0]) == 4  # (2 communicators: a control window and one more each)
+    assert not any(results[1][0]) and not any(results[2][0]), "rank 0 freed another rank's windows"

@@ -224,15 +224,17 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
     p = comm.Get_size()
     if root is not _NONE:
         _checks.check_root(root, p)
-    try:  # a name in the table, or what "auto" chose before for this size and p
-        entry = TABLE[collective].get(algorithm) or _chosen.get((collective, algorithm, buf.nbytes, p))
+    try:  # a name in the table
+        entry = TABLE[collective].get(algorithm)
     except TypeError:  # unhashable: not a name at all
         entry = None
+    if entry is None and algorithm == AUTO and collective == "allreduce":  # shared memory (asked on every rank and
+        host = type(buf) is np.ndarray  # call: it may ask the ranks), else the cost model's choice, remembered
+        shared = costmodel.shm_pays(comm, buf.nbytes, p, host)
+        entry = TABLE[collective]["shm"] if shared else _chosen.get((collective, algorithm, buf.nbytes, p))
     if entry is None and collective == "allreduce" and yours.is_spec(algorithm):  # FILE.py:FUNCTION, your own
         run, label = yours.entry(algorithm)
         entry = Algorithm(run, label=label)
-    if entry is None and algorithm == AUTO and collective == "allreduce" and shm_pays(comm, buf.nbytes, p):
-        entry = TABLE["allreduce"]["shm"]  # (not remembered in _chosen: it holds for this communicator only)
     if entry is None:
         entry = _choose(collective, algorithm, buf.nbytes, p)
     if entry.power_of_two and p & (p - 1):
@@ -245,13 +247,6 @@ def _pick(collective, comm, buf, algorithm, op, root, topology, ranks_per_node) 
 
 
 _chosen: dict = {}  # (collective, "auto", nbytes, p) -> the entry "auto" picked: the cost model is asked once
-
-
-def shm_pays(comm, nbytes, p) -> bool:
-    """ "auto" takes shared memory for an ``nbytes`` all-reduce when scripts/calibrate.py measured it faster from
-    that size on for ``p`` ranks, and ``comm``'s ranks are real processes on one node (never simulated ones)."""
-    threshold = costmodel.shm_threshold(p)
-    return threshold is not None and nbytes >= threshold and shm.real_node(comm)
 
 
 def _choose(collective, algorithm, nbytes, p) -> Algorithm:

@@ -162,3 +162,11 @@ def _shm_thresholds() -> dict:
     data = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() else {}
     by_ranks = data.get("by_ranks", {})
     return {int(k): int(v["shm_from_bytes"]) for k, v in by_ranks.items() if v.get("shm_from_bytes") is not None}
+
+
+def shm_pays(comm, nbytes, p, host=True) -> bool:
+    """ "auto" takes shared memory for an ``nbytes`` all-reduce of ``host`` memory when scripts/calibrate.py measured
+    it faster from that size on for ``p`` ranks, and ``comm``'s ranks are real processes on one node (never simulated
+    ones). The same answer on every rank: the first time, ``shm.real_node`` asks them all (a collective)."""
+    threshold = shm_threshold(p)
+    return host and threshold is not None and nbytes >= threshold and shm.real_node(comm)

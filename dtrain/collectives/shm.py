@@ -56,18 +56,18 @@ from __future__ import annotations
 import numpy as np
 
 from dtrain import kernels
-from dtrain.collectives import ring
-from dtrain.collectives import shm_windows as windows
+from dtrain.collectives import ring, shm_windows
 from dtrain.collectives._chunks import offsets_for
-from dtrain.collectives.shm_windows import buffer, check_one_node, holds, real_node, release, share_model, unshare_model
+from dtrain.collectives.shm_windows import OPS, buffer, check_one_node, holds, real_node, release, share_model
 from dtrain.comm import watchdog
 from dtrain.comm.windows import fence
 
 __all__ = ["allgather", "allreduce", "buffer", "bytes_copied", "check_one_node", "hierarchical_allreduce", "holds",
-           "predict_time", "real_node", "reduce_scatter", "release", "share_model", "unshare_model"]  # fmt: skip
+           "predict_time", "real_node", "reduce_scatter", "release", "share_model"]  # fmt: skip
 
 ALGORITHMS = ("shm", "hierarchical_shm")  # the all-reduces that work on shared windows
 CODES = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "hierarchical_shm": 4}
+NAMES = {code: name for name, code in CODES.items()}
 
 
 # --- the algorithms -------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def hierarchical_allreduce(topo, buf, op="sum"):
     """Shared memory inside each node (a reduce to its leader), the ring between the leaders, the leader's result
     copied by its node."""
     node, inner = topo.node, "sum" if op == "avg" else op  # divide once, by the world's size
-    synced, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm")
+    synced, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm", op)
     leader = views[0]
     _sum_chunk(node, mine[lo:hi], [views[q][lo:hi] for q, _ in _others(buf.size, len(views), node.Get_rank())],
                inner, 1.0)  # fmt: skip
@@ -113,7 +113,7 @@ def hierarchical_allreduce(topo, buf, op="sum"):
 def _collective(comm, buf, op, collective):
     if comm.Get_size() == 1:
         return buf
-    synced, views, mine, lo, hi, copied_in = _enter(comm, buf, collective)
+    synced, views, mine, lo, hi, copied_in = _enter(comm, buf, collective, op)
     r, p = comm.Get_rank(), comm.Get_size()
     if collective == "allgather":
         for q, (qlo, qhi) in _others(buf.size, p, r):
@@ -131,24 +131,23 @@ def _collective(comm, buf, op, collective):
     return buf[lo:hi] if collective == "reduce_scatter" else buf
 
 
-def _enter(comm, buf, collective):
+def _enter(comm, buf, collective, op):
     """The first half of every call: announce it (shm_windows.py), copy ``buf`` into the scratch unless it lies in a
     window, fence 1, agree with every rank (growing the scratch together if it was too small). Returns (the windows
     the fences sync, every rank's view of the data, where my own data is, my chunk's bounds, whether copied in)."""
     if type(buf) is not np.ndarray:
         raise ValueError(f"{collective}/shm works on host memory, not a {type(buf).__name__}: stage it, or use ring")
-    if collective != "hierarchical_shm":
-        check_one_node(comm)
+    check_one_node(comm)  # (hierarchical_shm: its node, which must be one real node)
     r, p = comm.Get_rank(), comm.Get_size()
     lo, hi = offsets_for(buf.size, p)[r : r + 2]
-    call, window = windows.announce(comm, buf, CODES[collective])
+    call, window = shm_windows.announce(comm, buf, CODES[collective], OPS.index(op))
     copied_in = not call.zero_copy
     if copied_in and window is not None:
         _copy_in(comm, window, buf, collective, lo, hi)
-    control = windows.state(comm).control
+    control = shm_windows.state(comm).control
     _fence(comm, (control,) if window is None else (control, window.shared), "fence 1 (every rank's data is written)")
-    if windows.agree(comm, call, f"{collective}/shm"):  # the scratch was too small on some rank: all grow it
-        window = windows.grow(comm, buf.nbytes)
+    if shm_windows.agree(comm, call, f"{collective}/shm", NAMES):  # the scratch was too small somewhere: all grow it
+        window = shm_windows.grow(comm, buf.nbytes)
         _copy_in(comm, window, buf, collective, lo, hi)
         _fence(comm, (control, window.shared), "fence 1 again (the grown scratch is written)")
     views = [window.segment(q, buf.dtype, call.offset, buf.size) for q in range(p)]
@@ -236,12 +235,13 @@ def bytes_copied(collective, count, itemsize, p, rank, copy_in=False) -> int:
 def predict_time(collective, nbytes, p, machine, copy_in=False) -> float:
     """Predicted seconds for one call on ``nbytes`` (the cost table above, from ``machine``'s fence, copy and gamma):
     the busiest rank's (rank 0: its chunk is the longest). "hierarchical_shm" is its part inside one node of ``p``
-    ranks (four fences; rank 0, the leader, loads (p-1) c and every other rank then loads n from it)."""
+    ranks (four fences; the ring between the leaders is priced by the cost model)."""
     if p == 1 or nbytes == 0:
         return 0.0
     chunk = -(-nbytes // p)
-    if collective == "hierarchical_shm":
-        return 4 * machine.fence + (p - 1) * chunk * machine.gamma + ((p - 1) * chunk + nbytes) * machine.copy
     reduced = 0 if collective == "allgather" else (p - 1) * chunk
+    if collective == "hierarchical_shm":  # (the busiest: a rank that is not the leader, which also loads its result)
+        copied = max(bytes_copied(collective, nbytes, 1, p, rank, copy_in) for rank in (0, 1))
+        return 4 * machine.fence + copied * machine.copy + reduced * machine.gamma
     copied = bytes_copied(collective, nbytes, 1, p, 0, copy_in)
     return 2 * machine.fence + copied * machine.copy + reduced * machine.gamma

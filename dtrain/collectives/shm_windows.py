@@ -5,8 +5,8 @@ and its control block, where every call announces itself.
 gradients or weights, so that shm.py's collectives sum them where they lie. Any other buffer reaches a collective
 through the communicator's *scratch* window (copy-in), which grows when a larger buffer comes. The windows are kept
 per communicator, in the order they were made (the same on every rank), until :func:`release` frees them, which every
-rank calls before freeing the communicator; :func:`share_model` and :func:`unshare_model` move a model's flat
-buffers into windows and back (nothing may point into a freed window).
+rank calls before freeing the communicator, or :func:`release_mine`, which the driver calls once the run is over
+and nothing reads the buffers in them any more (a view into a freed window is a crash, not an error).
 
 **Agree before acting.** Allocating or growing a window is a collective: a rank that did it alone while the others
 waited in a fence would hang the job. So no rank allocates on its own during a call. Each writes its :class:`Call`
@@ -21,6 +21,7 @@ ranks).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -46,6 +47,7 @@ class Call(NamedTuple):
 
     number: int  # this communicator's shm calls so far, this one included
     collective: int  # shm.py's CODES
+    op: int  # 0 sum, 1 avg, 2 max
     zero_copy: int  # 1: in a window of its own (``window``: its place in the list), 0: copied into the scratch
     window: int
     offset: int  # bytes from the start of the window's segment
@@ -54,11 +56,15 @@ class Call(NamedTuple):
     fits: int  # copy-in: whether the buffer fits the scratch as it is (if not, every rank grows it after fence 1)
 
     def differs(self, other) -> bool:
-        return self[:-1] != other[:-1]
+        return self._replace(fits=0) != other._replace(fits=0)  # (whether it fits may differ: all then grow)
 
-    def text(self) -> str:
+    def text(self, names: dict) -> str:
         where = f"window {self.window} at byte {self.offset}" if self.zero_copy else "a buffer of its own (copy-in)"
-        return f"(call {self.number}, collective {self.collective}, {self.count} x {self.itemsize} bytes, {where})"
+        what = f"{names.get(self.collective, self.collective)} ({OPS[self.op] if self.op < len(OPS) else self.op})"
+        return f"(call {self.number}: {what} of {self.count} x {self.itemsize} bytes, {where})"
+
+
+OPS = ("sum", "avg", "max")
 
 
 @dataclasses.dataclass
@@ -67,6 +73,7 @@ class Communicator:
 
     comm: object  # the innermost communicator, kept so that its id is not reused while this lives
     control: windows.SharedWindow
+    owner: int  # the thread that made it (a rank: simulated ranks are threads of one process)
     windows: list = dataclasses.field(default_factory=list)
     calls: int = 0
 
@@ -84,7 +91,8 @@ def state(comm) -> Communicator:
     inner = innermost(comm)
     found = _state.get(id(inner))
     if found is None:
-        found = _state[id(inner)] = Communicator(inner, windows.allocate(comm, len(Call._fields) * 8))
+        control = windows.allocate(comm, len(Call._fields) * 8)
+        found = _state[id(inner)] = Communicator(inner, control, threading.get_ident())
     return found
 
 
@@ -108,7 +116,18 @@ def holds(comm, array) -> bool:
 
 def release(comm) -> None:
     """Free every window on ``comm`` (a collective: every rank calls it, before freeing ``comm``); harmless twice."""
-    found = _state.pop(id(innermost(comm)), None)
+    _free(_state.pop(id(innermost(comm)), None))
+
+
+def release_mine() -> None:
+    """Free every window this rank made, on any communicator (a collective: every rank calls it, at the end of a
+    run, in the same order: the order the windows were made in)."""
+    me = threading.get_ident()
+    for key in [key for key, found in _state.items() if found.owner == me]:
+        _free(_state.pop(key))
+
+
+def _free(found) -> None:
     if found is not None:
         for window in found.windows:
             window.shared.free()
@@ -120,16 +139,6 @@ def share_model(comm, model, grads: bool = True) -> None:
     model.move_flat_params(buffer(comm, model.flat_params.size, model.flat_params.dtype))
     if grads:
         model.move_flat_grads(buffer(comm, model.flat_grads.size, model.flat_grads.dtype))
-
-
-def unshare_model(comm, model) -> None:
-    """Every flat buffer of ``model`` that lies in a window on ``comm`` moved back into this process's memory, then
-    the windows freed (a collective): nothing may point into a freed window."""
-    if holds(comm, model.flat_params):
-        model.move_flat_params(model.flat_params.copy())
-    if holds(comm, model.flat_grads):
-        model.move_flat_grads(model.flat_grads.copy())
-    release(comm)
 
 
 def _allocate(comm, nbytes: int, zero_copy: bool) -> Window:
@@ -155,7 +164,7 @@ def _find(comm, buf):
 # --- one call: announce, agree, grow -------------------------------------------------------------------------------
 
 
-def announce(comm, buf, collective: int):
+def announce(comm, buf, collective: int, op: int):
     """Before fence 1: this rank's :class:`Call`, written into its control slot. Returns (the call, the window its
     data is or will be copied in, or None when the scratch must grow first)."""
     here = state(comm)
@@ -163,17 +172,17 @@ def announce(comm, buf, collective: int):
     found = _find(comm, buf)
     if found is not None:
         index, window, offset = found
-        call = Call(here.calls, collective, 1, index, offset, buf.size, buf.itemsize, 1)
+        call = Call(here.calls, collective, op, 1, index, offset, buf.size, buf.itemsize, 1)
     else:
         window = here.scratch
         if window is not None and window.shared.nbytes < buf.nbytes:
             window = None
-        call = Call(here.calls, collective, 0, -1, 0, buf.size, buf.itemsize, int(window is not None))
+        call = Call(here.calls, collective, op, 0, -1, 0, buf.size, buf.itemsize, int(window is not None))
     here.control.view(comm.Get_rank(), np.int64, 0, len(call))[:] = call
     return call, window
 
 
-def agree(comm, call: Call, label: str) -> bool:
+def agree(comm, call: Call, label: str, names: dict) -> bool:
     """After fence 1: every rank's call read back; a ValueError on every rank if they differ. Returns whether the
     scratch is too small for this call on some rank (then every rank grows it now: :func:`grow`)."""
     here, r = state(comm), comm.Get_rank()
@@ -181,8 +190,8 @@ def agree(comm, call: Call, label: str) -> bool:
     for q, theirs in enumerate(calls):
         if theirs.differs(call):
             raise ValueError(
-                f"{label}: rank {r} called {call.text()} but rank {q} called {theirs.text()}: every rank must make "
-                "the same call, on the same place of the same window (or every rank on a buffer of its own)"
+                f"{label}: rank {r} called {call.text(names)} but rank {q} called {theirs.text(names)}: every rank "
+                "must make the same call, on the same place of the same window (or every rank on a buffer of its own)"
             )
     return not all(theirs.fits for theirs in calls)
 

@@ -191,14 +191,17 @@ class Tracer:
     def record_copy(self, name: str, start: float, nbytes: int, **args) -> None:
         """Count one copy of ``nbytes`` (a shared-memory collective's loads from, or stores into, other ranks' memory,
         or its copy in and out of the window) that began at ``start`` (from ``_now_us``) and has just finished."""
-        end = _now_us()
-        stats = self._stats(self.label)
+        end, label = _now_us(), self.label
+        stats = self._stats(label)
+        if label == OTHER:  # no enclosing block: the copies themselves are what happened (as record_call)
+            stats.calls += 1
+            stats.time_s += (end - start) / 1e6
         stats.copies += 1
         stats.bytes_copied += nbytes
         stats.comm_time_s += (end - start) / 1e6
         if self.keep_events:
             args["bytes_copied"] = nbytes
-            self.events.append({"name": name, "cat": self.label, "ph": "X", "ts": start, "dur": end - start,
+            self.events.append({"name": name, "cat": label, "ph": "X", "ts": start, "dur": end - start,
                                 "args": args})  # fmt: skip
 
     def summary(self) -> dict:

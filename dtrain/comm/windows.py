@@ -31,6 +31,8 @@ every rank has attached, so nothing is left behind there either (the launcher ch
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from dtrain.comm.names import MPI
@@ -72,6 +74,21 @@ class SharedWindow:
             self._win.Free()
 
 
+def _check_room(nbytes: int) -> None:
+    """MPICH maps windows from files in /dev/shm: a window larger than its free space would end the job with SIGBUS
+    at the first touch of a page, long after allocation. Say so now instead."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:  # no /dev/shm (not Linux): nothing to check
+        return
+    if nbytes > stats.f_bavail * stats.f_frsize:
+        free = stats.f_bavail * stats.f_frsize
+        raise RuntimeError(
+            f"a shared window of {nbytes:,} bytes does not fit in /dev/shm ({free:,} bytes free; a "
+            "container's default is 64 MiB: raise it, e.g. docker --shm-size), or use --allreduce ring"
+        )
+
+
 def fence(comm, shared: tuple) -> None:
     """:meth:`SharedWindow.fence` for several windows on ``comm`` at once: each synced, one barrier, each synced."""
     for window in shared:
@@ -91,8 +108,12 @@ def allocate(comm, nbytes: int) -> SharedWindow:
     inner = innermost(comm)
     if hasattr(inner, "Allocate_shared"):  # a simulated communicator: one array per rank, made once
         return SharedWindow(comm, nbytes, inner.Allocate_shared(nbytes))
+    _check_room(nbytes * inner.Get_size())
     win = MPI.Win.Allocate_shared(nbytes, 1, comm=inner)
-    win.Lock_all()  # the passive-target epoch that Win.Sync needs, until free()
+    if win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:  # (the fence above is the unified model's recipe)
+        win.Free()
+        raise RuntimeError("this MPI's shared windows are not in the unified memory model: use --allreduce ring")
+    win.Lock_all(MPI.MODE_NOCHECK)  # the passive-target epoch Win.Sync needs, until free(); nobody locks exclusively
     segments = []
     for rank in range(inner.Get_size()):  # (each rank's own size: MPI lets ranks ask for different ones)
         memory, _ = win.Shared_query(rank)

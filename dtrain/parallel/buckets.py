@@ -73,7 +73,7 @@ def allreduce_algorithm(config, world: int, nbytes: int, comm=None) -> str:
         return config.allreduce
     if config.overlap and world > 1:
         return "ring"
-    if comm is not None and world > 1 and collectives.shm_pays(comm, nbytes, world):
+    if comm is not None and world > 1 and config.device == "cpu" and costmodel.shm_pays(comm, nbytes, world):
         return "shm"
     return costmodel.choose(nbytes, world)
 
@@ -82,20 +82,12 @@ def shared_gradients(comm, model, config, topology=None) -> str:
     """The all-reduce ``model``'s gradients will get (:func:`allreduce_algorithm`, for the largest bucket); when it
     is a shared-memory one, the flat gradient moves into a window on the ranks that share it first (``comm``, or
     the topology's node), so that it is reduced in place, zero copy. Call it before the optimizer takes the
-    buffers; :func:`release` frees the window."""
+    buffers; the driver frees the window at the end of the run (``shm_windows.release_mine``)."""
     algorithm = allreduce_algorithm(config, comm.Get_size(), _plan(model, config)[1], comm)
     if algorithm in shm.ALGORITHMS and comm.Get_size() > 1:
         node = topology.node if algorithm == "hierarchical_shm" else comm
         model.move_flat_grads(shm.buffer(node, model.flat_grads.size, model.flat_grads.dtype))
     return algorithm
-
-
-def release(comm, model, topology=None) -> None:
-    """Free the windows :func:`shared_gradients` made (a collective), before the communicators are freed; the
-    gradients move back into the process's own memory first (nothing may point into a freed window)."""
-    for group in (comm, None if topology is None else topology.node):
-        if group is not None:
-            shm.unshare_model(group, model)
 
 
 def buckets_to_start(missing: list[int], started: int, bucket: int) -> list[int]:

@@ -70,7 +70,7 @@ from dtrain.backend import itemsize
 from dtrain.collectives import costmodel, shm, yours
 from dtrain.layout import parameter_shapes
 from dtrain.parallel import Paradigm, check_replicas, compression, compression_flags, pricing, register, replicas
-from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets, release, shared_gradients
+from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets, shared_gradients
 from dtrain.parallel.flags import ALLREDUCE_OR_YOURS, RANKS_PER_NODE, Flag
 
 CHECK_EVERY = 50  # steps between replica checks under DTRAIN_DEBUG=1
@@ -81,6 +81,16 @@ OVERLAP = Flag("overlap", False, "all-reduce each gradient bucket during backwar
 BUCKET_MB = Flag("bucket_mb", None, "gradient bucket size in MiB; 0: one all-reduce of the whole gradient (default: 1 "
                  "with --overlap, else 0)", type=float, metavar="MB", at_least=0,
                  meaning="(0: one bucket)")  # fmt: skip
+
+
+def shm_copies(algorithm, count, itemsize, world, rank, ranks_per_node) -> int:
+    """Bytes ``rank`` copies in one zero-copy all-reduce of ``count`` elements: on all ``world`` ranks ("shm"), or
+    inside its node of ``ranks_per_node`` (the last one possibly smaller) for "hierarchical_shm"."""
+    if algorithm == "shm":
+        return shm.bytes_copied("allreduce", count, itemsize, world, rank)
+    k = ranks_per_node or world
+    node_size = min(k, world - rank // k * k)
+    return shm.bytes_copied("hierarchical_shm", count, itemsize, node_size, rank % k)
 
 
 @register
@@ -152,7 +162,6 @@ class DataParallel(Paradigm):
 
     def finish(self) -> dict:
         self.check_replicas("at the end of training")
-        release(self.grad_comm, self.model, self.topology)  # (the shared window of the gradients, if any)
         if self.topology is not None:
             self.topology.free()
         self.grad_comm.Free()
@@ -190,8 +199,9 @@ class DataParallel(Paradigm):
             return {**base, "sent_per_step": [None] * world, "sent_by": f"your own all-reduce, {algorithm}"}
         sent = [sum(costmodel.bytes_sent(algorithm, n, b, world, rank, config.ranks_per_node) for n in counts)
                 for rank in range(world)]  # fmt: skip
-        if algorithm == "shm":  # no message: each bucket's loads and stores in the shared window (zero copy)
-            copied = [sum(shm.bytes_copied("allreduce", n, b, world, rank) for n in counts) for rank in range(world)]
+        if algorithm in shm.ALGORITHMS:  # each bucket's loads and stores in the shared windows (zero copy)
+            copied = [sum(shm_copies(algorithm, n, b, world, rank, config.ranks_per_node) for n in counts)
+                      for rank in range(world)]  # fmt: skip
             return {**base, "sent_per_step": sent, "copied_per_step": copied}
         return {**base, "sent_per_step": sent}
 

@@ -29,7 +29,7 @@ from dtrain.comm.trace import CHECKPOINT, labelled
 from dtrain.errors import ConfigError
 from dtrain.parallel import Evaluating, Paradigm, check_replicas, grid, placement
 
-NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp flag
+NOT_HERE = ("hierarchical", "hierarchical_rs", "hierarchical_shm")  # need --ranks-per-node, a ddp flag
 
 
 class ModelParallel(Paradigm):

@@ -92,7 +92,7 @@ class Replicas:
         self.outer, self.config = comm, config  # (the paradigm's communicator: the start, the checks, metrics)
         self.comm = comm.Dup()  # the weights' traffic gets a communicator of its own
         self.topology = nodes(self.comm, config)
-        self.copy = self.algorithm = self.final_state = self.shared = None  # shared: the model in a window
+        self.copy = self.algorithm = self.final_state = None
         self.consensus = []  # the consensus distance at the end of each epoch
 
     def share(self, model):
@@ -103,16 +103,7 @@ class Replicas:
         if self.algorithm in shm.ALGORITHMS and self.outer.Get_size() > 1:
             node = self.topology.node if self.algorithm == "hierarchical_shm" else self.comm
             model.move_flat_params(shm.buffer(node, flat.size, flat.dtype))
-            self.shared = model
         return model
-
-    def unshare(self) -> None:
-        """The weights back into this process's own memory, the shared windows freed (a collective)."""
-        for comm in (self.comm, None if self.topology is None else self.topology.node):
-            if comm is not None and self.shared is not None:
-                shm.unshare_model(comm, self.shared)
-            elif comm is not None:
-                shm.release(comm)
 
     def start(self, model, make_model) -> None:
         """Rank 0's weights everywhere; a copy of the model for the average."""
@@ -152,8 +143,7 @@ class Replicas:
                 for value in self.final_state.values():
                     if isinstance(value, np.ndarray):
                         collectives.allreduce(self.comm, value, "avg", "ring")
-        check_replicas(self.outer, flat, "at the end of training")
-        self.unshare()
+        check_replicas(self.outer, flat, "at the end of training")  # (a shared window lives on: train.py frees it)
         if self.topology is not None:
             self.topology.free()
         self.comm.Free()

@@ -59,7 +59,7 @@ SHARDING = Flag("sharding", None, "a named layout of every tensor (default: dp, 
                 type=str, choices=shardings.PRESETS)  # fmt: skip
 EXPLAIN = Flag("explain", False, "print every op's layouts and every collective the layouts call for, and exit "
                "without training (one process explains any --mesh)")  # fmt: skip
-NOT_HERE = ("hierarchical", "hierarchical_rs")  # need --ranks-per-node, a ddp flag
+NOT_HERE = ("hierarchical", "hierarchical_rs", "hierarchical_shm")  # need --ranks-per-node, a ddp flag
 
 
 @register

@@ -276,7 +276,6 @@ class Zero(Paradigm):
             check_replicas(self.comm, self.model.flat_params, "at the end of training")
         else:
             self.gathered = self.full_parameters()
-        shm.unshare_model(self.comm, self.model)  # (back into this process's memory; the windows freed)
         return {"stage": self.stage, "reduce_scatter": self.rs_algorithm, "allgather": self.ag_algorithm,
                 "held_bytes": self.comm.allgather(dict(self.ledger.peak))}  # fmt: skip  # (each rank's: the ledger's)
 

@@ -153,8 +153,8 @@ class Hardware:
             steps, share = math.ceil(math.log2(p)), math.ceil(math.log2(p)) * nbytes
         elif algorithm == "naive":
             steps, share = p - 1, (p - 1) * nbytes
-        elif algorithm == "shm":  # no message: two fences and the copies (collectives/shm.py's price)
-            return shm.predict_time(collective, nbytes, p, m)
+        elif algorithm == "shm":  # no message: two fences and the copies (shm.py's price; these buffers copy in)
+            return shm.predict_time(collective, nbytes, p, m, copy_in=True)
         else:
             raise ValueError(f"no time model for {collective} with {algorithm!r}")
         return steps * m.alpha + share * m.beta + (share * m.gamma if reduces else 0.0)

@@ -54,7 +54,7 @@ def shm_allreduce(comm, buf):
     follows them, so a missing or misplaced fence fails there every time, with the rank and the chunk it read too
     early (under mpiexec it might pass by luck, and fail on another machine).
 
-    Hint: ``dtrain.collectives.shm.allreduce`` does the same (with every call announced in a control window, to catch mismatched calls); read it only
-    once yours passes.
+    Hint: ``dtrain.collectives.shm.allreduce`` does the same (with every call announced in a control window, to
+    catch mismatched calls); read it only once yours passes.
     """
     raise NotImplementedError("exercise 2.6: shared-memory all-reduce — see lessons/02_allreduce.py")
