@@ -20,8 +20,8 @@ gamma for that p. With more ranks than cores these are the numbers that predict 
 Shared memory inside a node (:mod:`dtrain.collectives.shm`) has constants of its own, measured for each p with all
 p ranks at once and written beside that p's alpha, beta and gamma:
 
-* ``fence``: seconds per :meth:`dtrain.comm.windows.SharedWindow.fence` on a window over the p ranks (``Win.Sync``,
-  barrier, ``Win.Sync``; the slowest rank's time per fence over a loop of them);
+* ``fence``: seconds per fence of the shared-memory collectives over the p ranks (``Win.Sync``, a barrier of
+  counters in the window, ``Win.Sync``: ``shm_windows.fence``; the slowest rank's time per fence over a loop);
 * ``copy``: seconds per byte that a rank copies out of another rank's segment of a window (16 MiB, every rank copying
   its right neighbour's at once; the slowest rank);
 * ``shm_from_bytes``: where ``algorithm="auto"`` starts taking shm on a real node (:func:`costmodel.shm_threshold`):
@@ -162,23 +162,24 @@ def loaded_reduce_time_per_byte(comm, nbytes: int = 16 << 20, reps: int = 10) ->
 
 
 def fence_time(comm, reps: int = 50, batches: int = 7) -> float:
-    """Seconds per :meth:`SharedWindow.fence` on a window over all of ``comm``'s ranks: the median over ``batches``
-    of the slowest rank's time per fence in a loop of ``reps``."""
+    """Seconds per fence of the shared-memory collectives (``shm_windows.fence``: Win.Sync, a barrier of counters in
+    the window, Win.Sync) over all of ``comm``'s ranks: the median over ``batches`` of the slowest rank's time per
+    fence in a loop of ``reps``."""
     from mpi4py import MPI
 
-    from dtrain.comm import windows
+    from dtrain.collectives import shm_windows
 
-    window = windows.allocate(comm, windows.ALIGN)
+    control = shm_windows.state(comm).control
     for _ in range(5):  # warm up
-        window.fence()
+        shm_windows.fence(comm, (control,), "calibration")
     samples = []
     for _ in range(batches):
         comm.Barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            window.fence()
+            shm_windows.fence(comm, (control,), "calibration")
         samples.append(comm.allreduce((time.perf_counter() - t0) / reps, op=MPI.MAX))
-    window.free()
+    shm_windows.release(comm)
     return statistics.median(samples)
 
 

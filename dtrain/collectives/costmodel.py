@@ -151,22 +151,23 @@ def _choose_calibrated(nbytes, p) -> str:
     return choose(nbytes, p, default_machine(p))
 
 
-def shm_threshold(p: int) -> int | None:
+def shm_threshold(p: int, zero_copy: bool = False) -> int | None:
     """The all-reduce size from which scripts/calibrate.py measured shm faster than "auto"'s message algorithm on
-    ``p`` ranks of this machine (None: not measured for ``p``, or never faster): where "auto" takes shared memory."""
-    return _shm_thresholds().get(p)
+    ``p`` ranks of this machine, copying in or (``zero_copy``) on a buffer already in a window (None: not measured
+    for ``p``, or never faster): where "auto" takes shared memory."""
+    return _shm_thresholds("shm_zero_copy_from_bytes" if zero_copy else "shm_from_bytes").get(p)
 
 
 @functools.cache
-def _shm_thresholds() -> dict:
+def _shm_thresholds(key: str) -> dict:
     data = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() else {}
-    by_ranks = data.get("by_ranks", {})
-    return {int(k): int(v["shm_from_bytes"]) for k, v in by_ranks.items() if v.get("shm_from_bytes") is not None}
+    return {int(k): int(v[key]) for k, v in data.get("by_ranks", {}).items() if v.get(key) is not None}
 
 
-def shm_pays(comm, nbytes, p, host=True) -> bool:
-    """ "auto" takes shared memory for an ``nbytes`` all-reduce of ``host`` memory when scripts/calibrate.py measured
-    it faster from that size on for ``p`` ranks, and ``comm``'s ranks are real processes on one node (never simulated
-    ones). The same answer on every rank: the first time, ``shm.real_node`` asks them all (a collective)."""
-    threshold = shm_threshold(p)
+def shm_pays(comm, nbytes, p, host=True, zero_copy=False) -> bool:
+    """ "auto" takes shared memory for an ``nbytes`` all-reduce of ``host`` memory (``zero_copy``: already in a
+    window) when scripts/calibrate.py measured it faster from that size on for ``p`` ranks, and ``comm``'s ranks are
+    real processes on one node (never simulated ones). The same answer on every rank: the first time,
+    ``shm.real_node`` asks them all (a collective)."""
+    threshold = shm_threshold(p, zero_copy)
     return host and threshold is not None and nbytes >= threshold and shm.real_node(comm)

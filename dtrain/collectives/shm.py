@@ -59,8 +59,6 @@ from dtrain import kernels
 from dtrain.collectives import ring, shm_windows
 from dtrain.collectives._chunks import offsets_for
 from dtrain.collectives.shm_windows import OPS, buffer, check_one_node, holds, real_node, release, share_model
-from dtrain.comm import watchdog
-from dtrain.comm.windows import fence
 
 __all__ = ["allgather", "allreduce", "buffer", "bytes_copied", "check_one_node", "hierarchical_allreduce", "holds",
            "predict_time", "real_node", "reduce_scatter", "release", "share_model"]  # fmt: skip
@@ -192,8 +190,7 @@ def _copy(comm, dst, src, what):
 
 
 def _fence(comm, shared, what):
-    watchdog.note(f"Barrier, {what}")
-    fence(comm, shared)
+    shm_windows.fence(comm, shared, what)
 
 
 def _clock(comm):
@@ -239,9 +236,9 @@ def predict_time(collective, nbytes, p, machine, copy_in=False) -> float:
     if p == 1 or nbytes == 0:
         return 0.0
     chunk = -(-nbytes // p)
-    reduced = 0 if collective == "allgather" else (p - 1) * chunk
+    reduced = 0 if collective == "allgather" else (p - 1) * chunk  # (loads the reduction makes: gamma, not a copy)
     if collective == "hierarchical_shm":  # (the busiest: a rank that is not the leader, which also loads its result)
-        copied = max(bytes_copied(collective, nbytes, 1, p, rank, copy_in) for rank in (0, 1))
+        copied = max(bytes_copied(collective, nbytes, 1, p, rank, copy_in) for rank in (0, 1)) - reduced
         return 4 * machine.fence + copied * machine.copy + reduced * machine.gamma
-    copied = bytes_copied(collective, nbytes, 1, p, 0, copy_in)
+    copied = bytes_copied(collective, nbytes, 1, p, 0, copy_in) - reduced
     return 2 * machine.fence + copied * machine.copy + reduced * machine.gamma

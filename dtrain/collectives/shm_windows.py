@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dtrain.comm import windows
+from dtrain.comm import watchdog, windows
 from dtrain.comm.names import COMM_TYPE_SHARED
 from dtrain.comm.wrapper import innermost
 
@@ -74,6 +74,7 @@ class Communicator:
     comm: object  # the innermost communicator, kept so that its id is not reused while this lives
     control: windows.SharedWindow
     owner: int  # the thread that made it (a rank: simulated ranks are threads of one process)
+    barrier: windows.FlagBarrier | None  # the fences' barrier in the control window (None: simulated, comm.Barrier)
     windows: list = dataclasses.field(default_factory=list)
     calls: int = 0
 
@@ -86,13 +87,26 @@ _state: dict[int, Communicator] = {}  # id(the innermost communicator) -> its st
 _nodes: dict[int, tuple] = {}  # id(the innermost communicator) -> (it, whether its ranks share one node)
 
 
+def fence(comm, shared: tuple, what: str) -> None:
+    """A fence over ``comm``'s ranks for the windows ``shared`` (the control window first): in shared memory between
+    processes (:class:`~dtrain.comm.windows.FlagBarrier`), with ``comm.Barrier`` between simulated ranks. ``what``
+    names it for the watchdog."""
+    barrier = state(comm).barrier
+    watchdog.note(f"Barrier, {what}")
+    if barrier is None:
+        windows.fence(comm, shared)
+    else:
+        barrier.fence(shared, lambda q: watchdog.note(f"{what}: waiting for rank {q} (a counter in shared memory)"))
+
+
 def state(comm) -> Communicator:
     """``comm``'s windows; its control window is made (a collective) by the first shm call or buffer on it."""
     inner = innermost(comm)
     found = _state.get(id(inner))
     if found is None:
-        control = windows.allocate(comm, len(Call._fields) * 8)
-        found = _state[id(inner)] = Communicator(inner, control, threading.get_ident())
+        control = windows.allocate(comm, (len(Call._fields) + 1) * 8)  # (a call, then the barrier's counter)
+        barrier = None if hasattr(inner, "Allocate_shared") else windows.FlagBarrier(control, len(Call._fields) * 8)
+        found = _state[id(inner)] = Communicator(inner, control, threading.get_ident(), barrier)
     return found
 
 

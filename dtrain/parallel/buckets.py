@@ -68,12 +68,14 @@ def bucket_bytes(config) -> int:
 def allreduce_algorithm(config, world: int, nbytes: int, comm=None) -> str:
     """``--allreduce``, with "auto" resolved for all-reduces of up to ``nbytes`` (the largest bucket): the ring when
     overlapping (the one non-blocking algorithm here), shared memory where ``comm``'s ranks share a real node and
-    calibrate.py measured it faster from this size on, else the cost model's choice."""
+    calibrate.py measured it faster from this size on (zero copy: the caller puts the buffer in a window when it gets
+    "shm"), else the cost model's choice."""
     if config.allreduce != "auto":
         return config.allreduce
     if config.overlap and world > 1:
         return "ring"
-    if comm is not None and world > 1 and config.device == "cpu" and costmodel.shm_pays(comm, nbytes, world):
+    if comm is not None and world > 1 and config.device == "cpu" and costmodel.shm_pays(comm, nbytes, world,
+                                                                                         zero_copy=True):  # fmt: skip
         return "shm"
     return costmodel.choose(nbytes, world)
 
