@@ -118,10 +118,8 @@ def _collective(comm, buf, op, collective):
             _copy(comm, mine[qlo:qhi], views[q][qlo:qhi], "load from a peer")
     else:
         others = [views[q][lo:hi] for q, _ in _others(buf.size, p, r)]
-        _sum_chunk(comm, mine[lo:hi], others, op, 1.0 / p if op == "avg" else 1.0)
-        if collective == "allreduce":
-            for other in others:
-                _copy(comm, other, mine[lo:hi], "store into a peer")
+        stores = others if collective == "allreduce" else []  # (the sum, stored into every rank's chunk r)
+        _sum_chunk(comm, mine[lo:hi], others, op, 1.0 / p if op == "avg" else 1.0, stores)
     _fence(comm, synced, "fence 2 (every rank has loaded and stored)")
     if copied_in and collective == "allreduce":  # the others' chunks, summed by their owners, out of my segment
         for _, (qlo, qhi) in _others(buf.size, p, r):
@@ -172,15 +170,19 @@ def _others(n, p, r):
     return [(q, offsets[q : q + 2]) for q in range(p) if q != r]
 
 
-def _sum_chunk(comm, mine, others, op, factor):
-    """``mine`` (my chunk of my own data) reduced with the same chunk of the others', in rank order, in place."""
+def _sum_chunk(comm, mine, others, op, factor, stores=()):
+    """``mine`` (my chunk of my own data) reduced with the same chunk of the others', in rank order, in place; the
+    result then stored into every array of ``stores`` (in the same pass over memory, for a sum)."""
     start = _clock(comm)
     if op == "max":
         for other in others:
             kernels.max_(mine, other)
+        for store in stores:
+            store[...] = mine
     else:
-        kernels.sum_scale_(mine, [mine, *others], factor)
-    _record(comm, start, "load from the peers and reduce", sum(o.nbytes for o in others))
+        kernels.sum_scale_copy_(mine, [mine, *others], factor, stores)
+    what = "load from the peers, reduce" + (" and store into them" if stores else "")
+    _record(comm, start, what, sum(o.nbytes for o in others) + sum(s.nbytes for s in stores))
 
 
 def _copy(comm, dst, src, what):
