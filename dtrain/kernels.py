@@ -474,8 +474,8 @@ def sum_scale_copy_(out, bufs, factor, copies):
     if bufs[0] is not out:
         raise ValueError("sum_scale_copy_ accumulates into bufs[0]: pass out as the first input")
     others = bufs[1:]
-    if (0 < len(others) < MAX_FUSED and out.size >= FUSED_MIN_SIZE and type(out) is np.ndarray and out.ndim == 1
-            and _resolve() == "numba" and _flat((out, *others, *copies)) is not None):  # fmt: skip
+    if (copies and 0 < len(others) < MAX_FUSED and out.size >= FUSED_MIN_SIZE and type(out) is np.ndarray
+            and out.ndim == 1 and _resolve() == "numba" and _flat((out, *others, *copies)) is not None):  # fmt: skip
         _loops(out.size).sum_scale_into_copy(out, tuple(others), out.dtype.type(factor), tuple(copies))
         return out
     sum_scale_(out, bufs, factor)
