@@ -7,7 +7,6 @@ destination):
     max_(dst, src)             dst = maximum(dst, src)         (NaN wins, exactly like np.maximum)
     scale_(buf, factor)        buf *= factor
     sum_scale_(out, bufs, s)   out = (bufs[0] + ... + bufs[k-1]) * s      (out may be bufs[0], one pass over memory)
-    sum_scale_copy_(out, bufs, s, copies)   the same, and every array of ``copies`` gets the result in that pass
     reduce_(dst, src, op)      add_ for op "sum"/"avg", max_ for "max"
 
 Three implementations sit behind it: Numba loops on the CPU, CuPy on the GPU, and plain NumPy, which always works.
@@ -181,21 +180,7 @@ def _compile_numba(parallel: bool) -> SimpleNamespace:
                 acc += others[j][i]
             out[i] = acc * factor
 
-    # sum_scale_into, and the result stored into every array of copies in the same pass: a shared-memory all-reduce
-    # stores each chunk's sum into every rank's buffer, which a second pass would read from out again.
-    @jit
-    def sum_scale_into_copy(out, others, factor, copies):
-        for i in loop(out.size):
-            acc = out[i]
-            for j in range(len(others)):
-                acc += others[j][i]
-            acc = acc * factor
-            out[i] = acc
-            for j in range(len(copies)):
-                copies[j][i] = acc
-
-    return SimpleNamespace(add=add, max=maximum, scale=scale, sum_scale=sum_scale, sum_scale_into=sum_scale_into,
-                           sum_scale_into_copy=sum_scale_into_copy)  # fmt: skip
+    return SimpleNamespace(add=add, max=maximum, scale=scale, sum_scale=sum_scale, sum_scale_into=sum_scale_into)
 
 
 _numba_loops: dict[bool, SimpleNamespace] = {}  # parallel? -> the loops
@@ -465,23 +450,6 @@ def sum_scale_(out, bufs, factor):
         raise ValueError("sum_scale_ needs at least one input buffer")
     numba_from = FUSED_MIN_SIZE if len(bufs) > 1 else math.inf  # one input is a scale: one NumPy pass already
     return _dispatch(_SUM_SCALE, numba_from, (out, *bufs), out.dtype.type(factor))
-
-
-def sum_scale_copy_(out, bufs, factor, copies):
-    """:func:`sum_scale_` with ``out`` being ``bufs[0]``, then every array of ``copies`` (of out's shape and dtype)
-    set to the result: in one pass over memory with Numba (each element summed, scaled, stored into out and into
-    every copy), else ``sum_scale_`` and a copy each. The same values either way. Returns ``out``."""
-    if bufs[0] is not out:
-        raise ValueError("sum_scale_copy_ accumulates into bufs[0]: pass out as the first input")
-    others = bufs[1:]
-    if (copies and 0 < len(others) < MAX_FUSED and out.size >= FUSED_MIN_SIZE and type(out) is np.ndarray
-            and out.ndim == 1 and _resolve() == "numba" and _flat((out, *others, *copies)) is not None):  # fmt: skip
-        _loops(out.size).sum_scale_into_copy(out, tuple(others), out.dtype.type(factor), tuple(copies))
-        return out
-    sum_scale_(out, bufs, factor)
-    for copy in copies:
-        copy[...] = out
-    return out
 
 
 _REDUCTIONS = {"sum": _ADD, "avg": _ADD, "max": _MAX}  # an average adds: the caller applies its 1/p

@@ -107,36 +107,6 @@ def test_sum_scale_numba_equals_numpy(numba_everywhere, dtype, k):
             assert_same_bits(actual, expected)
 
 
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("k", (2, 3, 5))
-def test_sum_scale_copy_stores_the_same_bits_into_every_copy(numba_everywhere, dtype, k):
-    """shm's all-reduce: the sum of a chunk over every rank's buffer, stored into every rank's buffer in one pass.
-    The copies are the other inputs themselves there (each element is read before it is written): both cases."""
-    for n in SIZES:
-        for copies_are_inputs in (False, True):
-
-            def run(n=n, copies_are_inputs=copies_are_inputs):
-                bufs = data(dtype, n, k)
-                copies = bufs[1:] if copies_are_inputs else [np.full(n, 7, dtype=dtype) for _ in range(2)]
-                out = kernels.sum_scale_copy_(bufs[0], bufs, factor_for(dtype), copies)
-                assert out is bufs[0]
-                return np.stack([out, *copies])
-
-            actual, expected = both_backends(run)
-            assert_same_bits(actual, expected)
-            assert all(np.array_equal(row, actual[0], equal_nan=True) for row in actual[1:])
-    for backend in ("numba", "numpy"):  # no copies (a reduce-scatter's): sum_scale_ itself
-        kernels.use(backend)
-        reference = data(dtype, 64, k)
-        want = kernels.sum_scale_(np.empty(64, dtype), reference, factor_for(dtype))
-        assert_same_bits(kernels.sum_scale_copy_(reference[0], reference, factor_for(dtype), []), want)
-
-
-def test_sum_scale_copy_accumulates_into_its_first_input_only():
-    with pytest.raises(ValueError, match="bufs\\[0\\]"):
-        kernels.sum_scale_copy_(np.zeros(4), [np.ones(4), np.ones(4)], 1.0, [])
-
-
 @pytest.mark.parametrize("dtype", INTS)
 @pytest.mark.parametrize("k", (1, 2, 3))
 def test_sum_scale_integers_wrap_around_identically(numba_everywhere, dtype, k):

@@ -172,15 +172,15 @@ def _others(n, p, r):
 
 def _sum_chunk(comm, mine, others, op, factor, stores=()):
     """``mine`` (my chunk of my own data) reduced with the same chunk of the others', in rank order, in place; the
-    result then stored into every array of ``stores`` (in the same pass over memory, for a sum)."""
+    result then stored into every array of ``stores``."""
     start = _clock(comm)
     if op == "max":
         for other in others:
             kernels.max_(mine, other)
-        for store in stores:
-            store[...] = mine
     else:
-        kernels.sum_scale_copy_(mine, [mine, *others], factor, stores)
+        kernels.sum_scale_(mine, [mine, *others], factor)
+    for store in stores:  # (a pass of its own: a loop that also stored would store into what it loads, losing SIMD)
+        store[...] = mine
     what = "load from the peers, reduce" + (" and store into them" if stores else "")
     _record(comm, start, what, sum(o.nbytes for o in others) + sum(s.nbytes for s in stores))
 
