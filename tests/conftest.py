@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from dtrain.data import write_idx
+
+# The MPI check scripts (run as ``python tests/mpi_scripts/check_*.py``, their folder then first on the path) share
+# report.py; tests that import a script as a module need that folder on the path too.
+sys.path.insert(0, str(Path(__file__).parent / "mpi_scripts"))
 
 FAKE_MNIST = {"train": 20, "test": 10}
 

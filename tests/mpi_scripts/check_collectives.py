@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 
 import numpy as np
+import report  # (tests/mpi_scripts/report.py: the script's folder is on the path)
 
 from dtrain import collectives
 from dtrain.collectives import costmodel, hierarchical
@@ -290,17 +290,7 @@ def main():
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     count, failures = run_checks(comm, big=not args.no_big, seed=args.seed)
-    everything = comm.gather(failures, root=0)
-    total = comm.reduce(count, root=0)
-    nfail = comm.bcast(sum(len(f) for f in everything) if comm.Get_rank() == 0 else None, root=0)
-    if comm.Get_rank() == 0:
-        for rank_failures in everything:
-            for line in rank_failures[:50]:
-                print("FAIL", line)
-        print(f"check_collectives p={comm.Get_size()}: {total} checks, {nfail} failures", flush=True)
-    comm.Barrier()
-    if nfail:
-        sys.exit(1)
+    report.finish(comm, "check_collectives", count, failures)
 
 
 if __name__ == "__main__":

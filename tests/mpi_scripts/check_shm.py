@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 
 import numpy as np
+import report  # (tests/mpi_scripts/report.py: the script's folder is on the path)
 
 from dtrain import collectives, kernels
 from dtrain.collectives import costmodel, hierarchical, shm
@@ -237,17 +237,7 @@ def main():
     made, allocate = [], windows.allocate  # every window this rank allocates, to see that release frees them all
     windows.allocate = lambda *args: made.append(allocate(*args)) or made[-1]
     count, failures = run_checks(comm, made)
-    everything = comm.gather(failures, root=0)
-    total = comm.reduce(count, root=0)
-    nfail = comm.bcast(sum(len(f) for f in everything) if comm.Get_rank() == 0 else None, root=0)
-    if comm.Get_rank() == 0:
-        for rank_failures in everything:
-            for line in rank_failures[:50]:
-                print("FAIL", line)
-        print(f"check_shm p={comm.Get_size()}: {total} checks, {nfail} failures", flush=True)
-    comm.Barrier()
-    if nfail:
-        sys.exit(1)
+    report.finish(comm, "check_shm", count, failures)
 
 
 if __name__ == "__main__":
