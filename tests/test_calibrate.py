@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,7 +13,11 @@ from mpi_util import run_mpi_code
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # (the script imports bench_util from its folder)
 
+_environment = dict(os.environ)
 import calibrate  # noqa: E402
+
+os.environ.clear()  # (calibrate.py sets one thread per rank for itself at import: not for the other tests' processes)
+os.environ.update(_environment)
 
 
 def rows(*faster):
