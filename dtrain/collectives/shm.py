@@ -53,6 +53,8 @@ copied once instead of twice. The exact counts are :func:`bytes_copied`, which t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from dtrain import kernels
@@ -90,47 +92,57 @@ def hierarchical_allreduce(topo, buf, op="sum"):
     """Shared memory inside each node (a reduce to its leader), the ring between the leaders, the leader's result
     copied by its node."""
     node, inner = topo.node, "sum" if op == "avg" else op  # divide once, by the world's size
-    synced, views, mine, lo, hi, copied_in = _enter(node, buf, "hierarchical_shm", op)
-    leader = views[0]
-    _sum_chunk(node, mine[lo:hi], [views[q][lo:hi] for q, _ in _others(buf.size, len(views), node.Get_rank())],
+    at = _enter(node, buf, "hierarchical_shm", op)
+    leader, lo, hi = at.views[0], at.lo, at.hi
+    _sum_chunk(node, at.mine[lo:hi], [at.views[q][lo:hi] for q, _ in _others(buf.size, len(at.views), node.Get_rank())],
                inner, 1.0)  # fmt: skip
     if node.Get_rank():  # my chunk's sum into the leader's buffer
-        _copy(node, leader[lo:hi], mine[lo:hi], "store into the leader")
-    _fence(node, synced, "fence 2 (every chunk's sum is in its leader's buffer)")
+        _copy(node, leader[lo:hi], at.mine[lo:hi], "store into the leader")
+    shm_windows.fence(node, at.synced, "fence 2 (every chunk's sum is in its leader's buffer)")
     if topo.leaders is not None:
         ring.allreduce(topo.leaders, leader, inner)
         if op == "avg":
             kernels.scale_(leader, 1.0 / topo.comm.Get_size())
-    _fence(node, synced, "fence 3 (every leader holds the result)")
-    if node.Get_rank() or copied_in:
+    shm_windows.fence(node, at.synced, "fence 3 (every leader holds the result)")
+    if node.Get_rank() or at.copied_in:
         _copy(node, buf, leader, "load from the leader")
-    _fence(node, synced, "fence 4 (every rank has loaded its leader's result)")
+    shm_windows.fence(node, at.synced, "fence 4 (every rank has loaded its leader's result)")
     return buf
 
 
 def _collective(comm, buf, op, collective):
     if comm.Get_size() == 1:
         return buf
-    synced, views, mine, lo, hi, copied_in = _enter(comm, buf, collective, op)
-    r, p = comm.Get_rank(), comm.Get_size()
+    at = _enter(comm, buf, collective, op)
+    r, p, lo, hi = comm.Get_rank(), comm.Get_size(), at.lo, at.hi
     if collective == "allgather":
         for q, (qlo, qhi) in _others(buf.size, p, r):
-            _copy(comm, mine[qlo:qhi], views[q][qlo:qhi], "load from a peer")
+            _copy(comm, at.mine[qlo:qhi], at.views[q][qlo:qhi], "load from a peer")
     else:
-        others = [views[q][lo:hi] for q, _ in _others(buf.size, p, r)]
+        others = [at.views[q][lo:hi] for q, _ in _others(buf.size, p, r)]
         stores = others if collective == "allreduce" else []  # (the sum, stored into every rank's chunk r)
-        _sum_chunk(comm, mine[lo:hi], others, op, 1.0 / p if op == "avg" else 1.0, stores)
-    _fence(comm, synced, "fence 2 (every rank has loaded and stored)")
-    if copied_in and collective == "allreduce":  # the others' chunks, summed by their owners, out of my segment
+        _sum_chunk(comm, at.mine[lo:hi], others, op, 1.0 / p if op == "avg" else 1.0, stores)
+    shm_windows.fence(comm, at.synced, "fence 2 (every rank has loaded and stored)")
+    if at.copied_in and collective == "allreduce":  # the others' chunks, summed by their owners, out of my segment
         for _, (qlo, qhi) in _others(buf.size, p, r):
-            _copy(comm, buf[qlo:qhi], views[r][qlo:qhi], "copy out of the window")
+            _copy(comm, buf[qlo:qhi], at.views[r][qlo:qhi], "copy out of the window")
     return buf[lo:hi] if collective == "reduce_scatter" else buf
 
 
-def _enter(comm, buf, collective, op):
+class Entered(NamedTuple):
+    """Where a call works, once every rank has entered it (:func:`_enter`)."""
+
+    synced: tuple  # the windows its fences sync: the control window, the data's
+    views: list  # every rank's data in the window, as arrays of buf's dtype (views[q]: rank q's)
+    mine: np.ndarray  # where this rank's own data is: its view, or buf itself when copied in (a leader: its view)
+    lo: int  # this rank's chunk: [lo, hi)
+    hi: int
+    copied_in: bool  # buf is not in a window: copied into the scratch (and, for an all-reduce, back out)
+
+
+def _enter(comm, buf, collective, op) -> Entered:
     """The first half of every call: announce it (shm_windows.py), copy ``buf`` into the scratch unless it lies in a
-    window, fence 1, agree with every rank (growing the scratch together if it was too small). Returns (the windows
-    the fences sync, every rank's view of the data, where my own data is, my chunk's bounds, whether copied in)."""
+    window, fence 1, agree with every rank (growing the scratch together if it was too small)."""
     if type(buf) is not np.ndarray:
         raise ValueError(f"{collective}/shm works on host memory, not a {type(buf).__name__}: stage it, or use ring")
     check_one_node(comm)  # (hierarchical_shm: its node, which must be one real node)
@@ -141,14 +153,15 @@ def _enter(comm, buf, collective, op):
     if copied_in and window is not None:
         _copy_in(comm, window, buf, collective, lo, hi)
     control = shm_windows.state(comm).control
-    _fence(comm, (control,) if window is None else (control, window.shared), "fence 1 (every rank's data is written)")
+    synced = (control,) if window is None else (control, window.shared)
+    shm_windows.fence(comm, synced, "fence 1 (every rank's data is written)")
     if shm_windows.agree(comm, call, f"{collective}/shm", NAMES):  # the scratch was too small somewhere: all grow it
         window = shm_windows.grow(comm, buf.nbytes)
         _copy_in(comm, window, buf, collective, lo, hi)
-        _fence(comm, (control, window.shared), "fence 1 again (the grown scratch is written)")
+        shm_windows.fence(comm, (control, window.shared), "fence 1 again (the grown scratch is written)")
     views = [window.segment(q, buf.dtype, call.offset, buf.size) for q in range(p)]
     mine = views[r] if not copied_in or (collective == "hierarchical_shm" and r == 0) else buf
-    return (control, window.shared), views, mine, lo, hi, copied_in
+    return Entered((control, window.shared), views, mine, lo, hi, copied_in)
 
 
 def _copy_in(comm, window, buf, collective, lo, hi):
@@ -189,10 +202,6 @@ def _copy(comm, dst, src, what):
     start = _clock(comm)
     dst[...] = src
     _record(comm, start, what, src.nbytes)
-
-
-def _fence(comm, shared, what):
-    shm_windows.fence(comm, shared, what)
 
 
 def _clock(comm):
