@@ -297,3 +297,14 @@ def test_shm_with_a_gpu_is_refused_in_one_line_before_any_message():
         with pytest.raises(ConfigError, match="host memory") as error:
             DataParallel.check(config(allreduce=name, device="gpu"), 2)
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_ddp_hierarchical_shm_copies_and_sends_what_its_cost_function_says(p, data64):
+    """Nodes of 2 (the last one smaller at p = 3): each node's ranks copy, only the leaders send (their ring)."""
+    cfg = config(allreduce="hierarchical_shm", ranks_per_node=2)
+    costs = DataParallel.costs(SIZES, p, cfg)
+    for rank, (_, summary, _) in enumerate(sim.run(p, run, cfg, data64)):
+        traced = summary["operations"]["allreduce/hierarchical_shm"]
+        assert traced["bytes_copied"] == STEPS * costs["copied_per_step"][rank], (rank, traced)
+        assert traced["bytes_sent"] == STEPS * costs["sent_per_step"][rank], (rank, traced)

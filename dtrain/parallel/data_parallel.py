@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from dtrain import collectives
 from dtrain.backend import itemsize
-from dtrain.collectives import costmodel, shm, yours
+from dtrain.collectives import costmodel, hierarchical, shm, yours
 from dtrain.layout import parameter_shapes
 from dtrain.parallel import Paradigm, check_replicas, compression, compression_flags, pricing, register, replicas
 from dtrain.parallel.buckets import allreduce_algorithm, gradient_buckets, shared_gradients
@@ -89,8 +89,7 @@ def shm_copies(algorithm, count, itemsize, world, rank, ranks_per_node) -> int:
     if algorithm == "shm":
         return shm.bytes_copied("allreduce", count, itemsize, world, rank)
     k = ranks_per_node or world
-    node_size = min(k, world - rank // k * k)
-    return shm.bytes_copied("hierarchical_shm", count, itemsize, node_size, rank % k)
+    return shm.bytes_copied("hierarchical_shm", count, itemsize, hierarchical.node_sizes(world, k)[rank // k], rank % k)
 
 
 @register
