@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics", nargs="+", help="metrics.json files (or run folders)")
     plot.add_argument("-o", "--output", default="curves.png", help="PNG to write, - for stdout (default %(default)s)")
 
+    _add_cluster(sub)
     ex = sub.add_parser(
         "exercises",
         help="the course's exercises: copy them, list them, check yours",
@@ -147,6 +148,30 @@ def build_parser() -> argparse.ArgumentParser:
     ex_check.add_argument("--path", default=".", metavar="DIR", help="your exercises' folder (default: here)")
     ex_check.add_argument("--sim-only", action="store_true", help="only the simulated ranks (fast), no mpiexec")
     return parser
+
+
+def _add_cluster(sub) -> None:
+    from dtrain.launch import cluster
+
+    c = sub.add_parser(
+        "cluster",
+        help="a cluster on this machine: nodes as network namespaces, links shaped (root)",
+        description=cluster.__doc__.split("\n\n")[0],
+    )
+    actions = c.add_subparsers(dest="action", required=True, parser_class=config.Parser)
+    up = actions.add_parser("up", help="make the nodes, their links and a hostfile (its path: the last line)")
+    up.add_argument("--nodes", type=int, required=True, metavar="N", help="how many nodes")
+    up.add_argument("--slots", type=int, required=True, metavar="K", help="slots (ranks) a node")
+    up.add_argument("--link", metavar="RATE", help="each node's link, each way: 10mbit, 100mbit, 1gbit (default: "
+                    "unshaped)")  # fmt: skip
+    kill = actions.add_parser("kill", help="a whole node dies: its processes killed, its link cut, out of the hostfile")
+    kill.add_argument("--node", required=True, metavar="NODE", help="the node (its name: dtrain-n2)")
+    kill.add_argument("--cut-link", action="store_true", help="cut its link first, as a power failure does: no one is "
+                      "told, and the others wait for the watchdog (--timeout)")  # fmt: skip
+    status = actions.add_parser("status", help="the nodes, their addresses, links and processes")
+    down = actions.add_parser("down", help="remove every namespace, link, process and file of the cluster")
+    for action in (up, kill, status, down):
+        action.add_argument("--name", default="dtrain", help="the cluster's name (default %(default)s)")
 
 
 def _add_plan(sub, defaults, dtypes, optimizers) -> None:
@@ -225,6 +250,10 @@ def main(argv=None) -> int:
             return _launch(args)
         if args.command == "exercises":
             return _exercises(args)
+        if args.command == "cluster":
+            from dtrain.launch import cluster_command
+
+            return cluster_command.command(args)
         if args.command == "tour":
             from dtrain.course.tour import tour
 

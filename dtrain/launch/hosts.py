@@ -13,6 +13,10 @@ unless told. dtrain refuses too, in one line and before anything starts, unless 
 a rank count larger than the machines can hold is usually a typo, and an oversubscribed cluster job is slow for a
 reason no one will find.
 
+A hostfile whose first line is ``# dtrain cluster NAME: ...`` was written by ``dtrain cluster up``
+(:mod:`dtrain.launch.cluster`): its hosts are that cluster's nodes, which only its own launcher can reach, so each
+:class:`Host` read from it carries the cluster's name.
+
 A host named without slots has one: MPICH's meaning. (Open MPI would count that machine's cores instead, which dtrain
 cannot know before the job starts, so a hostfile for Open MPI should say ``slots=N``.)
 """
@@ -30,6 +34,15 @@ from dtrain.errors import UserError
 class Host:
     name: str
     slots: int
+    cluster: str | None = None  # the dtrain cluster (dtrain cluster up) whose node this is, if it is one
+
+
+CLUSTER = re.compile(r"^#\s*dtrain cluster ([a-z][a-z0-9]*):")
+
+
+def cluster_comment(name: str, about: str) -> str:
+    """The first line of cluster ``name``'s hostfile: what marks it as that cluster's."""
+    return f"# dtrain cluster {name}: {about} (dtrain cluster down --name {name} removes it)"
 
 
 # node1   node1:4   node1 slots=4   node1 slots=4 max_slots=8   (Open MPI's other keys are kept out, not refused)
@@ -45,11 +58,14 @@ def parse_hostfile(path) -> list[Host]:
         what = "is a folder" if path.is_dir() else "does not exist"
         raise UserError(f"hostfile {path} {what}: give a file with one host per line (node1:4, or node1 slots=4)")
     hosts = []
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    cluster = CLUSTER.match(lines[0]) if lines else None
+    for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if line:
             hosts.append(_parse_line(line, f"{path}, line {number}"))
-    return _check(hosts, f"hostfile {path}")
+    hosts = _check(hosts, f"hostfile {path}")
+    return [Host(h.name, h.slots, cluster[1]) for h in hosts] if cluster else hosts
 
 
 def parse_hosts(text: str) -> list[Host]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from dtrain import terminal
 from dtrain.comm import usable_cores
 from dtrain.errors import UserError
-from dtrain.launch import flavours
+from dtrain.launch import cluster, flavours
 from dtrain.launch.flavours import Flavour, Mpich
 from dtrain.launch.hosts import Host, check_fits
 
@@ -120,13 +120,29 @@ def flags(hosts: list[Host] | None = None, oversubscribe: bool = False, forward=
     flavour = flavours.detect(path())
     words = []
     if hosts is not None:
-        words += flavour.hosts_args(hosts) + flavour.forward_args(forward)
+        words += _cluster_args(hosts, flavour) + flavour.hosts_args(hosts) + flavour.forward_args(forward)
     if hosts is None or oversubscribe:  # one machine: as many ranks as asked, as MPICH's hydra always allows
         words += flavour.oversubscribe_args()
     if flavour.root_args() and flavours.running_as_root():
         words += flavour.root_args()
         _say_once(f"dtrain launch: running as root, so {flavour.name} is given {' '.join(flavour.root_args())}")
     return words
+
+
+def _cluster_args(hosts: list[Host], flavour: Flavour) -> list[str]:
+    """How to reach the nodes of a cluster on this machine (:mod:`dtrain.launch.cluster`), if the hosts are one's."""
+    names = {h.cluster for h in hosts}
+    if names == {None}:
+        return []
+    if len(names) > 1:
+        raise UserError(f"the hosts mix nodes of clusters {sorted(map(str, names))}: one cluster's hostfile at a time")
+    (name,) = names
+    if not isinstance(flavour, Mpich):
+        raise UserError(
+            f"cluster {name}'s nodes are network namespaces that dtrain reaches through MPICH's hydra "
+            f"(-launcher-exec); this mpiexec is {flavour}: use the mpich wheel's (pip install mpich)"
+        )
+    return cluster.mpiexec_args(name)
 
 
 def _flavour() -> Flavour:

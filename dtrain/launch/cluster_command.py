@@ -1,0 +1,66 @@
+"""``dtrain cluster up|status|down``: what the person at the terminal sees of :mod:`dtrain.launch.cluster`.
+
+``up`` ends with the hostfile's path alone on the last line of standard output, so a script can take it::
+
+    hostfile=$(dtrain cluster up --nodes 2 --slots 2 --link 100mbit | tail -n 1)
+    dtrain launch -n 4 --hostfile "$hostfile" -m dtrain train --paradigm ddp --allreduce hierarchical
+    dtrain cluster down
+"""
+
+from __future__ import annotations
+
+from dtrain import terminal
+from dtrain.launch import cluster as clusters
+
+
+def _rate(bits_s: float | None) -> str:
+    if bits_s is None:
+        return "-"
+    return f"{bits_s / 1e9:.3g} Gbit/s" if bits_s >= 1e9 else f"{bits_s / 1e6:.3g} Mbit/s"
+
+
+def _nodes_table(c: clusters.Cluster, with_processes: bool) -> str:
+    rows = []
+    for i, node in enumerate(c.names, 1):
+        row = [node + (" (killed)" if node in c.killed else ""), c.address(i), str(c.slots), c.link or "unshaped"]
+        if with_processes:
+            row.append(str(len(clusters.processes_in(node))))
+        rows.append(row)
+    header = ["node", "address", "slots", "link (each way)"] + (["processes"] if with_processes else [])
+    return terminal.table(header, rows, left=(0, 1, 3))
+
+
+def _about(c: clusters.Cluster) -> list[str]:
+    lines = [f"cluster {c.name}: {c.nodes} node(s) x {c.slots} slot(s) on bridge {c.bridge} ({c.subnet})"]
+    if c.latency_us is not None:
+        lines.append(f"measured node 1 -> node 2: {c.latency_us:.0f} us one way (TCP, 1 byte), a stream at "
+                     f"{_rate(c.measured_bits_s)} (link {c.link or 'unshaped'})")  # fmt: skip
+    return lines
+
+
+def command(args) -> int:
+    if args.action == "up":
+        c = clusters.up(args.name, args.nodes, args.slots, args.link)
+        print("\n".join(_about(c)))
+        print(_nodes_table(c, with_processes=False))
+        print(f"run on it:  dtrain launch -n {c.nodes * c.slots} --hostfile {c.hostfile} -m dtrain.launch.where")
+        print(f"remove it:  dtrain cluster down --name {c.name}")
+        print(c.hostfile)
+        return 0
+    if args.action == "status":
+        c = clusters.status(args.name)
+        print("\n".join(_about(c)))
+        print(_nodes_table(c, with_processes=True))
+        print(f"hostfile: {c.hostfile}")
+        return 0
+    if args.action == "kill":
+        pids = clusters.kill(args.name, args.node, args.cut_link)
+        cut = "link cut, " if args.cut_link else ""
+        print(f"node {args.node} of cluster {args.name}: {cut}{len(pids)} process(es) killed, out of the hostfile")
+        return 0
+    removed = clusters.down(args.name)
+    if removed:
+        print(f"cluster {args.name} removed: " + ", ".join(removed))
+    else:
+        print(f"no cluster named {args.name}: nothing to remove")
+    return 0
