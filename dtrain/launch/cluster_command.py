@@ -33,9 +33,9 @@ def _nodes_table(c: clusters.Cluster, with_processes: bool) -> str:
 def _about(c: clusters.Cluster) -> list[str]:
     lines = [f"cluster {c.name}: {c.nodes} node(s) x {c.slots} slot(s) on bridge {c.bridge} ({c.subnet})"]
     if c.latency_us is not None:
-        lines.append(f"measured node 1 -> node 2: {c.latency_us:.0f} us one way (TCP, 1 byte), a stream at "
+        lines.append(f"the link measured, node 1 -> node 2: {c.latency_us:.0f} us one way (TCP, 1 byte), a stream at "
                      f"{_rate(c.measured_bits_s)} (link {c.link or 'unshaped'})")  # fmt: skip
-    return lines
+    return [terminal.wrapped(line) for line in lines]
 
 
 def command(args) -> int:
@@ -43,8 +43,11 @@ def command(args) -> int:
         c = clusters.up(args.name, args.nodes, args.slots, args.link)
         print("\n".join(_about(c)))
         print(_nodes_table(c, with_processes=False))
-        print(f"run on it:  dtrain launch -n {c.nodes * c.slots} --hostfile {c.hostfile} -m dtrain.launch.where")
-        print(f"remove it:  dtrain cluster down --name {c.name}")
+        print("run on it:")
+        print(terminal.command(["dtrain", "launch", "-n", str(c.nodes * c.slots), "--hostfile", str(c.hostfile), "-m",
+                                "dtrain.launch.where"], indent="  "))  # fmt: skip
+        print("remove it:")
+        print(terminal.command(["dtrain", "cluster", "down", "--name", c.name], indent="  "))
         print(c.hostfile)
         return 0
     if args.action == "status":
