@@ -155,6 +155,7 @@ def test_up_writes_a_hostfile_and_says_its_path_last(lab):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"hostfile: {lab.hostfile}"
     assert all(len(line) <= 80 for line in done.stdout.splitlines())
+    assert [cluster.shaping(lab, i) for i in (1, 2)] == [("100Mbit", "100Mbit")] * 2  # (tc's own words, each way)
     # up measured its own link: a TCP stream no faster than the rate, and not far below it
     assert 0.6 * 1e8 < lab.measured_bits_s <= 1.02e8
 

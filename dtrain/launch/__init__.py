@@ -10,6 +10,8 @@
     banners.py     MPI's own words on how a job ended, kept off the terminal
     restarts.py    dtrain launch --max-restarts: a failed job started again from its last checkpoint
     where.py       ``-m dtrain.launch.where``: which machine, node and cores every rank landed on
+    cluster.py     ``dtrain cluster up|status|kill|down``: a cluster on this machine, nodes as network namespaces
+                   behind links shaped to a rate (cluster_command.py: what the command prints)
 
 What runs inside a rank (the world, the simulator, the tracer, the watchdog) is :mod:`dtrain.comm`'s.
 """

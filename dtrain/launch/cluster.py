@@ -353,6 +353,17 @@ def kill(name: str, node: str, cut_link: bool = False) -> list[int]:
     return pids
 
 
+def shaping(c: Cluster, i: int) -> tuple[str, str]:
+    """Node ``i``'s shaping as the kernel has it (not as the record says): the rate out of it and into it."""
+
+    def rate(device: str, *netns: str) -> str:
+        shown = _run("tc", *netns, "qdisc", "show", "dev", device, check=False).stdout
+        found = re.search(r"\btbf\b.*?\brate (\S+)", shown)
+        return found[1] if found else "unshaped"
+
+    return rate("eth0", "-n", c.node(i)), rate(c.veth(i))
+
+
 def processes_in(node: str) -> list[int]:
     return [int(p) for p in _run("ip", "netns", "pids", node, check=False).stdout.split() if p.isdigit()]
 

@@ -19,15 +19,15 @@ def _rate(bits_s: float | None) -> str:
     return f"{bits_s / 1e9:.3g} Gbit/s" if bits_s >= 1e9 else f"{bits_s / 1e6:.3g} Mbit/s"
 
 
-def _nodes_table(c: clusters.Cluster, with_processes: bool) -> str:
+def _nodes_table(c: clusters.Cluster) -> str:
+    """One row a node; its shaping read from the kernel (tc), its processes from its namespace."""
     rows = []
     for i, node in enumerate(c.names, 1):
-        row = [node + (" (killed)" if node in c.killed else ""), c.address(i), str(c.slots), c.link or "unshaped"]
-        if with_processes:
-            row.append(str(len(clusters.processes_in(node))))
-        rows.append(row)
-    header = ["node", "address", "slots", "link (each way)"] + (["processes"] if with_processes else [])
-    return terminal.table(header, rows, left=(0, 1, 3))
+        out, into = clusters.shaping(c, i)
+        name = node + (" (killed)" if node in c.killed else "")
+        rows.append([name, c.address(i), str(c.slots), out, into, str(len(clusters.processes_in(node)))])
+    header = ["node", "address", "slots", "sends at", "receives at", "processes"]
+    return terminal.table(header, rows, left=(0, 1))
 
 
 def _about(c: clusters.Cluster) -> list[str]:
@@ -42,7 +42,7 @@ def command(args) -> int:
     if args.action == "up":
         c = clusters.up(args.name, args.nodes, args.slots, args.link)
         print("\n".join(_about(c)))
-        print(_nodes_table(c, with_processes=False))
+        print(_nodes_table(c))
         print("run on it:")
         print(terminal.command(["dtrain", "launch", "-n", str(c.nodes * c.slots), "--hostfile", str(c.hostfile), "-m",
                                 "dtrain.launch.where"], indent="  "))  # fmt: skip
@@ -53,7 +53,7 @@ def command(args) -> int:
     if args.action == "status":
         c = clusters.status(args.name)
         print("\n".join(_about(c)))
-        print(_nodes_table(c, with_processes=True))
+        print(_nodes_table(c))
         print(f"hostfile: {c.hostfile}")
         return 0
     if args.action == "kill":

@@ -9,6 +9,11 @@ Two views of "the same machine" are shown side by side, because they can differ:
 * **MPI's**: ``comm.Split_type(COMM_TYPE_SHARED)``, the ranks that really share memory. This is what the
   hierarchical all-reduce builds its nodes from (:mod:`dtrain.collectives.hierarchical`).
 
+A machine is named as the launcher names it: ``MPI_Get_processor_name``, which is the host's name. On a cluster made
+by ``dtrain cluster up`` (:mod:`dtrain.launch.cluster`) every node is a namespace of this one machine, and each is given
+a hostname namespace of its own under the node's name in the hostfile (``dtrain-n1``), so the ranks there say that
+name, not this machine's (which every namespace would otherwise share).
+
 A hostfile that names one machine twice (``localhost`` and its hostname) makes two groups for mpiexec and one for
 MPI. More ranks on a machine than cores it gives them is said too: it works, but each rank gets a share of a core.
 """
