@@ -7,13 +7,13 @@ paradigm states those numbers as code (``costs()``: bytes sent and held, exact; 
 seconds on some hardware), and ``dtrain plan`` (dtrain/plan/planner.py) asks every registered paradigm for every grid it
 could
 run on, prices each, rules out what cannot run or does not fit, and marks the fastest that makes single's updates.
-It runs nothing. This lesson asks it five questions; the first is answered by measurement too:
+It runs nothing. This lesson asks it six questions; the first and the last are answered by measurement too:
 
-    python lessons/11_planning.py                  # a minute or so on 2 cores
+    python lessons/11_planning.py                  # a minute or so on 2 cores (part 6, as root: +30 s)
     python lessons/11_planning.py --quick          # fewer measured steps, the cluster on 8 and 64 ranks only
     python lessons/11_planning.py --png plan.png   # part 5's plan for 64 ranks, drawn (time and memory by kind)
 
-It runs with python, not under dtrain launch: the measured runs of part 1 are jobs of their own, started by
+It runs with python, not under dtrain launch: the measured runs of parts 1 and 6 are jobs of their own, started by
 dtrain.plan.check.measure (dtrain train under mpiexec, as `dtrain plan --check` runs them).
 
 What you will see:
@@ -30,7 +30,11 @@ What you will see:
      gradients and optimizer state per rank against the ZeRO paper's formula (plus the layer in flight), which
      stages fit, what they cost, and what the planner picks when every paradigm may compete;
   5. the same questions on a real cluster: DGX H100 nodes (dtrain/plan/hardware.json, every number with its source),
-     an MLP of about a billion parameters with Adam on 8, 64 and 512 ranks: what the planner picks and why.
+     an MLP of about a billion parameters with Adam on 8, 64 and 512 ranks: what the planner picks and why;
+  6. the planner against an emulated cluster: 2 nodes x 2 ranks of this machine (network namespaces, `dtrain
+     cluster up`, root only: skipped with the reason elsewhere) joined by a 100 Mbit/s link; ddp ring, hierarchical,
+     top-k 1% and local SGD (H = 8) priced from the link's rate and measured across it. Every all-reduce pays for
+     the bytes that cross a node's one link, and the ranks of a node that cross at once share it.
 
 Every check compares the planner with an independent oracle (the tracer's bytes, the formulas) and prints an OK line
 (FAIL if it does not hold); the last line says whether all passed (the exit status is non-zero if not). Timings are
@@ -44,6 +48,8 @@ Things to try:
     --memory-mib 1200 (part 4: ddp fits; what is left for ZeRO?);
   * dtrain plan --features 64 --hidden 1024,1024,1024 --classes 10 --batch-size 64 --check 3: the planner's three
     best for part 1's wide model, run here;
+  * --link 1gbit (part 6), or as root: hostfile=$(dtrain cluster up --nodes 2 --slots 2 --link 100mbit | tail -n 1);
+    dtrain plan --hostfile $hostfile --check 3; dtrain cluster down: the planner's three best, run across it;
   * notebooks/11_planning.ipynb walks the same story with cells to change (the width, the ranks, the preset).
 """
 
@@ -64,11 +70,12 @@ from lesson_util import Checks, conclude, heading, refuse, refuse_bad_arguments,
 
 from dtrain import parallel, terminal
 from dtrain.comm import mpi
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, UserError
+from dtrain.launch import cluster as clusters
 from dtrain.optim import buffers_per_parameter
 from dtrain.parallel import parameter_count
 from dtrain.parallel.zero_shards import KINDS, paper_formula
-from dtrain.plan import Model, Row, figure, hardware, plan, price, why
+from dtrain.plan import Model, Row, figure, hardware, hostfile, plan, price, why
 from dtrain.plan import check as plan_check
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -79,6 +86,9 @@ WIDTH_LAYERS, WIDTH_BATCH, WIDTH_STEP = 4, 256, 64  # part 2: 4 layers of width 
 PIPE_WIDTH, PIPE_LAYERS, PIPE_BATCH = 1024, 8, 256  # part 3: 8 layers of 1024 x 1024 on P stages
 ZERO_WIDTH, ZERO_LAYERS, ZERO_BATCH, ZERO_MEMORY_MIB = 2048, 16, 64, 512  # part 4: ~67 M parameters, Adam
 CLUSTER_WIDTH, CLUSTER_LAYERS = 6144, 24  # part 5: 25 Linear layers of 6144 x 6144 (943,872,000 parameters)
+EMULATED = Model([784, 512, 512, 10], batch_size=256)  # part 6: on 2 nodes x 2 ranks of this machine
+EMULATED_NAME, EMULATED_NODES, EMULATED_SLOTS = "lesson11", 2, 2
+EMULATED_LABELS = ("ddp ring", "ddp hierarchical (2 nodes)", "ddp topk 1%", "local-sgd H=8")
 
 
 def bullet(text: str) -> None:
@@ -322,6 +332,8 @@ def arguments(argv=None) -> tuple[argparse.Namespace, object]:
     parser.add_argument("--memory-mib", type=float, default=ZERO_MEMORY_MIB,
                         help="part 4: memory per rank, MiB (default %(default)s)")  # fmt: skip
     parser.add_argument("--png", metavar="PATH", help="draw part 5's plan for 64 ranks here")
+    parser.add_argument("--link", default="100mbit", help="part 6: the emulated cluster's link, as tc spells a rate "
+                        "(default %(default)s)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write every figure and every check to this file")
     args = parser.parse_args(argv)
     if mpi.launched_size() > 1:
@@ -329,6 +341,7 @@ def arguments(argv=None) -> tuple[argparse.Namespace, object]:
     refuse_bad_arguments([
         (args.ranks < 2 or args.ranks & (args.ranks - 1) or args.ranks > 8 or args.repeats < 1 or args.memory_mib <= 0,
          "--ranks must be 2, 4 or 8, --repeats >= 1, --memory-mib > 0"),
+        (not is_rate(args.link), "--link is a rate as tc spells it: 10mbit, 100mbit, 1gbit"),
     ])  # fmt: skip
     try:
         preset = hardware.load(args.preset)
@@ -339,6 +352,13 @@ def arguments(argv=None) -> tuple[argparse.Namespace, object]:
 
         pyplot()  # a missing matplotlib said now, not after the work
     return args, preset
+
+
+def is_rate(text: str) -> bool:
+    try:
+        return clusters.rate_bits_s(text) > 0
+    except UserError:
+        return False
 
 
 def introduction(here) -> None:
@@ -647,8 +667,91 @@ def part_5_a_real_cluster(preset, cluster_batch: int, worlds: tuple[int, ...], p
         say(f"drawn: {figure(plans[64], png, f'{model.describe()} on 64 ranks of {preset.name}')}")
 
 
+def part_6_an_emulated_cluster(link: str, budget: float, checks: Checks, results: dict) -> None:
+    """The planner against a cluster of this machine's network namespaces (``dtrain cluster up``, root only; skipped
+    with the reason elsewhere): ddp ring, hierarchical, top-k 1% and local SGD (H = 8) priced from the link's rate
+    and measured across it, ``budget`` seconds of steps an epoch; the cluster taken down whatever happens."""
+    heading(f"6. The planner against an emulated cluster: {EMULATED_NODES} nodes x {EMULATED_SLOTS} ranks of this "
+            f"machine, {link} between them")  # fmt: skip
+    why_not = clusters.missing("part 6's cluster")
+    if why_not is not None:
+        say(f"skipped: {why_not}.")
+        results["emulated"] = {"skipped": why_not}
+        return
+    say(f"dtrain cluster up --nodes {EMULATED_NODES} --slots {EMULATED_SLOTS} --link {link} --name {EMULATED_NAME}: "
+        "each node a network namespace on a bridge of its own, its link shaped to the rate each way; MPI's bytes "
+        "between nodes cross it over TCP, the ranks of a node still share memory.")  # fmt: skip
+    try:
+        made = clusters.up(EMULATED_NAME, EMULATED_NODES, EMULATED_SLOTS, link)
+    except UserError as exc:  # (one of that name is up already: it is not this lesson's to take down)
+        say(f"skipped: {exc}.")
+        results["emulated"] = {"skipped": str(exc)}
+        return
+    try:
+        world = hostfile.read(made.hostfile)
+        machine = hostfile.machine(hardware.load(hardware.THIS), world)
+        say(f"dtrain plan --hostfile {made.hostfile} reads it as {world.source}.")
+        rows = {r.label: r for r in plan(EMULATED, world.ranks, machine, only=["ddp", "local-sgd"],
+                                         labels=EMULATED_LABELS)}  # fmt: skip
+        say(f"{EMULATED.describe()}; measuring {', '.join(EMULATED_LABELS)} across it (as dtrain plan --hostfile "
+            "FILE --check runs them) ...")  # fmt: skip
+        got = {}
+        with tempfile.TemporaryDirectory(prefix="lesson11-cluster-") as scratch:
+            for i, label in enumerate(EMULATED_LABELS):
+                row = rows[label]
+                steps = plan_check.steps_of(row, row.total, budget)
+                got[label] = plan_check.measure(row, EMULATED, Path(scratch) / str(i), steps, hosts=world.hosts)
+        emulated_table(rows, got)
+        exact = all(got[label].sent_per_step == rows[label].sent_per_step for label in EMULATED_LABELS)
+        checks.ok("on the cluster, every run's bytes per step are the planner's, to the byte", exact)
+        emulated_story(rows, got, made, world)
+        results["emulated"] = {
+            "link": link, "latency_us": made.latency_us, "measured_bits_s": made.measured_bits_s,
+            "configurations": {label: {"predicted_s": rows[label].total, "measured_s": got[label].step_s,
+                                       "compute_s": rows[label].time["compute"],
+                                       "communication_s": rows[label].time["communication"],
+                                       "sent_per_step": got[label].sent_per_step}
+                               for label in EMULATED_LABELS}}  # fmt: skip
+    finally:
+        clusters.down(EMULATED_NAME)
+        say(f"dtrain cluster down --name {EMULATED_NAME}: its namespaces, links, processes and files removed.")
+
+
+def emulated_table(rows: dict, got: dict) -> None:
+    """Part 6's table: each configuration's predicted step (compute + communication) beside the measured one."""
+    cells = []
+    for label in EMULATED_LABELS:
+        row, step = rows[label], got[label].step_s
+        cells.append([label, ms(row.time["compute"]), ms(row.time["communication"]), ms(row.total), ms(step),
+                      f"{step / row.total:.2f}", nbytes(row.sent_per_step)])  # fmt: skip
+    table(["configuration", "compute", "comm", "step predicted", "step measured", "measured over predicted",
+           "sent per step"], cells, keys=1, groups=(3,))  # fmt: skip
+
+
+def emulated_story(rows: dict, got: dict, made, world) -> None:
+    """What part 6's numbers say: what each configuration sends across a node's link, which won, and what the
+    planner's formulas leave out of the link (TCP's headers, flows that share it)."""
+    step = {label: got[label].step_s for label in EMULATED_LABELS}
+    ring, hier, topk, _local = EMULATED_LABELS
+    ratios = [step[label] / rows[label].total for label in EMULATED_LABELS]
+    n = EMULATED.parameters * 4
+    say(f"What crosses a node's link, at {world.inter_bytes_s / 1e6:.3g} MB/s each way (the gradient: n = "
+        f"{nbytes(n)}): the ring's 6 steps each send n/4 out of every node (one rank a node sends across), 1.5 n in "
+        f"all; hierarchical sends n (the two leaders' ring), {terminal.speed(rows[hier].total, rows[ring].total)} "
+        f"predicted and {terminal.speed(step[hier], step[ring])} measured than the ring; top-k 1% all-gathers "
+        f"{nbytes(rows[topk].sent_per_step)} a rank; local SGD averages once in 8 steps by recursive doubling, "
+        "whose one crossing step has both ranks of a node send n at once: 2 n on the node's one link. Measured "
+        f"over predicted: {min(ratios):.2f} to {max(ratios):.2f}.")  # fmt: skip
+    tcp = made.measured_bits_s / clusters.rate_bits_s(made.link) if made.measured_bits_s else math.nan
+    say(f"What the planner leaves out of the link: TCP's and IP's headers, which the shaping counts (a stream "
+        f"carried {tcp:.1%} of the rate as data when dtrain cluster up measured it), and flows that share a link "
+        "slow each other more than their share of it (local SGD's doubling step); the latency it prices is the "
+        f"link's, {made.latency_us:g} us one way, under a millisecond of each step. Compute is priced with all "
+        f"{world.ranks} ranks on this machine's cores: the nodes are namespaces of one machine.")  # fmt: skip
+
+
 def main(argv=None) -> None:
-    """The lesson: its arguments, then its five parts in order, then the verdict (the exit status is 1 if a check
+    """The lesson: its arguments, then its six parts in order, then the verdict (the exit status is 1 if a check
     failed)."""
     args, preset = arguments(argv)  # bad ones are refused here, before any work
     started = time.perf_counter()
@@ -662,6 +765,7 @@ def main(argv=None) -> None:
     part_3_micro_batches(here, args.ranks, checks, results)
     part_4_zero(here, args.ranks, args.memory_mib, checks, results)
     part_5_a_real_cluster(preset, args.cluster_batch, worlds, args.png, results)
+    part_6_an_emulated_cluster(args.link.strip().lower(), 1.0 if args.quick else 2.0, checks, results)
     conclude(args.json, results, checks, started=started)
 
 

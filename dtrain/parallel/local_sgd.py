@@ -199,7 +199,7 @@ class LocalSGD(Paradigm):
 
     @classmethod
     def configurations(cls, world: int, config, hardware) -> list[tuple[str, dict, int]]:
-        return [(f"local-sgd H={h}", {"sync_every": h}, world) for h in (4, 16)]
+        return [(f"local-sgd H={h}", {"sync_every": h}, world) for h in (4, 8, 16)]
 
     @classmethod
     def step_time(cls, sizes, world: int, config, hardware) -> dict:

@@ -10,7 +10,7 @@ prices them. Three rates and two links describe a machine::
                                             + 4 a b itemsize / memory_bandwidth)   4 passes over the layer's weights
                                      + step_s                                  the loss, the step's own Python
                                      + (3 + 2k) parameters x itemsize / memory_bandwidth )    the optimizer's update
-    slowdown          = ranks on the node / cores, when ranks outnumber cores (they share them), else 1
+    slowdown          = ranks on the machine / cores, when ranks outnumber cores (they share them), else 1
     a collective      = the alpha-beta-gamma formula of its algorithm (dtrain.collectives.costmodel) on the link it
                         crosses: ``intra`` when every rank of the group is on one node, ``inter`` when it spans nodes
 
@@ -26,6 +26,13 @@ computes at once, and the compute rates (``"compute"``), fitted by :func:`measur
 one thread. The other presets, in
 hardware.json, are real clusters from their vendors' published figures, each number with its source, and the
 assumptions that turn a peak figure into a sustained one stated beside it.
+
+A dtrain cluster (``dtrain cluster up``; ``dtrain plan --hostfile FILE``, :mod:`dtrain.plan.hostfile`) is this
+machine cut into nodes that are network namespaces, joined by links shaped to a rate: :attr:`Hardware.cluster`
+names it. Its ranks all share this machine's cores, whatever their node (the slowdown and the loaded links of the
+whole world's ranks), and each node has one link, not one a rank as a DGX's GPUs have: an all-reduce step in which
+k ranks of a node cross at once shares it k ways (:meth:`Hardware.allreduce`: the ring and the hierarchical
+all-reduces send one flow a node; hierarchical_rs, doubling and Rabenseifner k at their crossing steps).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ PRESETS = Path(__file__).with_name("hardware.json")
 WEIGHT_PASSES = 4
 THIS = "this"
 GIB = 1 << 30
+# the all-reduces some of whose steps stay inside a node and some cross between nodes (the ring's every step crosses)
+STEPS_INSIDE_AND_ACROSS = ("doubling", "rabenseifner", "tree", "mpi")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +85,10 @@ class Hardware:
     loaded: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> Machine measured busy
     slowdowns: dict = dataclasses.field(default_factory=dict, compare=False)  # this machine: p -> measured slowdown
     about: str = ""
+    # the dtrain cluster (dtrain cluster up) whose nodes these are: network namespaces of this one machine, so every
+    # rank of the world shares its cores and memory bus whichever node it is on (the slowdown and the loaded links of
+    # all the world's ranks), and a group that spans nodes crosses the cluster's shaped link, ``inter``
+    cluster: str | None = None
 
     @property
     def device(self) -> str:
@@ -89,20 +102,30 @@ class Hardware:
     def ranks_on_node(self, world: int) -> int:
         return world if self.ranks_per_node is None else min(world, self.ranks_per_node)
 
+    def ranks_sharing(self, world: int) -> int:
+        """The ranks that share a machine's cores, memory and memory bus: the node's, or every rank of the world on
+        a :attr:`cluster` of this machine's namespaces."""
+        return world if self.cluster else self.ranks_on_node(world)
+
     def slowdown(self, world: int) -> float:
-        """How much slower a rank computes because ranks share the node's cores and memory bus: measured on this
+        """How much slower a rank computes because ranks share the machine's cores and memory bus: measured on this
         machine (the nearest rank count), else ranks / cores where they outnumber them, else 1."""
-        busy = self.ranks_on_node(world)
+        busy = self.ranks_sharing(world)
         if busy > 1 and self.slowdowns:
             return max(1.0, self.slowdowns[min(self.slowdowns, key=lambda p: (abs(p - busy), p))])
         return max(1.0, busy / self.cores) if self.cores else 1.0
 
     def link(self, ranks, world: int) -> Machine:
-        """The alpha-beta-gamma of a group of ``ranks`` (of ``world``): the node's link if they share a node."""
+        """The alpha-beta-gamma of a group of ``ranks`` (of ``world``): the node's link if they share a node. On a
+        :attr:`cluster`, a group that spans nodes takes its link's latency and bandwidth, and this machine's rate of
+        reducing (the sums are made by its cores, busy with every rank)."""
+        spans = len({self.node_of(r) for r in ranks}) > 1
         if self.loaded:  # this machine, measured with p ranks at once (they share its cores and its memory bus): the
-            busy = self.ranks_on_node(world)  # nearest p; emulated nodes on it share its one link too
-            return self.loaded[min(self.loaded, key=lambda p: (abs(p - busy), p))]
-        return self.inter if len({self.node_of(r) for r in ranks}) > 1 else self.intra
+            busy = self.ranks_sharing(world)  # nearest p; emulated nodes on it share its one link too (but a cluster's)
+            here = self.loaded[min(self.loaded, key=lambda p: (abs(p - busy), p))]
+            return dataclasses.replace(here, alpha=self.inter.alpha, beta=self.inter.beta) if spans and self.cluster \
+                else here  # fmt: skip
+        return self.inter if spans else self.intra
 
     # --- compute ----------------------------------------------------------------------------------------------------
     def layers_time(self, layers, rows: int, itemsize: int) -> float:
@@ -132,10 +155,45 @@ class Hardware:
             machine = self.link(ranks[:1], world)  # (inside a node)
             k = ranks_per_node or self.ranks_per_node
             inter = self.link([0, k], world) if k and k < p else machine  # (ranks 0 and k: on different nodes)
+            if self.cluster and algorithm == "hierarchical_rs" and k and k < p:  # its k rings, one per local rank,
+                inter = dataclasses.replace(inter, beta=k * inter.beta)  # cross the node's one link at once
             return costmodel.predict_time(algorithm, nbytes, p, machine, k, inter)
         if algorithm == "auto":
             algorithm = costmodel.choose(nbytes, p, machine)
+        if self.cluster and algorithm in STEPS_INSIDE_AND_ACROSS and self._one_link_a_node(p, world):
+            return self._across_one_link(algorithm, nbytes, p, world)
         return costmodel.predict_time(algorithm, nbytes, p, machine)
+
+    def _one_link_a_node(self, p: int, world: int) -> bool:
+        """Whether an all-reduce over ranks 0 .. p-1 spans a cluster's nodes evenly, both p and its ranks a node
+        powers of two (where :meth:`_across_one_link` can say which steps cross)."""
+        k = self.ranks_per_node
+        return p == world and bool(k) and 1 < k < p and p % k == 0 and not (p & (p - 1)) and not (k & (k - 1))
+
+    def _across_one_link(self, algorithm: str, nbytes: float, p: int, world: int) -> float:
+        """Recursive doubling and Rabenseifner on a :attr:`cluster`, whose nodes have one link each (not one a
+        rank, as a DGX's GPUs have): their steps at distances under the k ranks a node stay inside it; at distance
+        k and beyond every rank of a node crosses at once, k flows sharing the node's link (each at 1/k of its rate).
+        Doubling: log2 k steps inside, then doubling over the nodes with k flows. Rabenseifner: its halving's first
+        log2(p/k) steps (n/2, n/4 ... n k/p bytes) and the gathering's last cross, as Rabenseifner over the nodes on
+        n does; the rest is Rabenseifner inside a node on n k/p. The binomial tree: its steps at distance k and
+        beyond are between the nodes' first ranks (one flow a node), the others inside. "mpi": the best of those, the
+        ring (one flow a node) and the hierarchical one (MPICH's collectives know the nodes: its all-reduce reduces
+        inside each node first)."""
+        k = self.ranks_per_node
+        nodes, inside = p // k, self.link([0], world)
+        crossing = dataclasses.replace(self.link([0, k], world), beta=k * self.link([0, k], world).beta)
+        if algorithm == "doubling":
+            return (costmodel.predict_time("doubling", nbytes, k, inside)
+                    + costmodel.predict_time("doubling", nbytes, nodes, crossing))  # fmt: skip
+        if algorithm == "rabenseifner":
+            return (costmodel.predict_time("rabenseifner", nbytes * k / p, k, inside)
+                    + costmodel.predict_time("rabenseifner", nbytes, nodes, crossing))  # fmt: skip
+        if algorithm == "tree":
+            return (costmodel.predict_time("tree", nbytes, k, inside)
+                    + costmodel.predict_time("tree", nbytes, nodes, self.link([0, k], world)))  # fmt: skip
+        candidates = ("doubling", "rabenseifner", "ring", "hierarchical")
+        return min(self.allreduce(a, nbytes, range(p), world) for a in candidates)
 
     def collective(self, collective: str, algorithm: str, nbytes: float, ranks, world: int) -> float:
         """Seconds of a reduce-scatter, all-gather, reduce or broadcast of an ``nbytes`` buffer over ``ranks``: the
@@ -188,7 +246,7 @@ class Hardware:
 
     def per_rank_memory(self, world: int) -> float:
         """Bytes each rank may use: the node's memory shared by its ranks where they share it (CPUs)."""
-        return self.memory / self.ranks_on_node(world) if self.cores else self.memory
+        return self.memory / self.ranks_sharing(world) if self.cores else self.memory
 
 
 # Rough rates for one CPU core driven from Python, used when calibration.json has no "compute" entry.

@@ -88,14 +88,14 @@ class Row:
     def total(self) -> float:
         return self.time.get("total", math.inf)
 
-    def command(self, model: Model) -> str:
+    def command(self, model: Model, hostfile=None) -> str:
         """The ``dtrain launch ... train`` command that runs it, as one line (:meth:`command_words`)."""
-        return " ".join(self.command_words(model))
+        return " ".join(self.command_words(model, hostfile))
 
-    def command_words(self, model: Model) -> list[str]:
+    def command_words(self, model: Model, hostfile=None) -> list[str]:
         """The command's words: ``dtrain train`` on the digits when the model takes 8x8 images to 10 classes, else
         on synthetic data of its shape (``--dataset mnist --data-dir DIR`` for 784 -> 10 on real images); on the
-        GPU (``--device gpu``) when the plan is for one."""
+        GPU (``--device gpu``) when the plan is for one; across the machines of ``hostfile`` when one is given."""
         data = {} if (model.sizes[0], model.sizes[-1]) == (64, 10) else {
             "dataset": "synthetic", "features": model.sizes[0], "classes": model.sizes[-1]}  # fmt: skip
         hidden = ",".join(map(str, model.sizes[1:-1])) or "none"
@@ -103,12 +103,14 @@ class Row:
         if model.device != "cpu":
             shared["device"] = model.device
         words = flag_words({"paradigm": self.paradigm, **self.flags, **data, **shared})
-        return ["dtrain", "launch", "-n", str(self.ranks), "-m", "dtrain", "train", *words]
+        hosts = [] if hostfile is None else ["--hostfile", str(hostfile)]
+        return ["dtrain", "launch", "-n", str(self.ranks), *hosts, "-m", "dtrain", "train", *words]
 
 
-def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=None) -> list[Row]:
-    """Every configuration of every registered paradigm (or of ``only``, a list of names) on ``world`` ranks of
-    ``machine``, priced, ruled out or not fitting, the best marked; the fastest first."""
+def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=None, labels=None) -> list[Row]:
+    """Every configuration of every registered paradigm (or of ``only``, a list of names; or only those whose labels
+    are in ``labels``) on ``world`` ranks of ``machine``, priced, ruled out or not fitting, the best marked; the
+    fastest first."""
     if world < 1:
         raise ConfigError(f"--ranks must be >= 1, got {world}")
     for axis, value in (("tp", tp), ("pp", pp)):
@@ -124,11 +126,22 @@ def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=
         for label, flags, ranks in kind.configurations(world, model.config(name, {}), machine):
             if (tp is not None and flags.get("tp", 1) != tp) or (pp is not None and flags.get("pp", 1) != pp):
                 continue
+            if labels is not None and label not in labels:
+                continue
             rows.append(price(kind, label, flags, ranks, model, machine))
     fitting = [r for r in rows if r.fits and r.same_updates]
     if fitting:  # (of two as fast, the one that needs less memory)
         min(fitting, key=lambda r: (r.total, r.memory["total"])).best = True
     return sorted(rows, key=lambda r: (r.ruled_out is not None, not r.fits, r.total, r.memory.get("total", 0)))
+
+
+def labels(model: Model, world: int, machine: hw.Hardware, only=None) -> list[str]:
+    """The labels of every configuration :func:`plan` would price (of ``only``'s paradigms), unpriced."""
+    return [
+        label
+        for name in (parallel.names() if only is None else only)
+        for label, _flags, _ranks in parallel.get(name).configurations(world, model.config(name, {}), machine)
+    ]
 
 
 def price(kind, label: str, flags: dict, ranks: int, model: Model, machine: hw.Hardware) -> Row:
@@ -215,9 +228,9 @@ def why(rows: list[Row]) -> str:
 
 
 def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_all: bool = False,
-          width: int | str | None = "auto") -> str:  # fmt: skip
+          width: int | str | None = "auto", hostfile=None) -> str:  # fmt: skip
     """The plan as text that fits ``width`` (:mod:`dtrain.terminal`): the configurations that fit, fastest first,
-    then those that do not, then those ruled out."""
+    then those that do not, then those ruled out (the best's command across ``hostfile``'s machines, if given)."""
     where = machine.about if machine.name == hw.THIS else f"{machine.name}: {machine.about}"
     lines = [terminal.paragraph(f"plan: {model.describe()}", hanging="  ", width=width),
              terminal.paragraph(f"on {world} rank(s) of {where}", "  ", "    ", width),
@@ -248,7 +261,7 @@ def table(rows: list[Row], model: Model, world: int, machine: hw.Hardware, show_
               terminal.paragraph("best: " + why(rows), hanging="  ", width=width)]  # fmt: skip
     best = next((r for r in rows if r.best), None)
     if best is not None:
-        lines += ["  run it:", terminal.command(best.command_words(model), "    ", width)]
+        lines += ["  run it:", terminal.command(best.command_words(model, hostfile), "    ", width)]
     reasons = {}  # the same constraint rules out several configurations: said once
     for r in rows:
         if r.ruled_out and not r.time:
@@ -330,9 +343,14 @@ def device_of(args) -> str:
     return machine.device
 
 
-def machine_of(args, world: int) -> hw.Hardware:
-    """The preset, with what the command line overrides (rates must be positive and finite)."""
+def machine_of(args, world: int, hosts=None) -> hw.Hardware:
+    """The preset, as the hostfile's world makes it (``hosts``: a :class:`dtrain.plan.hostfile.World`), with what the
+    command line overrides (rates must be positive and finite)."""
     machine = hw.load(args.machine, args.dtype) if args.machine else hw.for_device(device_of(args), args.dtype)
+    if hosts is not None:
+        from dtrain.plan import hostfile
+
+        machine = hostfile.machine(machine, hosts)
     changes = {}
     for option, value in (("flops", args.flops), ("memory", args.memory), ("ranks_per_node", args.ranks_per_node)):
         if value is None:
@@ -349,7 +367,8 @@ def machine_of(args, world: int) -> hw.Hardware:
             old = getattr(machine, link)
             changes[link] = dataclasses.replace(old, alpha=latency * 1e-6 if latency else old.alpha,
                                                 beta=1 / (bandwidth * 1e9) if bandwidth else old.beta)  # fmt: skip
-            changes["loaded"] = {}  # (a link given by hand replaces this machine's measured ones)
+            if not (machine.cluster and link == "inter"):  # (a cluster's link between nodes is its own already)
+                changes["loaded"] = {}  # (a link given by hand replaces this machine's measured ones)
     if "memory" in changes and machine.cores:
-        changes["memory"] *= machine.ranks_on_node(world)  # (--memory is per rank; this machine's is per node)
+        changes["memory"] *= machine.ranks_sharing(world)  # (--memory is per rank; this machine's is per node)
     return dataclasses.replace(machine, **changes) if changes else machine
