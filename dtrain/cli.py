@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu, or gpu: every run on CuPy arrays, the "
         "ranks sharing the node's GPUs (rank %% GPUs) (default %(default)s)",
     )
+    t.add_argument("--hostfile", metavar="FILE", help="every job on FILE's hosts, a `dtrain cluster up`'s too "
+                   "(--ranks at most its slots)")  # fmt: skip
 
     _add_plan(sub, defaults, DTYPES, OPTIMIZERS)
 
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex_check.add_argument("exercise", metavar="ID", help="an exercise, e.g. 2.1, or all")
     ex_check.add_argument("--path", default=".", metavar="DIR", help="your exercises' folder (default: here)")
     ex_check.add_argument("--sim-only", action="store_true", help="only the simulated ranks (fast), no mpiexec")
+    ex_check.add_argument("--hostfile", metavar="FILE", help="the mpiexec parts on FILE's hosts, a `dtrain cluster "
+                          "up`'s too (a part with more ranks than its slots is skipped, and said so)")  # fmt: skip
     return parser
 
 
@@ -195,7 +199,9 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
     model.add_argument("--optimizer", choices=tuple(optimizers), default=defaults.optimizer)
     model.add_argument("--momentum", type=float, default=defaults.momentum)
     world = p.add_argument_group("the world and the hardware")
-    world.add_argument("--ranks", type=int, default=4, help="ranks (default %(default)s)")
+    world.add_argument("--ranks", type=int, help="ranks (default 4, or the --hostfile's slots)")
+    world.add_argument("--hostfile", metavar="FILE", help="the machines: ranks and ranks per node from their "
+                       "slots; a dtrain cluster's gives its link between nodes too; --check runs on them")  # fmt: skip
     world.add_argument(
         "--machine",
         "--preset",
@@ -210,7 +216,8 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
         help="where each rank computes: gpu, one GPU per rank (the commands and --check's runs say --device gpu) "
         "(default: the machine's: gpu for a GPU preset, else cpu)",
     )
-    world.add_argument("--ranks-per-node", type=int, metavar="K", help="ranks per node (default: the preset's)")
+    world.add_argument("--ranks-per-node", type=int, metavar="K", help="ranks per node (default: the preset's, or "
+                       "the --hostfile's slots a node)")  # fmt: skip
     world.add_argument("--flops", type=float, help="sustained FLOP/s of a rank (overrides the preset)")
     world.add_argument("--memory", type=float, metavar="GIB", help="memory per rank in GiB (overrides the preset)")
     for link in ("intra", "inter"):
@@ -222,6 +229,8 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
     which.add_argument("--tp", type=int, help="only grids with this tensor-parallel size")
     which.add_argument("--pp", type=int, help="only grids with this many pipeline stages")
     which.add_argument("--all", action="store_true", help="every configuration (default: the 20 fastest)")
+    which.add_argument("--configuration", action="append", metavar="LABEL", help="only this one, by its label in the "
+                       "table ('ddp ring'); again for more; --check runs each one named")  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the plan as JSON (-: to stdout, the table to stderr)")
     out.add_argument("--png", metavar="FILE", help="draw time and memory per configuration (-: to stdout)")
@@ -232,7 +241,8 @@ def _add_plan(sub, defaults, dtypes, optimizers) -> None:
         const=3,
         default=0,
         metavar="K",
-        help="run the K best (default 3) here for a few steps and print predicted beside measured",
+        help="run the K best (default 3) here (or across --hostfile's machines) for a few steps and print predicted "
+        "beside measured",
     )
 
 
@@ -257,7 +267,7 @@ def main(argv=None) -> int:
         if args.command == "tour":
             from dtrain.course.tour import tour
 
-            return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout, args.device)
+            return tour(args.ranks, args.paradigms, args.epochs, args.out, args.timeout, args.device, args.hostfile)
         if args.command == "plan":
             from dtrain.plan import command
 
@@ -413,7 +423,7 @@ def _exercises(args) -> int:
         return checker.init(args.path)
     if args.action == "list":
         return checker.show_list(args.path)
-    return checker.check(args.exercise, args.path, mpi=not args.sim_only)
+    return checker.check(args.exercise, args.path, mpi=not args.sim_only, hostfile=args.hostfile)
 
 
 def _die_by(signum: int) -> int:

@@ -25,6 +25,11 @@ Everything lands in one folder (``runs/tour/`` by default): each run's ``metrics
 ``tour.txt``, the numbers as ``tour.json`` and a figure, ``tour.png``. A run that fails shows its error in its row;
 the tour goes on, and ends with a non-zero status. Each job has ``--timeout`` seconds, its ranks' watchdog half of
 that, so nothing hangs; Ctrl-C stops the job that runs and the tour.
+
+``--hostfile FILE`` runs every job on FILE's hosts (:mod:`dtrain.launch.hosts`), a cluster's from ``dtrain cluster
+up`` among them: its nodes are reached as ``dtrain launch --hostfile`` reaches them, and the hierarchical all-reduce's
+nodes are the hosts the ranks land on. The header line says where the jobs ran; ``plan ms`` stays this machine's
+prediction (the planner is not told the cluster's link).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from dtrain import backend, kernels, parallel, report, terminal
 from dtrain.config import TrainConfig, flag_words
 from dtrain.course import tour_notes
 from dtrain.errors import ConfigError, MissingPackage, UserError
-from dtrain.launch import flavours, jobs, mpiexec
+from dtrain.launch import cluster, flavours, jobs, mpiexec
+from dtrain.launch.hosts import Host, parse_hostfile, total_slots
 
 HIDDEN = (64, 64, 64)  # one model for every run: four Linear layers, so a pipeline can cut four stages
 COMMON = {"dataset": "digits", "hidden": HIDDEN, "seed": 0}
@@ -73,10 +79,16 @@ class Entry:
         return flag_words({**COMMON, "batch_size": batch, "epochs": epochs, **self.options})
 
 
-def entries(ranks: int) -> dict[str, Entry]:
-    """The tour on ``ranks`` ranks, in the lessons' order; an entry that cannot fit them says why (``skip``)."""
+def entries(ranks: int, hosts: list[Host] | None = None) -> dict[str, Entry]:
+    """The tour on ``ranks`` ranks (on ``hosts``, if given), in the lessons' order; an entry that cannot fit them
+    says why (``skip``)."""
     per_node = -(-ranks // 2)  # two emulated nodes
     nodes = f"2 nodes of {per_node}" + ("" if ranks == 2 * per_node else f" and {ranks - per_node}")
+    landed = placement(ranks, hosts)
+    if len(landed) > 1:  # the ranks land on several hosts: those are the nodes (blocks of per_node where they are)
+        per_node = landed[0] if max(landed[:-1]) == min(landed[:-1]) >= landed[-1] else None  # (None: MPI's nodes)
+        nodes = f"{len(landed)} nodes of " + (str(landed[0]) if len(set(landed)) == 1 else
+                                               ", ".join(map(str, landed[:-1])) + f" and {landed[-1]}")  # fmt: skip
     stages = max(d for d in range(1, 5) if ranks % d == 0)  # a pipeline of up to four stages, one Linear layer each
     tp = ranks & -ranks  # the largest power of two that divides the ranks (the widths, 64, must divide by it)
     workers = ranks - 1
@@ -85,7 +97,8 @@ def entries(ranks: int) -> dict[str, Entry]:
         Entry("single", "single (1 process)", {"paradigm": "single"}, 1),
         Entry("ddp-ring", "ddp ring", {"paradigm": "ddp", "allreduce": "ring"}, ranks),
         Entry("ddp-hier", f"ddp hierarchical ({nodes if ranks > 1 else '1 node'})",
-              {"paradigm": "ddp", "allreduce": "hierarchical", "ranks_per_node": per_node}, ranks),
+              {"paradigm": "ddp", "allreduce": "hierarchical", **({"ranks_per_node": per_node} if per_node else {})},
+              ranks),
         Entry("central-storage", "central-storage", {"paradigm": "central-storage"}, ranks),
         Entry("ps-sync", f"ps-sync (1 server, {workers} worker{'s' * (workers > 1)})" if workers else "ps-sync",
               {"paradigm": "ps-sync"}, ranks),
@@ -114,6 +127,29 @@ def entries(ranks: int) -> dict[str, Entry]:
     return {entry.name: entry for entry in e}
 
 
+def placement(ranks: int, hosts: list[Host] | None) -> list[int]:
+    """How many of ``ranks`` ranks each host gets, filled in order as mpiexec fills them (the hosts used only)."""
+    landed, left = [], ranks
+    for host in hosts or ():
+        if left > 0 and host.slots > 0:
+            landed.append(min(host.slots, left))
+            left -= landed[-1]
+    return landed  # (more ranks than slots: refused before this is asked)
+
+
+def on_hosts(hostfile: str) -> tuple[list[Host], str]:
+    """The hosts of ``hostfile`` and where they are, in words, checked before any job starts: a hostfile, and, a
+    cluster's, one that is up and that this mpiexec reaches (:func:`dtrain.launch.mpiexec.flags`; one line if not)."""
+    hosts = parse_hostfile(hostfile)
+    mpiexec.flags(hosts)
+    if hosts[0].cluster is not None:
+        c, slots = cluster.status(hosts[0].cluster), {h.slots for h in hosts}  # (a killed node: out of the file)
+        each = f"x {hosts[0].slots}" if len(slots) == 1 else f"with {total_slots(hosts)}"
+        return hosts, f"cluster {c.name} ({len(hosts)} node(s) {each} slot(s), link {c.link or 'unshaped'})"
+    listed = ", ".join(f"{h.name}:{h.slots}" for h in hosts[:4]) + (", ..." if len(hosts) > 4 else "")
+    return hosts, f"the hosts of {hostfile} ({listed})"
+
+
 def global_batch(ranks: int) -> int:
     """The batch every run splits: the multiple nearest 96 of the ranks, of the parameter servers' workers and of a
     pipeline's 4 micro-batches."""
@@ -121,10 +157,10 @@ def global_batch(ranks: int) -> int:
     return max(step, round(96 / step) * step)
 
 
-def choose(names: list[str] | None, ranks: int, batch: int, epochs: int) -> list[Entry]:
+def choose(names: list[str] | None, ranks: int, batch: int, epochs: int, hosts=None) -> list[Entry]:
     """The entries to run: the tour's (``names`` None) or those named, each checked by its paradigm for these ranks
     before anything is launched. A named one that cannot run is a :class:`UserError`; one of the tour's is skipped."""
-    tour = entries(ranks)
+    tour = entries(ranks, hosts)
     if names is None:
         chosen = list(tour.values())
     else:
@@ -157,19 +193,22 @@ class Run:
     command: list[str] = field(default_factory=list)
 
 
-def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: float, env: dict, progress) -> Run:
-    """One job: ``dtrain train`` on the entry's ranks under ``mpiexec``, its output in ``folder``; stopped after
-    ``timeout`` seconds (its ranks' watchdog after half of that, with a report)."""
+def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: float, env: dict, progress,
+              hostfile: str | None = None, hosts: list[Host] | None = None) -> Run:  # fmt: skip
+    """One job: ``dtrain train`` on the entry's ranks under ``mpiexec`` (on ``hosts``, read from ``hostfile``, if
+    given), its output in ``folder``; stopped after ``timeout`` seconds (its ranks' watchdog after half of that, with
+    a report)."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in ("metrics.json", "stdout.txt", "stderr.txt"):
         (folder / old).unlink(missing_ok=True)
     target = ["-m", "dtrain", "train", *entry.flags(batch, epochs), "--out", str(folder), "--timeout",
               f"{timeout / 2:g}", "--no-progress"]  # fmt: skip
-    run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *target])
-    cmd, started = mpiexec.command(entry.ranks, target), time.monotonic()
+    where = ["--hostfile", str(hostfile)] if hosts else []
+    run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *where, *target])
+    env = mpiexec.environment(mpiexec.ranks_per_host(entry.ranks, hosts), env)
+    cmd, started = mpiexec.command(entry.ranks, target, hosts=hosts, env=env), time.monotonic()
     with open(folder / "stdout.txt", "w") as out, open(folder / "stderr.txt", "w") as err:
-        with jobs.Job(cmd, "dtrain tour", env=mpiexec.environment(entry.ranks, env), stdout=out, stderr=err,
-                          text=True) as job:  # fmt: skip
+        with jobs.Job(cmd, "dtrain tour", env=env, stdout=out, stderr=err, text=True) as job:
             while job.process.poll() is None:  # (Ctrl-C: JobInterrupted from here; the Job stops every rank)
                 if time.monotonic() - started > timeout:
                     job.stop(signal.SIGKILL)
@@ -197,16 +236,22 @@ def one_line_error(stderr: str, status: int) -> str:
     return raised[-1] if raised else f"exited with status {status}"
 
 
-def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: float, device: str = "cpu") -> int:
+def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: float, device: str = "cpu",
+         hostfile: str | None = None) -> int:  # fmt: skip
     """The ``dtrain tour`` command: the runs, then the table (printed and written), tour.json and the figure.
-    ``device="gpu"``: every run's arrays on the GPU (its ranks sharing the node's GPUs, ``rank % GPUs``)."""
+    ``device="gpu"``: every run's arrays on the GPU (its ranks sharing the node's GPUs, ``rank % GPUs``).
+    ``hostfile``: every job on its hosts (a cluster's too), ``ranks`` at most their slots."""
     if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
         raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
     missing = backend.gpu_missing() if device == "gpu" else None
     if missing:
         raise UserError(missing)
+    hosts, where = on_hosts(hostfile) if hostfile else (None, "this machine")
+    if hosts and ranks > total_slots(hosts):
+        raise UserError(f"--ranks {ranks} is more than the {total_slots(hosts)} slots of {where}: give --ranks "
+                        f"{total_slots(hosts)} or fewer, or a hostfile with more slots")  # fmt: skip
     started, batch = time.monotonic(), global_batch(ranks)
-    chosen = choose(names, ranks, batch, epochs)
+    chosen = choose(names, ranks, batch, epochs, hosts)
     if device != "cpu":
         chosen = [dataclasses.replace(e, options={**e.options, "device": device}) for e in chosen]
     try:
@@ -216,11 +261,13 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     folder, env = Path(out), {**os.environ}
     env.setdefault(KERNELS, "numpy")
     mpi_name = flavours.detect(mpiexec.path())
+    mpiexec.flags(hosts)  # what this MPI needs said (run as root) is said now, not in a progress line
     print(terminal.paragraph(
         f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
         f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
-        f"{device.upper()}; every run's metrics in {folder}/", hanging="  "), flush=True)  # fmt: skip
-    mpiexec.flags()  # what this MPI needs said (run as root) is said now, not in a progress line
+        f"{device.upper()}" + (f", every job on {where}" if hosts else "") + f"; every run's metrics in {folder}/"
+        + (". The planner's plan ms is this machine's, not the link's." if hosts and hosts[0].cluster else ""),
+        hanging="  "), flush=True)  # fmt: skip
     runs = []
     for i, entry in enumerate(chosen, 1):
         head = f"[{i}/{len(chosen)}] {entry.label}"
@@ -232,7 +279,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
         if bar.bar is None:
             print(head, end="", flush=True)  # (no bar: the line's start now, its end once the run is done)
         with bar:
-            run = run_entry(entry, folder / entry.name, batch, epochs, timeout, env, bar.update)
+            run = run_entry(entry, folder / entry.name, batch, epochs, timeout, env, bar.update, hostfile, hosts)
         runs.append(run)
         done = f"{100 * run.metrics['final']['test_accuracy']:.2f}%" if run.metrics else f"FAILED: {run.error}"
         line = f"{head if bar.bar else ''} ... {done} ({run.job_s:.1f} s)"
@@ -242,7 +289,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tour.txt").write_text(table(summary, footnotes, width=None) + "\n")  # (a file: full width)
     meta = {"ranks": ranks, "epochs": epochs, "batch_size": batch, "hidden": list(HIDDEN), "dataset": "digits",
-            "device": device,
+            "device": device, "hostfile": hostfile, "where": where,
             "tour_s": time.monotonic() - started}  # fmt: skip
     (folder / "tour.json").write_text(json.dumps({**meta, "runs": summary}, indent=1, default=str) + "\n")
     written = [folder / "tour.txt", folder / "tour.json"]

@@ -6,6 +6,15 @@ message and the exercise's hint. What each check found is kept in ``DIR/.dtrain-
 the exercise's own function (its definition and the top-level definitions it uses: helpers, imports, constants), which
 is how ``list`` knows an exercise's status without running anything: editing 8.1's function in schedules.py leaves
 8.2's status as it was. Every line printed fits the terminal (``$COLUMNS``; :mod:`dtrain.terminal`).
+
+``check --hostfile FILE`` runs the ``mpiexec`` parts on FILE's hosts, a cluster's from ``dtrain cluster up`` among
+them, so that a learner's collective crosses the nodes' links. A part with more ranks than FILE's slots is skipped,
+said on its own line and in the exercise's status ("passing (mpiexec -n 4 skipped)"), not refused: the simulated
+ranks have already checked every rank count, and a learner who brought a small cluster learns what it can tell now
+rather than being sent to make a bigger one (and oversubscribing its nodes would not be the cluster they asked for).
+An algorithm inside one node's shared memory (2.6) runs its parts on one host, the first with the most slots: its
+ranks cannot span nodes. A FILE on which no part could run is refused, as is ``--sim-only`` with it: nothing would
+use it.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from dtrain import terminal
@@ -96,9 +106,68 @@ def show_list(folder) -> int:
 
 
 # --- check ---------------------------------------------------------------------------------------------------------
-def check(which: str, folder, mpi: bool = True) -> int:
-    """Check one exercise (``which`` = "2.1") or every one ("all"); 0 when all checked pass, 1 otherwise."""
+ONE_NODE = ("dtrain.course.exercises.checks.shared_memory:",)  # the checks of an algorithm in one node's memory
+
+
+@dataclass
+class OnHosts:
+    """Where the mpiexec parts run when ``--hostfile`` is given: the file, its hosts, in words."""
+
+    hostfile: str
+    hosts: list  # of dtrain.launch.hosts.Host
+    where: str  # "cluster course (2 node(s) x 2 slot(s), link 100mbit)"
+    short: str  # in a part's name: "cluster course", "the hostfile's hosts"
+
+    @property
+    def slots(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def room(self, exercise) -> tuple[list, int, str]:
+        """The hosts ``exercise``'s parts run on, their slots, and their name in a part's line: every host, or for an
+        algorithm in one node's memory the first host with the most slots."""
+        if not exercise.check.startswith(ONE_NODE):
+            return self.hosts, self.slots, self.short
+        biggest = max(self.hosts, key=lambda h: h.slots)
+        return [biggest], biggest.slots, biggest.name
+
+    def part(self, exercise, ranks: int, path: Path) -> tuple[str, object]:
+        """A part's name and what runs it, or (a str) why it is skipped."""
+        hosts, slots, name = self.room(exercise)
+        if ranks <= slots:
+            return f"mpiexec -n {ranks} on {name}", lambda: run_mpi(exercise, path, ranks, hosts)
+        why = f"one node has {slots} slots" if len(self.hosts) > 1 and hosts != self.hosts else f"only {slots} slots"
+        return f"mpiexec -n {ranks} on {name}", f"skipped: {why}"
+
+
+def on_hosts(hostfile: str, chosen, which: str) -> OnHosts:
+    """``--hostfile``'s hosts, checked before any part runs: a hostfile (a cluster's: up), with the slots for at least
+    one of the exercises' mpiexec parts (a larger one is skipped when it comes, and said so)."""
+    from dtrain.course.tour import on_hosts as read
+
+    counts = sorted({p for exercise in chosen for p in exercise.mpi_ranks})
+    if not counts:
+        raise UserError(f"exercise {which} is checked in one process, without mpiexec: nothing would use --hostfile")
+    hosts, where = read(hostfile)
+    short = f"cluster {hosts[0].cluster}" if hosts[0].cluster else "the hostfile's hosts"
+    found = OnHosts(hostfile, hosts, where, short)
+    if not any(min(e.mpi_ranks) <= found.room(e)[1] for e in chosen if e.mpi_ranks):
+        one = " on one host (its ranks share one node's memory)" if chosen[0].check.startswith(ONE_NODE) else ""
+        give = "a host" if one else "a hostfile"
+        raise UserError(f"--hostfile {hostfile}: {found.room(chosen[0])[1]} slot(s){one}, and the mpiexec parts need "
+                        f"{counts[0]} ranks or more ({', '.join(map(str, counts))}): give {give} with {counts[-1]} "
+                        "slots")  # fmt: skip
+    skipped = [str(p) for p in counts if p > found.slots]
+    say(f"the mpiexec parts run on {where}" + (f"; those on {', '.join(skipped)} ranks are skipped (only "
+        f"{found.slots} slots)" if skipped else ""))  # fmt: skip
+    return found
+
+
+def check(which: str, folder, mpi: bool = True, hostfile: str | None = None) -> int:
+    """Check one exercise (``which`` = "2.1") or every one ("all"); 0 when all checked pass, 1 otherwise.
+    ``hostfile``: the mpiexec parts on its hosts (see the module's docstring)."""
     folder = Path(folder)
+    if hostfile is not None and not mpi:
+        raise UserError("--sim-only runs no mpiexec part, so nothing would use --hostfile: give one or the other")
     chosen = exercises.catalogue() if which == "all" else (exercises.get(which),)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: run `dtrain exercises init {folder}` first")
@@ -107,9 +176,10 @@ def check(which: str, folder, mpi: bool = True) -> int:
         if not path.is_file():
             raise UserError(f"exercise {which}: {path} does not exist: run `dtrain exercises init {folder}` (it "
                             "copies the stubs and never overwrites a file)")  # fmt: skip
+    hosts = None if hostfile is None else on_hosts(hostfile, chosen, which)
     results = {}
     for exercise in chosen:
-        results[exercise.id] = check_one(exercise, folder, mpi)
+        results[exercise.id] = check_one(exercise, folder, mpi, hosts)
     if which == "all":
         passing = sum(status.startswith("passing") for status in results.values())
         print(
@@ -118,7 +188,7 @@ def check(which: str, folder, mpi: bool = True) -> int:
     return 0 if all(status.startswith("passing") for status in results.values()) else 1
 
 
-def check_one(exercise, folder: Path, mpi: bool) -> str:
+def check_one(exercise, folder: Path, mpi: bool, hosts: OnHosts | None = None) -> str:
     path = (folder / exercise.file).resolve()
     say(f"exercise {exercise.id} (lesson {exercise.lesson}): {exercise.title} — {folder / exercise.file}:"
         f"{exercise.function}")  # fmt: skip
@@ -128,9 +198,14 @@ def check_one(exercise, folder: Path, mpi: bool) -> str:
     parts = [("simulated ranks " + ", ".join(map(str, exercise.sim_ranks)) if exercise.sim_ranks else "one process",
               lambda: run_sim(exercise, path))]  # fmt: skip
     if mpi:
-        parts += [(f"mpiexec -n {p}", lambda p=p: run_mpi(exercise, path, p)) for p in exercise.mpi_ranks]
-    status = "passing"
+        parts += [(f"mpiexec -n {p}", lambda p=p: run_mpi(exercise, path, p)) if hosts is None else
+                  hosts.part(exercise, p, path) for p in exercise.mpi_ranks]  # fmt: skip
+    status, skipped = "passing", []
     for number, (name, run) in enumerate(parts):
+        if isinstance(run, str):  # more ranks than the hostfile's slots (or one node's)
+            print(f"  {name:{STATUS_WIDTH}s} {run}", flush=True)
+            skipped.append(name.split()[2])
+            continue
         found = run()
         say_part(name, found)
         if found["status"] != "pass":
@@ -146,11 +221,15 @@ def check_one(exercise, folder: Path, mpi: bool) -> str:
             break
     if status == "passing" and exercise.mpi_ranks and not mpi:
         status = "passing on simulated ranks"
+    elif status == "passing" and skipped:
+        status = f"passing (mpiexec -n {', '.join(skipped)} skipped)"
     record_progress(folder, exercise, path, status)
-    if status == "passing" and exercise.id == "2.1":
+    if status.startswith("passing") and mpi and exercise.id == "2.1":
+        where = [] if hosts is None else ["--hostfile", hosts.hostfile]
         print("  train the MLP with it:")
-        print(terminal.command(["dtrain", "launch", "-n", "4", "-m", "dtrain", "train", "--paradigm", "ddp",
-                                "--allreduce", f"{folder / exercise.file}:{exercise.function}"], INDENT))  # fmt: skip
+        print(terminal.command(["dtrain", "launch", "-n", str(min(4, hosts.slots if hosts else 4)), *where, "-m",
+                                "dtrain", "train", "--paradigm", "ddp", "--allreduce",
+                                f"{folder / exercise.file}:{exercise.function}"], INDENT))  # fmt: skip
     return status
 
 
@@ -183,14 +262,15 @@ def run_sim(exercise, path: Path) -> dict:
         return {"status": "error", "message": said}
 
 
-def run_mpi(exercise, path: Path, ranks: int) -> dict:
+def run_mpi(exercise, path: Path, ranks: int, hosts=None) -> dict:
+    """One mpiexec part: the exercise's check on ``ranks`` ranks (on ``hosts``, a list of hosts.Host, if given)."""
     from dtrain.launch import launcher
 
     with tempfile.TemporaryDirectory() as scratch:
         target = ["-m", "dtrain.course.exercises.run", "mpi", exercise.id, str(path), scratch]
         env = {**child_env(), "DTRAIN_TIMEOUT": f"{WAIT_LIMIT_S:g}"}
         try:
-            done = launcher.launch(ranks, target, timeout=MPI_LIMIT_S, capture=True, env=env)
+            done = launcher.launch(ranks, target, timeout=MPI_LIMIT_S, capture=True, env=env, hosts=hosts)
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "message": f"{in_case(scratch)}mpiexec -n {ranks} did not end within "
                     f"{MPI_LIMIT_S:g} s"}  # fmt: skip
