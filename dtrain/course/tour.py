@@ -28,8 +28,8 @@ that, so nothing hangs; Ctrl-C stops the job that runs and the tour.
 
 ``--hostfile FILE`` runs every job on FILE's hosts (:mod:`dtrain.launch.hosts`), a cluster's from ``dtrain cluster
 up`` among them: its nodes are reached as ``dtrain launch --hostfile`` reaches them, and the hierarchical all-reduce's
-nodes are the hosts the ranks land on. The header line says where the jobs ran; ``plan ms`` stays this machine's
-prediction (the planner is not told the cluster's link).
+nodes are the hosts the ranks land on. The header line says where the jobs ran; ``plan ms`` is the planner's for
+those machines (``dtrain plan --hostfile``: a cluster's link between its nodes, this machine inside each).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
         f"dtrain tour: digits, MLP {'-'.join(map(str, (64, *HIDDEN, 10)))}, global batch {batch}, {epochs} "
         f"epoch{'s' * (epochs != 1)}, {ranks} rank{'s' * (ranks != 1)}, {mpi_name}, {KERNELS}={env[KERNELS]}, on the "
         f"{device.upper()}" + (f", every job on {where}" if hosts else "") + f"; every run's metrics in {folder}/"
-        + (". The planner's plan ms is this machine's, not the link's." if hosts and hosts[0].cluster else ""),
+        + (". plan ms: the planner given the cluster's link" if hosts and hosts[0].cluster else ""),
         hanging="  "), flush=True)  # fmt: skip
     runs = []
     for i, entry in enumerate(chosen, 1):
@@ -284,7 +284,7 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
         done = f"{100 * run.metrics['final']['test_accuracy']:.2f}%" if run.metrics else f"FAILED: {run.error}"
         line = f"{head if bar.bar else ''} ... {done} ({run.job_s:.1f} s)"
         print(terminal.paragraph(line, hanging="    ") if bar.bar else line, flush=True)
-    summary, footnotes = rows(runs)
+    summary, footnotes = rows(runs, planned_on(device, hostfile))
     print(f"\n{table(summary, footnotes)}\n\n(the tour took {time.monotonic() - started:.0f} s)")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tour.txt").write_text(table(summary, footnotes, width=None) + "\n")  # (a file: full width)
@@ -304,7 +304,20 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     return 1 if failed else 0
 
 
-def rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
+def planned_on(device: str, hostfile: str | None):
+    """The hardware the planner prices the runs on: this machine's preset for ``device`` (None if it has none), as
+    the hostfile's machines make it (``dtrain plan --hostfile``: a cluster's link between its nodes)."""
+    from dtrain.plan import hostfile as hostfiles
+    from dtrain.plan.hardware import for_device
+
+    try:
+        machine = for_device(device)
+    except ConfigError:  # (no preset for this device: the table says "-")
+        return None
+    return hostfiles.machine(machine, hostfiles.read(hostfile)) if hostfile else machine
+
+
+def rows(runs: list[Run], machine=None) -> tuple[list[dict], list[str]]:
     """tour.json's rows, each run's numbers (:func:`dtrain.report.run_summary`) and what to notice, or its error;
     and a footnote for each run whose measured bytes differ from its ``costs()``."""
     done = {run.entry.name: report.run_summary(run.metrics) for run in runs if run.metrics}
@@ -317,17 +330,17 @@ def rows(runs: list[Run]) -> tuple[list[dict], list[str]]:
         else:
             s = done[run.entry.name]
             row.update(s, note=tour_notes.note(run.entry.name, s, run.metrics, context), job_s=run.job_s,
-                       command=" ".join(run.command), **step_times(run))  # fmt: skip
+                       command=" ".join(run.command), **step_times(run, machine))  # fmt: skip
             footnotes.append(tour_notes.footnote(run.entry.name, run.entry.label, s, run.metrics))
         out.append(row)
     return out, [f for f in footnotes if f]
 
 
-def step_times(run: Run) -> dict:
+def step_times(run: Run, machine=None) -> dict:
     """The run's measured seconds per training step (the median of its epochs' after the first, which warms up), the
-    planner's prediction for its configuration on this machine, and whether its steps are single's."""
+    planner's prediction for its configuration on ``machine`` (:func:`planned_on`; None: none), and whether its
+    steps are single's."""
     from dtrain.data import steps_per_epoch
-    from dtrain.plan.hardware import for_device
 
     m = run.metrics
     steps = steps_per_epoch(m["dataset"]["train_samples"], m["config"]["batch_size"])
@@ -335,12 +348,7 @@ def step_times(run: Run) -> dict:
     kind = parallel.get(m["config"]["paradigm"])
     config = run.entry.config(m["config"]["batch_size"], len(m["epochs"]))
     sizes = [m["dataset"]["features"], *HIDDEN, m["dataset"]["classes"]]
-    try:
-        machine = for_device(config.device)
-    except ConfigError:  # (no preset for this device: the table says "-")
-        predicted = None
-    else:
-        predicted = sum(kind.step_time(sizes, run.entry.ranks, config, machine).values())
+    predicted = None if machine is None else sum(kind.step_time(sizes, run.entry.ranks, config, machine).values())
     return {"step_s": statistics.median(times[1:] or times), "predicted_step_s": predicted,
             "same_updates": kind.updates_like_single(config)}  # fmt: skip
 
@@ -365,7 +373,8 @@ def verdict(summary: list[dict]) -> str:
 LEGEND = (
     "step ms: the measured time of a training step (the median of the epochs after the first); plan ms: what dtrain "
     "plan predicts for the same configuration on this machine (dtrain/collectives/calibration.json; with --device "
-    "gpu, the lent-h100 preset of dtrain/plan/hardware.json, or '-' where the device has none).",
+    "gpu, the lent-h100 preset of dtrain/plan/hardware.json, or '-' where the device has none; with --hostfile, "
+    "on its machines, as dtrain plan --hostfile prices them).",
     "sent B/step, msgs per step: what the busiest rank sent per training step (the tracer's count; not evaluation's, a "
     "checkpoint's or the initial broadcast of the weights); state B: the parameters, gradients and optimizer state "
     "the fullest rank held (read off its arrays); costs(): the paradigm's own prediction of the same. The run's wall "
