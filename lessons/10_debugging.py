@@ -39,7 +39,12 @@ What you will see:
      launcher says which rank died and how, and starts the job again from the checkpoint at step 20 with --resume;
      the run ends with the SHA-256 of the weights of a run that never failed. Then what checkpointing costs: one
      checkpoint's write measured, and the interval that wastes least (Young/Daly: sqrt(2 x checkpoint cost x mean
-     time between failures)) against the waste counted step by step.
+     time between failures)) against the waste counted step by step;
+  7. a whole machine dies (as root: a `dtrain cluster` of 2 nodes x 2 ranks on this machine, else skipped, saying
+     why). Node 2 is killed with every process on it, mid-run, under `dtrain launch --max-restarts 1 --min-ranks 2`:
+     the launcher says which node mpiexec lost, reads the hostfile again (node 1's 2 slots only now) and goes on
+     from the checkpoint on 2 ranks, at the same global batch. Then the same with the node's link cut first, as a
+     power failure would: nobody is told, the watchdog ends the job, and the launcher follows its reports.
 
 Every part checks that the message it tells you to look for really appeared, and prints an OK line (FAIL if it does not
 hold); the last line says whether all passed (the exit status is non-zero if not). Timings are printed, never checked.
@@ -55,6 +60,9 @@ Things to try:
     zero --zero-stage 3 --checkpoint-every 25: what does the launcher say, and how many steps are lost? Without
     --checkpoint-every, where does the restart start? Kill it twice with --max-restarts 1 (a script of your own
     that always dies): read the report of every attempt;
+  * as root, `dtrain cluster up --nodes 3 --slots 2 --name c`, then dtrain launch -n 6 --hostfile (the path it
+    printed) --max-restarts 2 --min-ranks 2 ...: kill two nodes, one at a time (dtrain cluster kill --name c --node
+    c-n2): on how many ranks does each attempt run? (dtrain cluster down --name c when done);
   * notebooks/10_debugging.ipynb does parts 1 to 5 on simulated ranks, where every wait can be seen, and part 6 on
     real ranks.
 
@@ -88,9 +96,10 @@ from pathlib import Path
 import numpy as np
 from lesson_util import Checks, conclude, heading, refuse, refuse_bad_arguments, say, table
 
-from dtrain import checkpoint, collectives, terminal
+from dtrain import checkpoint, collectives, faults, terminal
 from dtrain.comm import mpi, sim
-from dtrain.launch import launcher
+from dtrain.errors import UserError
+from dtrain.launch import cluster, launcher
 
 HERE = Path(__file__).resolve()
 STALLED, SLOW = 2, 2  # the rank that stalls in part 3, the straggler of part 5
@@ -617,9 +626,127 @@ say(
     "shrinks as 1/sqrt(n)."
 )
 
+# ------------------------------------------------------------------------------------- 7. a whole machine dies
+NODES_AT = 30  # the node dies once rank 0 has done this global step (a checkpoint every 20: 10 steps lost, about)
+heading("7. A whole machine dies: 2 nodes x 2 ranks (a dtrain cluster), one node killed with every rank on it")
+machine: dict = {}
+why_not = cluster.missing("part 7 (a cluster of network namespaces)")
+if why_not is not None:
+    say(f"Skipped: {why_not}. As root, this part makes a cluster of 2 nodes on this machine and kills one.")
+    machine["skipped"] = why_not
+else:
+    say(
+        "On a real cluster a machine dies whole: its power, its kernel, its network card. Every rank on it is gone "
+        "at once, and so is the process MPI's launcher ran there (hydra's proxy, the parent of those ranks). A "
+        "scheduler then takes the machine out of the list of hosts. `dtrain cluster` makes such a cluster on this "
+        "machine: each node a network namespace behind a link of its own, and `dtrain cluster kill` kills a node's "
+        "every process and takes it out of the hostfile. With --min-ranks 2 the launcher reads the hostfile again "
+        "before the restart and goes on with the 2 slots left, at the same global batch."
+    )
+    machine_dir = out_dir / "machine"
+    shutil.rmtree(machine_dir, ignore_errors=True)
+    train_words = ["-m", "dtrain", "train", "--paradigm", "ddp", "--dataset", "digits", "--epochs", "4",
+                   "--checkpoint-every", "20", "--quiet", "--no-progress"]  # fmt: skip
+
+    def node_dies(name: str, cut_link: bool, timeout_s: float = 0.0) -> dict:
+        """Make cluster ``name`` (2 x 2, 100 Mbit/s), train on it under the launcher, kill node 2 once rank 0 has
+        done step NODES_AT, and take the cluster down again: what the launcher said, the run's metrics."""
+        shell(["dtrain", "cluster", "up", "--nodes", 2, "--slots", 2, "--link", "100mbit", "--name", name])
+        made = cluster.up(name, 2, 2, "100mbit")
+        try:
+            folder = machine_dir / ("cut" if cut_link else "killed")
+            words = ["-n", 4, "--hostfile", made.hostfile, "--max-restarts", 1, "--min-ranks", 2, "--restart-delay",
+                     0.5, *(["--timeout", f"{timeout_s:g}"] if timeout_s else []), "--checkpoint-dir",
+                     folder / "ck", *train_words, "--out", folder / "out"]  # fmt: skip
+            shell(["dtrain", "launch", *words])
+            started = time.perf_counter()
+            run = subprocess.Popen([sys.executable, "-m", "dtrain", "launch", *map(str, words)], text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+            progress, step = folder / "ck" / "progress", 0  # (rank 0's last step: what the launcher reads)
+            while step < NODES_AT and run.poll() is None and time.perf_counter() - started < JOB_LIMIT_S:
+                time.sleep(0.01)
+                step = faults.read_progress(progress) or 0
+            print(f"   (once rank 0 has done step {step}, {time.perf_counter() - started:.1f} s in:)")
+            shell(["dtrain", "cluster", "kill", "--name", name, "--node", made.node(2),
+                   *(["--cut-link"] if cut_link else [])])  # fmt: skip
+            cluster.kill(name, made.node(2), cut_link=cut_link)
+            killed_at = time.time()
+            try:
+                out, err = run.communicate(timeout=JOB_LIMIT_S)
+            except subprocess.TimeoutExpired:
+                run.kill()
+                out, err = run.communicate()
+            print(f"   (exit status {run.returncode}, {time.perf_counter() - started:.1f} s)")
+            for line in err.splitlines():  # (the launcher's lines, whole)
+                if line.startswith(("dtrain launch", "  1. ", "  2. ")):
+                    print("\n".join(quoted(line)))
+            metrics_path = folder / "out" / "metrics.json"
+            metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+            first = metrics.get("restarts", {}).get("attempts", [None])[0]
+            noticed = None if first is None else first["started"] + first["seconds"] - killed_at
+            return {"status": run.returncode, "stderr": err, "stdout": out, "metrics": metrics, "noticed_s": noticed,
+                    "mpi_log": (folder / "ck" / "mpi.log").read_text() if (folder / "ck" / "mpi.log").exists() else "",
+                    "left": cluster.processes_in(made.node(1)), "node": made.node(2)}  # fmt: skip
+        finally:
+            cluster.down(name)
+
+    def went_on(run: dict) -> bool:
+        """The job finished on the 2 ranks of node 1, from the last checkpoint, at the 4 ranks' global batch."""
+        m = run["metrics"]
+        first = m.get("restarts", {}).get("attempts", [{}])[0]
+        checkpointed = (first.get("reached_step") or 0) // 20 * 20  # (a checkpoint every 20 steps)
+        return (run["status"] == 0 and m["world_size"] == 2 and len(m["epochs"]) == 4 and first.get("ranks") == 4
+                and m["config"]["batch_size"] == 64 and not run["left"]
+                and f"on 2 ranks, from the checkpoint at global step {checkpointed}" in run["stderr"])  # fmt: skip
+
+    try:
+        killed = node_dies("lesson10", cut_link=False)
+    except UserError as exc:  # (a cluster of that name up already, say: its owner's to take down)
+        killed = {"status": "refused", "stderr": str(exc), "metrics": {}}
+        say(f"could not make the cluster: {exc}")
+    machine["killed"] = {k: v for k, v in killed.items() if k != "stdout"}
+    lost = f"dtrain launch: mpiexec lost node {killed.get('node')} (its proxy ended with every rank on it: 2, 3)"
+    terminal_said = killed["stderr"] + killed.get("stdout", "")
+    checks.ok("the launcher says in one line which node was lost; MPICH's own words on it go to the checkpoint "
+              "folder's mpi.log, not to the terminal", sum(line.startswith(lost) for line in
+              terminal_said.splitlines()) == 1 and "[mpiexec@" not in terminal_said
+              and "assert (!closed)" in killed.get("mpi_log", ""))  # fmt: skip
+    if killed["metrics"]:
+        attempts = killed["metrics"]["restarts"]["attempts"]
+        table(["attempt", "ranks", "from step", "reached", "steps lost", "seconds"],
+              [*([str(a["number"]), str(a["ranks"]), "start" if a["resumed_from_step"] is None else
+                  str(a["resumed_from_step"]), str(a["reached_step"]), str(a["steps_lost"]), f"{a['seconds']:.1f}"]
+                 for a in attempts),
+               [str(len(attempts) + 1), str(killed["metrics"]["world_size"]),
+                str(attempts[-1]["reached_step"] - attempts[-1]["steps_lost"]), "the end", "-", "-"]],
+              left=())  # fmt: skip
+    checks.ok("the job went on with the other node's 2 ranks (the hostfile lists only its slots now), from the "
+              "last checkpoint, the global batch unchanged (64), and finished; no process left on the node",
+              "metrics" in killed and bool(killed["metrics"]) and went_on(killed))  # fmt: skip
+    say(
+        "MPI noticed at once: the dead node's kernel closed its connections, so mpiexec lost its proxy there and "
+        "ended the job. A machine that loses its power, or its network, says nothing. `dtrain cluster kill "
+        "--cut-link` takes the node's link down first: the ranks left wait for messages that never come, until the "
+        "watchdog (--timeout 3 here) ends the job. The launcher follows the watchdog's reports (rank 1 waits for 0, "
+        "which waits for 2) and, on this machine, sees which ranks had ended long before."
+    )
+    try:
+        cut = node_dies("lesson10", cut_link=True, timeout_s=3)
+    except UserError as exc:
+        cut = {"status": "refused", "stderr": str(exc), "metrics": {}}
+        say(f"could not make the cluster: {exc}")
+    machine["cut"] = {k: v for k, v in cut.items() if k != "stdout"}
+    checks.ok("with the link cut, the watchdog ends the job after its 3 s; the launcher names the silent node, "
+              "and the job goes on as before", f"node {cut.get('node')}'s ranks 2, 3 had ended" in cut["stderr"]
+              and bool(cut["metrics"]) and went_on(cut))  # fmt: skip
+    if killed.get("noticed_s") is not None and cut.get("noticed_s") is not None:
+        say(f"From the kill to the end of the first attempt: {killed['noticed_s']:.1f} s with the node killed, "
+            f"{cut['noticed_s']:.1f} s with its link cut. The watchdog's limit is the price of a silent failure: on a "
+            "cluster that fails, set it a few times your longest step, not to its default of 300 s.")  # fmt: skip
+
 # ------------------------------------------------------------------------------------------------------- the end
 # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
 print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
 restart_figures = {"restarts": restarts, "checkpoint_s": C, "young_s": young, "best_s": best, "step_s": step_s,
                    "sha_equal": restarted_metrics["weights_sha256"] == whole_metrics["weights_sha256"]}  # fmt: skip
-conclude(args.json, {"parts": outcomes, "straggler": ranks, "restart": restart_figures}, checks)
+conclude(args.json, {"parts": outcomes, "straggler": ranks, "restart": restart_figures, "machine": machine}, checks)

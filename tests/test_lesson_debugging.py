@@ -203,3 +203,22 @@ def test_part_6_a_killed_rank_restarted_ends_with_the_uninterrupted_weights(less
         (2 * restart["checkpoint_s"] * 3600) ** 0.5
     )
     assert 0.5 < restart["best_s"] / restart["young_s"] < 2  # the simulated best: near Young's, never far
+
+
+@pytest.mark.mpi
+def test_part_7_a_whole_node_killed_and_the_job_goes_on_with_the_other_node(lesson):
+    """As root (a cluster of network namespaces): node 2 killed whole, then cut off; else skipped, saying why."""
+    from dtrain.launch import cluster
+
+    machine = lesson[1]["machine"]
+    if (why := cluster.missing("part 7 (a cluster of network namespaces)")) is not None:
+        assert machine == {"skipped": why}
+        return
+    for how, node_said in (("killed", "mpiexec lost node lesson10-n2"), ("cut", "node lesson10-n2's ranks 2, 3")):
+        run = machine[how]
+        first = run["metrics"]["restarts"]["attempts"][0]
+        assert run["status"] == 0 and run["metrics"]["world_size"] == 2 and run["left"] == [], run["stderr"]
+        assert (first["ranks"], first["node"]) == (4, "lesson10-n2") and node_said in first["ended"]
+        assert run["noticed_s"] >= 0
+    assert machine["cut"]["noticed_s"] >= 3  # the watchdog's 3 s: nobody told mpiexec
+    assert "[mpiexec@" not in lesson[0]

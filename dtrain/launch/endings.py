@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
 from dtrain.launch import processes
 
@@ -21,6 +22,7 @@ class Endings:
 
     def __init__(self):
         self.order: list[int] = []
+        self.when: dict[int, float] = {}  # rank -> when its process was seen ending (time.monotonic())
         self._fds: dict[int, int] = {}  # pidfd -> rank
         self._wake_read = self._wake_write = None
         self.watched = 0  # ranks watched while alive
@@ -63,7 +65,9 @@ class Endings:
     def _run(self) -> None:
         while not self._closed:
             together = []  # ranks that ended between two looks: their order is not known
-            for fd, _ in self._poll.poll():
+            events = self._poll.poll()
+            now = time.monotonic()
+            for fd, _ in events:
                 if fd == self._wake_read:
                     os.read(fd, 4096)
                     continue
@@ -73,6 +77,7 @@ class Endings:
             if together and not self.order:
                 self.watched_at_first_end, self.first_together = self.watched, sorted(together)
             self.order += together
+            self.when.update(dict.fromkeys(together, now))
 
     def __exit__(self, *exc_info):
         if self._poll is None:

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtrain import terminal
-from dtrain.launch import mpiexec
+from dtrain.launch import mpiexec, processes
 from dtrain.launch.banners import WAIT_S, Banners
 from dtrain.launch.endings import Endings
 from dtrain.launch.hosts import Host
@@ -72,6 +72,8 @@ class Watched:
     ended: list[int]  # the ranks in the order their processes ended (the first: the one that died, if one did)
     first_to_end: int | None  # the rank that ended first, if that is known for sure (see Endings)
     banners: str = ""  # MPI's own words on how the job ended, kept off the terminal (dtrain.launch.banners)
+    nodes: dict[int, str] = field(default_factory=dict)  # on a dtrain cluster: rank -> its node (network namespace)
+    ended_before_s: dict[int, float] = field(default_factory=dict)  # rank -> how long before mpiexec it ended
 
 
 TAIL_BYTES = 64 * 1024  # enough for MPI's report of a dead rank and the tracebacks before it
@@ -85,7 +87,12 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
     environment), since a dead rank can no longer say who it was, and MPICH's report names only its PID.
 
     SIGINT, SIGTERM and SIGHUP stop the whole job and raise :class:`JobInterrupted`, as with :func:`launch`, after
-    one line that says the job has ended (MPI's own lines about it are not shown)."""
+    one line that says the job has ended (MPI's own lines about it are not shown).
+
+    On a ``dtrain cluster`` each rank's node is noted too, from the network namespace its process is in (while it
+    lives: a node killed whole can then be named, :func:`dtrain.launch.restarts.ending`)."""
+    on_cluster = any(host.cluster for host in hosts or ())
+    nodes: dict[int, str] = {}
     env = mpiexec.environment(mpiexec.ranks_per_host(nranks, hosts), env)
     cmd = mpiexec.command(nranks, target, None, hosts, oversubscribe, env)
     tails = (bytearray(), bytearray())
@@ -142,10 +149,13 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
                 if len(job.ranks) < nranks:  # (until every rank has been seen: then nothing is left to look for)
                     for pid in job.note_ranks():
                         endings.watch(pid, job.ranks[pid])
+                        if on_cluster and (node := processes.network_namespace(pid)) is not None:
+                            nodes[job.ranks[pid]] = node
                 if reader_gone.is_set():
                     job.stop(signal.SIGTERM)
                     raise BrokenPipeError("the reader of stdout has gone")  # (dtrain's main: exit 0, quietly)
                 time.sleep(0.1)
+            finished = time.monotonic()
         except JobInterrupted as interrupted:
             job.stop(interrupted.signum)
             for reader in readers:
@@ -161,4 +171,5 @@ def launch_watched(nranks: int, target: list[str], hosts=None, oversubscribe: bo
     held = "".join(bytes(b.held).decode(errors="replace") for b in banners)
     seconds = time.monotonic() - started
     return Watched(job.process.returncode, text, dict(job.ranks), seconds, list(endings.order),
-                   endings.first(nranks), held)  # fmt: skip
+                   endings.first(nranks), held, nodes,
+                   {rank: finished - when for rank, when in endings.when.items()})  # fmt: skip

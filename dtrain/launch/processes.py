@@ -1,5 +1,5 @@
-"""A job's processes, by PID and start time: the tree of the processes mpiexec started, which of them are ranks,
-whether each still runs, and the shared memory an aborted job leaves behind.
+"""A job's processes, by PID and start time: the tree of the processes mpiexec started, which of them are ranks (and
+on which node of a ``dtrain cluster``), whether each still runs, and the shared memory an aborted job leaves behind.
 
 Linux's /proc gives a process's parent and its start time; elsewhere ``ps`` gives the tree (no start times, so a PID
 reused within the grace period would be mistaken for the job's: a risk of seconds, on systems without /proc). A
@@ -62,6 +62,28 @@ def rank_of(pid: int) -> int | None:
     for variable in variables:
         if variable.startswith(RANK_VARIABLES) and variable.split(b"=", 1)[1].isdigit():
             return int(variable.split(b"=", 1)[1])
+    return None
+
+
+NAMED_NETWORKS = Path("/run/netns")  # where ``ip netns add NAME`` pins a network namespace (a dtrain cluster's node)
+
+
+def network_namespace(pid: int) -> str | None:
+    """The name of the named network namespace (``ip netns``) process ``pid`` is in: on a ``dtrain cluster``, its
+    node. None for this machine's own network, a namespace without a name, a process that has ended, or not Linux.
+    (Read while the process lives: a dead one's /proc entry, and so its namespace, is gone.)"""
+    try:
+        mine = os.stat(f"/proc/{pid}/ns/net")
+        names = os.listdir(NAMED_NETWORKS)
+    except OSError:
+        return None
+    for name in sorted(names):
+        try:
+            pinned = os.stat(NAMED_NETWORKS / name)
+        except OSError:  # removed in between
+            continue
+        if (pinned.st_ino, pinned.st_dev) == (mine.st_ino, mine.st_dev):
+            return name
     return None
 
 

@@ -16,8 +16,9 @@ the job, and leaves the checkpoint to the script; here the checkpoint is dtrain'
 
 What is, and is not, restarted:
 
-* a rank killed by a signal, a rank's uncaught exception, the watchdog's report of a stalled wait, any other
-  non-zero exit: restarted, up to K times, each time from the last complete checkpoint (none yet: from the start);
+* a rank killed by a signal, a rank's uncaught exception, the watchdog's report of a stalled wait, a whole node lost
+  (mpiexec's proxy there gone with its ranks), any other non-zero exit: restarted, up to K times, each time from the
+  last complete checkpoint (none yet: from the start);
 * a mistake in what was asked (exit 2: a bad flag, a diverging loss): never; it would fail again the same way;
 * Ctrl-C (or SIGTERM, SIGHUP) sent to the launcher: the person stopping it; everything stops, nothing restarts.
 
@@ -30,7 +31,8 @@ launcher) too, unless the target says ``--resume`` (go on from it anyway: a new 
 **Elastic** (``--min-ranks M``, with ``--hostfile``): before a restart, the hostfile is read again; if it now lists
 fewer slots (a scheduler took a failed node out), the job goes on with as many ranks as fit, at least M, and as the
 paradigm accepts. The global batch stays the same, so the curve still compares with single's (the bits do not: the
-batch is summed over other slices).
+batch is summed over other slices). ``dtrain cluster kill`` does to a node of a cluster on this machine what the
+scheduler would: every process on it killed, the node out of the hostfile (lessons/10_debugging.py, part 7).
 
 The checkpoint folder must be one the launcher and rank 0 both see (one machine, or a shared file system): the
 launcher reads the checkpoint's step, and rank 0's progress mark, from it.
@@ -44,6 +46,7 @@ The ranks' side (the fault injector, the progress mark, the attempts record) is 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -65,6 +68,7 @@ ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attem
 PROGRESS_FILE = "progress"  # in the checkpoint folder: the last global step rank 0 finished (8 bytes)
 JOB_FILE = "job.json"  # in the checkpoint folder: the flags of the job whose checkpoints these are
 MPI_LOG = "mpi.log"  # in the checkpoint folder: what MPI said when an attempt ended (kept off the terminal)
+GONE_S = 1.0  # a rank whose process ended this long before the job did had gone before the watchdog's report
 # flags a job may change and still be the same job (how long, where its outputs go, how it is watched)
 NOT_THE_JOB = ("epochs", "resume", "checkpoint_dir", "out", "trace", "progress", "quiet", "timeout")
 TRAIN_MODULES = ("dtrain", "dtrain.cli")
@@ -83,6 +87,7 @@ class Attempt:
     ended: str = "running"  # what happened, in words
     rank: int | None = None  # the rank that failed, where known
     signal: str | None = None
+    node: str | None = None  # the dtrain cluster's node that was lost, or that the stalled ranks waited on
     reached_step: int | None = None  # the last global step rank 0 finished
     steps_lost: int | None = None  # reached - the step the next attempt resumes from
 
@@ -398,18 +403,24 @@ _OPEN_MPI = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on s
 _WATCHDOG = re.compile(r"dtrain watchdog: rank (\d+) of \d+[^\n]*? has waited")
 _EXCEPTION = re.compile(r"uncaught exception \(rank (\d+)\)")
 _ABORT = re.compile(r"MPI_Abort\(MPI_COMM_WORLD, \d+\) - process (\d+)|MPI_ABORT was invoked on rank (\d+)")
+_WAITS_FOR = re.compile(r"dtrain watchdog: rank (\d+) waits for rank (\d+)(?: \(world rank (\d+)\))?:")
+# MPICH's hydra, when the connection to one of its proxies (one a node, the parent of the ranks there) closes
+# without a word: the node's proxy was killed, and its ranks with it (a node lost, its processes killed)
+_LOST_PROXY = re.compile(r"\[mpiexec@[^\]]*\] control_cb \(\S+:\d+\): assert \(!closed\) failed")
 
 
 @dataclass
 class Ending:
     """How a failed job ended, as far as the launcher can tell: ``cause`` is "signal" (a rank was killed), "exception"
     or "watchdog" (dtrain's own report, a traceback or the watchdog's, said it already), "abort" (a rank called
-    MPI_Abort and said nothing more) or "exit" (ranks exited with a failing status: what they printed says why)."""
+    MPI_Abort and said nothing more), "node" (mpiexec lost a whole node: its proxy ended, with every rank there) or
+    "exit" (ranks exited with a failing status: what they printed says why)."""
 
     how: str  # in words: "rank 1 was killed by SIGKILL", "the watchdog found rank 2 stalled", ...
     cause: str
     rank: int | None = None
     signal: str | None = None
+    node: str | None = None  # on a dtrain cluster: the node lost, or the node of the rank the stalled ones wait for
 
     @property
     def reported(self) -> bool:
@@ -418,7 +429,8 @@ class Ending:
 
     @property
     def known(self) -> bool:
-        """Somebody (dtrain, or MPI's report of a signal) said what happened: MPI's banners add nothing."""
+        """Somebody (dtrain, MPI's report of a signal, hydra's of a lost proxy) said what happened: MPI's banners
+        add nothing."""
         return self.cause != "exit"
 
 
@@ -426,15 +438,31 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
     """Which rank failed and how, from what is known for sure: the fault injector's record (``fired``), dtrain's own
     report (an exception, the watchdog), MPI's report of a signal or of an abort, and the order the ranks' processes
     ended in (:class:`~dtrain.launch.endings.Endings`); the first of these that speaks is believed. A rank is named
-    from that order only when one was killed: ranks that all exit by themselves end in no telling order."""
+    from that order only when one was killed: ranks that all exit by themselves end in no telling order.
+
+    On a ``dtrain cluster`` (the ranks' nodes known: ``watched.nodes``) two more things can be said. A node killed
+    whole (``dtrain cluster kill``: its proxy and its ranks) ends the job through hydra's lost connection to that
+    proxy; the node is the one whose ranks all ended before any other node's. A node cut off (``--cut-link``) says
+    nothing: the ranks elsewhere wait until the watchdog ends the job, and its reports, followed from rank to rank
+    (rank 1 waits for 0, which waits for 2), lead to the rank that never answered, and so to its node."""
     tail, status = watched.tail, watched.returncode
+    nodes = getattr(watched, "nodes", None) or {}
     reports = ((_WATCHDOG, "the watchdog found rank {} stalled", "watchdog"),
                (_EXCEPTION, "rank {} raised an exception", "exception"),
                (_ABORT, "rank {} aborted the job", "abort"))  # fmt: skip
+    if not fired and _LOST_PROXY.search(tail):  # (first: what the ranks left behind said next is its consequence)
+        lost = lost_node(watched.ended, nodes)
+        if lost is None:
+            return Ending("mpiexec lost a node (its proxy there ended, and the ranks on it)", "node")
+        node, ranks = lost
+        return Ending(f"mpiexec lost node {node} (its proxy ended with every rank on it: "
+                      f"{', '.join(map(str, ranks))})", "node", node=node)  # fmt: skip
     if not fired:
         for pattern, how, cause in reports:
             if found := pattern.search(tail):
                 rank = int(next(g for g in found.groups() if g is not None))
+                if cause == "watchdog":
+                    return _stalled(tail, rank, nodes, getattr(watched, "ended_before_s", None) or {})
                 return Ending(how.format(rank), cause, rank)
     rank, signum = None, None
     if found := _OPEN_MPI.search(tail):
@@ -457,10 +485,54 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
     return Ending(how, "signal", rank, name)
 
 
+def _stalled(tail: str, rank: int, nodes: dict[int, str], ended_before: dict[int, float]) -> Ending:
+    """The watchdog's report of ``rank``, followed along the other reports' "rank A waits for rank B" to the rank at
+    the end (a rank that reported too only passed the stall on); and the ranks whose processes had ended well before
+    the job did (``ended_before``: rank -> seconds), the ones that never answered, if this machine saw them end."""
+    waits = {}
+    for found in _WAITS_FOR.finditer(tail):
+        waits.setdefault(int(found[1]), int(found[3] or found[2]))
+    chain = [rank]
+    while chain[-1] in waits and waits[chain[-1]] not in chain:
+        chain.append(waits[chain[-1]])
+    how = f"the watchdog found rank {rank} stalled"
+    gone = sorted(r for r, seconds in ended_before.items() if seconds >= GONE_S)
+    if chain[-1] in waits and not gone:  # back to a rank in the chain: every one of them waits for the next
+        circle = " -> ".join(map(str, [*chain, waits[chain[-1]]]))
+        return Ending(f"{how}, the ranks waiting in a circle ({circle}): a deadlock", "watchdog", rank)
+    node = None
+    if len(chain) > 1:
+        how += f", waiting for rank {chain[-1]}"
+        node = nodes.get(chain[-1]) if not gone else None
+        how += f" on node {node}" if node else ""
+        if len(chain) > 2:
+            how += f" (through rank{'s' * (len(chain) > 3)} {', '.join(map(str, chain[1:-1]))})"
+    if gone:
+        where = {nodes.get(r) for r in gone}
+        node = where.pop() if len(where) == 1 else None
+        whole = node is not None and gone == sorted(r for r, n in nodes.items() if n == node)
+        who = f"rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))}"
+        who = f"node {node}'s {who}" if whole else who + (f" (on node {node})" if node else "")
+        how += f": {who} had ended {max(ended_before[r] for r in gone):.1f} s before"
+    return Ending(how, "watchdog", rank, node=node)
+
+
+def lost_node(ended: list[int], nodes: dict[int, str]) -> tuple[str, list[int]] | None:
+    """The node whose ranks all ended before any rank of another node did (``ended``: the ranks in the order their
+    processes ended; ``nodes``: rank -> node), and its ranks; None if the order does not single one out."""
+    order = [rank for rank in ended if rank in nodes]
+    if not order:
+        return None
+    node = nodes[order[0]]
+    first = itertools.takewhile(lambda rank: nodes[rank] == node, order)
+    on_it = sorted(rank for rank, where in nodes.items() if where == node)
+    return (node, on_it) if sorted(first) == on_it else None
+
+
 def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:
     """Fill in which rank failed and how (:func:`ending`)."""
     found = ending(watched, fired)
-    attempt.ended, attempt.rank, attempt.signal = found.how, found.rank, found.signal
+    attempt.ended, attempt.rank, attempt.signal, attempt.node = found.how, found.rank, found.signal, found.node
     return found
 
 
