@@ -103,6 +103,22 @@ def test_without_root_or_tools_it_says_which_in_one_line(monkeypatch):
     assert "needs tc (iproute2, util-linux)" in cluster.missing()
 
 
+@pytest.mark.parametrize("routes, addresses, subnet", [
+    ("default via 192.0.2.1 dev eth0\n192.0.2.0/24 dev eth0", "2: eth0 inet 192.0.2.2/24 brd", "10.213.0.0/24"),
+    ("unreachable 10.213.0.0/24\nlocal 10.213.1.7 dev lo table local", "", "10.213.2.0/24"),
+    ("10.0.0.0/8 via 192.0.2.1 dev eth0", "", None),  # (a real network's 10/8: every candidate would shadow it)
+    ("", "3: wlan0 inet 10.213.0.9/16 brd", None),
+])  # fmt: skip
+def test_a_cluster_takes_a_subnet_no_route_or_address_of_the_machine_touches(routes, addresses, subnet, monkeypatch):
+    said = {"route": routes, "addr": addresses}
+    monkeypatch.setattr(cluster, "_run", lambda *words: subprocess.CompletedProcess(words, 0, said[words[3]], ""))
+    if subnet is None:
+        with pytest.raises(UserError, match="no free subnet"):
+            cluster._free_subnet()
+    else:
+        assert cluster._free_subnet() == subnet
+
+
 def test_a_cluster_s_hostfile_is_known_by_its_first_line(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text(hosts.cluster_comment("lab", "2 node(s) x 2 slot(s)") + "\nlab-n1:2\nlab-n2:2\n")

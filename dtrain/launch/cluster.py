@@ -185,9 +185,12 @@ def _free_subnet() -> str:
     """The first 10.213.X.0/24 that no address or route of this machine (nor another cluster) overlaps."""
     used = []
     for line in _run("ip", "-o", "-4", "route", "show", "table", "all").stdout.splitlines():
-        word = line.split()[1] if line.split()[0] in ("local", "broadcast", "unicast") else line.split()[0]
-        if word != "default":
-            used.append(ipaddress.ip_network(word, strict=False))
+        for word in line.split()[:2]:  # "10.0.0.0/8 via ...", or after its type: "local ...", "unreachable ..."
+            try:
+                used.append(ipaddress.ip_network(word, strict=False))
+                break
+            except ValueError:  # ("default": overlaps nothing a /24 of our own would shadow)
+                continue
     for line in _run("ip", "-o", "-4", "addr").stdout.splitlines():
         used.append(ipaddress.ip_interface(line.split()[3]).network)
     for subnet in SUBNETS:
