@@ -168,14 +168,15 @@ def _add_cluster(sub) -> None:
     up.add_argument("--slots", type=int, required=True, metavar="K", help="slots (ranks) a node")
     up.add_argument("--link", metavar="RATE", help="each node's link, each way: 10mbit, 100mbit, 1gbit (default: "
                     "unshaped)")  # fmt: skip
-    kill = actions.add_parser("kill", help="a whole node dies: its processes killed, its link cut, out of the hostfile")
+    kill = actions.add_parser("kill", help="a whole node dies: its processes killed, it leaves the hostfile")
     kill.add_argument("--node", required=True, metavar="NODE", help="the node (its name: dtrain-n2)")
     kill.add_argument("--cut-link", action="store_true", help="cut its link first, as a power failure does: no one is "
                       "told, and the others wait for the watchdog (--timeout)")  # fmt: skip
     status = actions.add_parser("status", help="the nodes, their addresses, links and processes")
     down = actions.add_parser("down", help="remove every namespace, link, process and file of the cluster")
     for action in (up, kill, status, down):
-        action.add_argument("--name", default="dtrain", help="the cluster's name (default %(default)s)")
+        action.add_argument("--name", default="dtrain", help="the cluster's name: 1-8 lowercase letters and digits "
+                            "(default %(default)s)")  # fmt: skip
 
 
 def _add_plan(sub, defaults, dtypes, optimizers) -> None:

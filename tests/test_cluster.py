@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,6 @@ from dtrain.launch import cluster, flavours, hosts, mpiexec
 REPO = Path(__file__).resolve().parents[1]
 WHY_NOT = cluster.missing()
 needs_root = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-pytestmark = pytest.mark.mpi
 NAME = f"t{os.getpid() % 10**7}"  # (one test run's own cluster: never another's)
 RATE = "100mbit"
 
@@ -58,14 +58,14 @@ def nothing_left(name: str) -> None:
 # === everywhere: what is read, and what is refused
 
 
-@pytest.mark.parametrize("text, bits", [("100mbit", 1e8), ("1gbit", 1e9), ("1.5Mbit", 1.5e6), ("500kbit", 5e5)])
+@pytest.mark.parametrize("text, bits", [("100mbit", 1e8), ("1gbit", 1e9), ("1.5Mbit", 1.5e6), ("2500kbit", 2.5e6)])
 def test_a_rate_is_read_as_tc_spells_it(text, bits):
     assert cluster.rate_bits_s(text) == bits
 
 
-@pytest.mark.parametrize("text", ["100m", "100", "fast", "0mbit", "-1gbit", "100 mbit"])
-def test_a_rate_tc_would_not_take_is_refused(text):
-    with pytest.raises(UserError, match="give a rate as tc spells it"):
+@pytest.mark.parametrize("text", ["100m", "100", "fast", "-1gbit", "100 mbit", "0mbit", "500kbit", "101gbit"])
+def test_a_rate_tc_would_not_take_or_too_slow_or_fast_is_refused(text):
+    with pytest.raises(UserError, match=r"give a rate as tc spells it|from 1mbit to 100gbit"):
         cluster.rate_bits_s(text)
 
 
@@ -76,7 +76,7 @@ def test_a_name_that_would_not_fit_a_link_name_is_refused(name):
 
 
 def test_the_longest_names_fit_linux_s_15_characters():
-    c = cluster.Cluster("a" * 8, cluster.MAX_NODES, 1, None, "10.213.0.0/24")
+    c = cluster.Cluster("a" * 8, cluster.MAX_NODES, 1, None, "198.18.0.0/24")
     assert max(len(c.bridge), len(c.veth(cluster.MAX_NODES))) <= 15
 
 
@@ -104,10 +104,10 @@ def test_without_root_or_tools_it_says_which_in_one_line(monkeypatch):
 
 
 @pytest.mark.parametrize("routes, addresses, subnet", [
-    ("default via 192.0.2.1 dev eth0\n192.0.2.0/24 dev eth0", "2: eth0 inet 192.0.2.2/24 brd", "10.213.0.0/24"),
-    ("unreachable 10.213.0.0/24\nlocal 10.213.1.7 dev lo table local", "", "10.213.2.0/24"),
-    ("10.0.0.0/8 via 192.0.2.1 dev eth0", "", None),  # (a real network's 10/8: every candidate would shadow it)
-    ("", "3: wlan0 inet 10.213.0.9/16 brd", None),
+    ("default via 192.0.2.1 dev eth0\n192.0.2.0/24 dev eth0", "2: eth0 inet 192.0.2.2/24 brd", "198.18.0.0/24"),
+    ("unreachable 198.18.0.0/24\nlocal 198.18.1.7 dev lo table local", "", "198.18.2.0/24"),
+    ("198.16.0.0/12 via 192.0.2.1 dev eth0", "", None),  # (a real network there: every candidate would shadow it)
+    ("", "3: wlan0 inet 198.18.0.9/16 brd", None),
 ])  # fmt: skip
 def test_a_cluster_takes_a_subnet_no_route_or_address_of_the_machine_touches(routes, addresses, subnet, monkeypatch):
     said = {"route": routes, "addr": addresses}
@@ -139,12 +139,6 @@ def test_open_mpi_is_refused_on_a_cluster_with_the_reason(monkeypatch):
     nodes = [hosts.Host("lab-n1", 2, "lab"), hosts.Host("lab-n2", 2, "lab")]
     with pytest.raises(UserError, match=r"MPICH's hydra .* this mpiexec is Open MPI 5\.0\.6"):
         mpiexec.flags(nodes)
-
-
-def test_hosts_of_two_clusters_are_refused(monkeypatch):
-    monkeypatch.setattr(flavours, "detect", lambda path: flavours.Mpich("MPICH", "5.0.2"))
-    with pytest.raises(UserError, match="one cluster's hostfile at a time"):
-        mpiexec.flags([hosts.Host("a-n1", 2, "a"), hosts.Host("b-n1", 2, "b")])
 
 
 # === as root: a real cluster
@@ -197,6 +191,41 @@ def test_a_node_reaches_the_other_nodes_and_nothing_else(lab):
 
 
 @needs_root
+def test_the_bridge_forwards_nothing_out_and_no_link_speaks_ipv6(lab):
+    def setting(path: str, node: str | None = None) -> str:
+        read = ["ip", "netns", "exec", node, "cat", path] if node else ["cat", path]
+        return subprocess.run(read, capture_output=True, text=True).stdout.strip()
+
+    assert setting(f"/proc/sys/net/ipv4/conf/{lab.bridge}/forwarding") == "0"
+    if Path("/proc/sys/net/ipv6").exists():
+        for device in (lab.bridge, lab.veth(1), lab.veth(2)):
+            assert setting(f"/proc/sys/net/ipv6/conf/{device}/disable_ipv6") == "1", device
+        for node in lab.names:
+            assert setting("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", node) == "1", node
+
+
+@needs_root
+def test_a_hostfile_naming_a_host_that_is_not_a_live_node_is_refused(lab, tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text(lab.hostfile.read_text() + f"{NAME}-n3:2\n")
+    refused(dtrain("launch", "-n", "4", "--hostfile", str(path), "-m", "dtrain.launch.where"), f"{NAME}-n3")
+
+
+@needs_root
+def test_up_and_down_leave_alone_what_dtrain_did_not_make():
+    name = f"s{os.getpid() % 10**7}"
+    subprocess.run(["ip", "netns", "add", f"{name}-n5"], check=True)  # someone else's, named as ours would be
+    try:
+        refused(dtrain("cluster", "up", "--nodes", "2", "--slots", "1", "--name", name), "no record")
+        refused(dtrain("cluster", "down", "--name", name), "not removed")
+        assert f"{name}-n5" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "delete", f"{name}-n5"])
+        shutil.rmtree(cluster.ROOT / name, ignore_errors=True)
+
+
+@pytest.mark.mpi
+@needs_root
 def test_where_names_each_rank_s_node_as_the_launcher_does(lab, tmp_path):
     done = dtrain("launch", "-n", "4", "--hostfile", str(lab.hostfile), "-m", "dtrain.launch.where", "--json",
                   str(tmp_path / "where.json"))  # fmt: skip
@@ -206,14 +235,16 @@ def test_where_names_each_rank_s_node_as_the_launcher_does(lab, tmp_path):
     assert [(r["node_rank"], r["node_size"]) for r in ranks] == [(0, 2), (1, 2)] * 2  # MPI's Split_type agrees
 
 
+@pytest.mark.mpi
 @needs_root
 def test_the_link_slows_an_allreduce_between_nodes_and_not_within_one(lab):
     done = dtrain("launch", "-n", "4", "--hostfile", str(lab.hostfile), "tests/mpi_scripts/check_cluster_link.py",
                   str(cluster.rate_bits_s(RATE)))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "8 checks, 0 failures" in done.stdout, done.stdout
+    assert "6 checks, 0 failures" in done.stdout, done.stdout
 
 
+@pytest.mark.mpi
 @needs_root
 def test_ddp_across_the_nodes_follows_single_on_one_process(lab, tmp_path):
     common = ["--dataset", "digits", "--epochs", "2", "--dtype", "float64", "--batch-size", "64", "--seed", "3"]
@@ -232,7 +263,7 @@ def test_ddp_across_the_nodes_follows_single_on_one_process(lab, tmp_path):
 @needs_root
 def test_down_cleans_a_cluster_whose_up_was_killed_and_up_refuses_it_first():
     name = f"k{os.getpid() % 10**7}"
-    up = subprocess.Popen([sys.executable, "-m", "dtrain", "cluster", "up", "--nodes", "6", "--slots", "1", "--name",
+    up = subprocess.Popen([sys.executable, "-m", "dtrain", "cluster", "up", "--nodes", "40", "--slots", "1", "--name",
                            name], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
@@ -241,7 +272,7 @@ def test_down_cleans_a_cluster_whose_up_was_killed_and_up_refuses_it_first():
             time.sleep(0.01)
         up.send_signal(signal.SIGKILL)  # a half-made cluster: some nodes, no hostfile
         up.wait()
-        assert any(cluster.left_of(name).values())
+        assert any(cluster.present(cluster.load(name)).values())
         refused(dtrain("cluster", "up", "--nodes", "2", "--slots", "1", "--name", name), "half made")
     finally:
         done = dtrain("cluster", "down", "--name", name)

@@ -184,7 +184,8 @@ def cluster_hostfile():
         yield Path(up.stdout.strip().splitlines()[-1])
     finally:
         dtrain("cluster", "down", "--name", NAME, timeout=120)
-        assert not any(cluster.left_of(NAME).values()), cluster.left_of(NAME)
+        assert f"{NAME}-n" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not (cluster.ROOT / NAME).exists()
 
 
 def run_and_watch(args, marker: str, cwd) -> tuple[subprocess.CompletedProcess, dict[str, set[int]], float]:

@@ -59,11 +59,12 @@ def command(args) -> int:
     if args.action == "kill":
         pids = clusters.kill(args.name, args.node, args.cut_link)
         cut = "link cut, " if args.cut_link else ""
-        print(f"node {args.node} of cluster {args.name}: {cut}{len(pids)} process(es) killed, out of the hostfile")
+        print(terminal.paragraph(f"node {args.node} of cluster {args.name}: {cut}{len(pids)} process(es) killed, out "
+                                 "of the hostfile", hanging="  "))  # fmt: skip
         return 0
-    removed = clusters.down(args.name)
+    removed = clusters.down(args.name)  # (the one action left: down)
     if removed:
-        print(f"cluster {args.name} removed: " + ", ".join(removed))
+        print(terminal.paragraph(f"cluster {args.name} removed: " + ", ".join(removed), hanging="  "))
     else:
         print(f"no cluster named {args.name}: nothing to remove")
     return 0

@@ -37,7 +37,7 @@ class Host:
     cluster: str | None = None  # the dtrain cluster (dtrain cluster up) whose node this is, if it is one
 
 
-CLUSTER = re.compile(r"^#\s*dtrain cluster ([a-z][a-z0-9]*):")
+CLUSTER = re.compile(r"^#\s*dtrain cluster (\S+):")  # (the name is checked where the cluster is looked up)
 
 
 def cluster_comment(name: str, about: str) -> str:

@@ -131,18 +131,15 @@ def flags(hosts: list[Host] | None = None, oversubscribe: bool = False, forward=
 
 def _cluster_args(hosts: list[Host], flavour: Flavour) -> list[str]:
     """How to reach the nodes of a cluster on this machine (:mod:`dtrain.launch.cluster`), if the hosts are one's."""
-    names = {h.cluster for h in hosts}
-    if names == {None}:
+    name = hosts[0].cluster  # (a hostfile's hosts are all its cluster's, or none is)
+    if name is None:
         return []
-    if len(names) > 1:
-        raise UserError(f"the hosts mix nodes of clusters {sorted(map(str, names))}: one cluster's hostfile at a time")
-    (name,) = names
     if not isinstance(flavour, Mpich):
         raise UserError(
             f"cluster {name}'s nodes are network namespaces that dtrain reaches through MPICH's hydra "
             f"(-launcher-exec); this mpiexec is {flavour}: use the mpich wheel's (pip install mpich)"
         )
-    return cluster.mpiexec_args(name)
+    return cluster.mpiexec_args(name, hosts)
 
 
 def _flavour() -> Flavour:

@@ -56,8 +56,9 @@ def read(path) -> World:
                      "--inter-latency)")  # fmt: skip
     record = clusters.load(name)
     if record is None or not record.ready:
-        raise UserError(f"--hostfile {path} is cluster {name}'s, which is not up (no record of it): dtrain cluster up "
-                        f"--name {name} ... makes it again")  # fmt: skip
+        state = "is not up (no record of it)" if record is None else "is half made (dtrain cluster down, then up)"
+        raise UserError(f"--hostfile {path} is cluster {name}'s, which {state}: dtrain cluster up --name {name} ... "
+                        "makes it")  # fmt: skip
     world = World(str(path), hosts, total_slots(hosts), record.slots, cluster=record)
     nodes = f"cluster {name}: {len(hosts)} node(s) x {record.slots} rank(s)"
     if len(hosts) < 2 or record.latency_us is None:
