@@ -13,6 +13,7 @@ is tested everywhere, on made-up endings.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,14 +29,13 @@ from dtrain.launch.banners import Banners
 
 WHY_NOT = cluster.missing()
 needs_root = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
-NAME = "restart"
+NAME = f"r{os.getpid() % 10**7}"  # (this test run's own: never another's)
 EVERY, KILL_AT = 20, 30  # a checkpoint every 20 steps; the node killed once rank 0 has done step 30 (of 88)
 
 
 @pytest.fixture
 def two_nodes():
-    """A 2 x 2 cluster at 100 Mbit/s, always taken down again (a test killed earlier left one: it goes first)."""
-    cluster.down(NAME)
+    """A 2 x 2 cluster at 100 Mbit/s, always taken down again."""
     try:
         yield cluster.up(NAME, 2, 2, "100mbit")
     finally:
@@ -60,6 +60,18 @@ def launch(made: cluster.Cluster, tmp_path: Path, *flags: str) -> subprocess.Pop
                "--epochs", "4", "--checkpoint-every", str(EVERY), "--quiet", "--no-progress", "--out",
                str(tmp_path / "out")]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop(job: subprocess.Popen) -> None:
+    """A launcher still running when the test fails: SIGTERM, so that it ends its job too (a SIGKILL would leave
+    mpiexec to its death signal alone), then SIGKILL if it does not end."""
+    if job.poll() is None:
+        job.terminate()
+        try:
+            job.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.communicate()
 
 
 def wait_for_step(progress: Path, step: int, job: subprocess.Popen, deadline_s: float = 90) -> int:
@@ -102,9 +114,7 @@ def test_a_node_killed_whole_mid_run_and_the_job_goes_on_with_the_other_node(two
         second = shared_memory_of_the_second_attempt(tmp_path / "ck", nodes[0], job)
         out, err = job.communicate(timeout=120)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+        stop(job)
     assert job.returncode == 0, err
     assert len(killed) >= 3  # the node's proxy and its two ranks
     # what the terminal showed: one line on the lost node, none of MPICH's own; then 2 ranks from the checkpoint
@@ -144,15 +154,13 @@ def test_a_node_cut_off_ends_at_the_watchdog_which_names_the_rank_waited_for(two
         cluster.kill(NAME, nodes[1], cut_link=True)
         _, err = job.communicate(timeout=120)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.communicate()
+        stop(job)
     assert job.returncode == 0, err
     # (the rank waited for may be one that was itself waiting, and was ended before it could say so)
     said = re.search(r"^dtrain launch: the watchdog found rank [01] stalled(, waiting for rank [0-3])?"
-                     rf"( \(through rank [01]\))?: node {nodes[1]}'s ranks 2, 3 had ended (\d+\.\d) s before; "
-                     r"\d+ step\(s\) lost", err, re.M)  # fmt: skip
-    assert said and float(said[3]) >= 3, err  # (at least the watchdog's 3 s before the job ended)
+                     rf"( \(through rank [01]\))?: node {nodes[1]}'s ranks 2, 3 had ended (\d+\.\d) s before "
+                     r"rank [01] did; \d+ step\(s\) lost", err, re.M)  # fmt: skip
+    assert said and float(said[3]) >= 3, err  # (at least the watchdog's 3 s before the reporter ended)
     first = json.loads((tmp_path / "out" / "metrics.json").read_text())["restarts"]["attempts"][0]
     checkpointed = first["reached_step"] // EVERY * EVERY
     assert f"attempt 2 of 2, on 2 ranks, from the checkpoint at global step {checkpointed}" in err
@@ -199,6 +207,13 @@ def test_a_lost_proxy_names_the_node_whose_ranks_all_ended_first(order, said, no
     assert (found.how, found.cause, found.node, found.known) == (said, "node", node, True)
 
 
+def test_ranks_of_two_nodes_seen_ending_at_the_same_look_single_out_no_node():
+    found = ended(HYDRA, order=[2, 3, 0, 1], before={2: 0.5, 3: 0.5, 0: 0.5, 1: 0.2})
+    assert (found.how, found.node) == ("mpiexec lost a node (its proxy there ended, and the ranks on it)", None)
+    found = ended(HYDRA, order=[2, 3, 0, 1], before={2: 0.5, 3: 0.5, 0: 0.3, 1: 0.2})
+    assert found.node == "c-n2"
+
+
 def test_a_lost_proxy_is_the_cause_even_if_a_rank_left_behind_raised_after_it():
     found = ended("uncaught exception (rank 0), ending the job:\n" + HYDRA, order=[2, 3, 0, 1])
     assert found.cause == "node" and found.node == "c-n2"
@@ -225,9 +240,12 @@ def watchdog(rank, waits_for=None, world=None):
          "(0 -> 1 -> 0): a deadlock", None),
         # the node cut off: its ranks' processes had ended seconds before the job (the others: as it ended)
         (watchdog(0, 1), {2: 3.4, 3: 3.4, 0: 0.01, 1: -0.1}, "the watchdog found rank 0 stalled, waiting for rank 1: "
-         "node c-n2's ranks 2, 3 had ended 3.4 s before", "c-n2"),
+         "node c-n2's ranks 2, 3 had ended 3.4 s before rank 0 did", "c-n2"),
+        # a slow teardown: every rank ended well before the job, but only 2 and 3 well before the reporter
+        (watchdog(0, 1), {2: 4.9, 3: 4.9, 0: 1.5, 1: 1.5}, "the watchdog found rank 0 stalled, waiting for rank 1: "
+         "node c-n2's ranks 2, 3 had ended 3.4 s before rank 0 did", "c-n2"),
         (watchdog(0, 2), {2: 2.0}, "the watchdog found rank 0 stalled, waiting for rank 2: rank 2 (on node c-n2) had "
-         "ended 2.0 s before", "c-n2"),
+         "ended 2.0 s before rank 0 did", "c-n2"),
     ],
 )  # fmt: skip
 def test_the_watchdog_s_reports_are_followed_to_the_rank_that_never_answered(tail, before, said, node):
@@ -237,4 +255,6 @@ def test_the_watchdog_s_reports_are_followed_to_the_rank_that_never_answered(tai
 
 def test_off_a_cluster_the_ranks_that_had_ended_are_named_without_a_node():
     found = ended(watchdog(0, 1), status=14, nodes={}, before={1: 2.5})
-    assert found.how == "the watchdog found rank 0 stalled, waiting for rank 1: rank 1 had ended 2.5 s before"
+    assert (
+        found.how == "the watchdog found rank 0 stalled, waiting for rank 1: rank 1 had ended 2.5 s before rank 0 did"
+    )

@@ -451,7 +451,7 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
                (_EXCEPTION, "rank {} raised an exception", "exception"),
                (_ABORT, "rank {} aborted the job", "abort"))  # fmt: skip
     if not fired and _LOST_PROXY.search(tail):  # (first: what the ranks left behind said next is its consequence)
-        lost = lost_node(watched.ended, nodes)
+        lost = lost_node(watched.ended, nodes, getattr(watched, "ended_before_s", None) or {})
         if lost is None:
             return Ending("mpiexec lost a node (its proxy there ended, and the ranks on it)", "node")
         node, ranks = lost
@@ -488,7 +488,9 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
 def _stalled(tail: str, rank: int, nodes: dict[int, str], ended_before: dict[int, float]) -> Ending:
     """The watchdog's report of ``rank``, followed along the other reports' "rank A waits for rank B" to the rank at
     the end (a rank that reported too only passed the stall on); and the ranks whose processes had ended well before
-    the job did (``ended_before``: rank -> seconds), the ones that never answered, if this machine saw them end."""
+    the job did (``ended_before``: rank -> seconds), the ones that never answered, if this machine saw them end.
+    "Well before" is counted from the reporting rank's own end, not the job's: a slow teardown must not make the
+    reporter itself look gone."""
     waits = {}
     for found in _WAITS_FOR.finditer(tail):
         waits.setdefault(int(found[1]), int(found[3] or found[2]))
@@ -496,7 +498,9 @@ def _stalled(tail: str, rank: int, nodes: dict[int, str], ended_before: dict[int
     while chain[-1] in waits and waits[chain[-1]] not in chain:
         chain.append(waits[chain[-1]])
     how = f"the watchdog found rank {rank} stalled"
-    gone = sorted(r for r, seconds in ended_before.items() if seconds >= GONE_S)
+    reported_end = ended_before.get(rank, 0.0)
+    before = {r: seconds - reported_end for r, seconds in ended_before.items()}  # how long before the reporter ended
+    gone = sorted(r for r, seconds in before.items() if seconds >= GONE_S)
     if chain[-1] in waits and not gone:  # back to a rank in the chain: every one of them waits for the next
         circle = " -> ".join(map(str, [*chain, waits[chain[-1]]]))
         return Ending(f"{how}, the ranks waiting in a circle ({circle}): a deadlock", "watchdog", rank)
@@ -513,20 +517,30 @@ def _stalled(tail: str, rank: int, nodes: dict[int, str], ended_before: dict[int
         whole = node is not None and gone == sorted(r for r, n in nodes.items() if n == node)
         who = f"rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))}"
         who = f"node {node}'s {who}" if whole else who + (f" (on node {node})" if node else "")
-        how += f": {who} had ended {max(ended_before[r] for r in gone):.1f} s before"
+        how += f": {who} had ended {max(before[r] for r in gone):.1f} s before rank {rank} did"
     return Ending(how, "watchdog", rank, node=node)
 
 
-def lost_node(ended: list[int], nodes: dict[int, str]) -> tuple[str, list[int]] | None:
+def lost_node(ended: list[int], nodes: dict[int, str], ended_before: dict[int, float] | None = None):
     """The node whose ranks all ended before any rank of another node did (``ended``: the ranks in the order their
-    processes ended; ``nodes``: rank -> node), and its ranks; None if the order does not single one out."""
+    processes ended; ``nodes``: rank -> node), and its ranks; None if the order does not single one out.
+    ``ended_before`` (rank -> seconds before the job ended) tells ranks seen ending at the same look apart from
+    the rest: their order among themselves is unknown, so a node whose last rank ended at the same look as another
+    node's first is not singled out."""
     order = [rank for rank in ended if rank in nodes]
     if not order:
         return None
     node = nodes[order[0]]
     first = itertools.takewhile(lambda rank: nodes[rank] == node, order)
     on_it = sorted(rank for rank, where in nodes.items() if where == node)
-    return (node, on_it) if sorted(first) == on_it else None
+    if sorted(first) != on_it:
+        return None
+    if ended_before:
+        last_of_it = min(ended_before.get(r, 0.0) for r in on_it)
+        others = [seconds for r, seconds in ended_before.items() if nodes.get(r, node) != node]
+        if others and max(others) >= last_of_it:  # (the same look, or later: not told apart)
+            return None
+    return node, on_it
 
 
 def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:
