@@ -9,6 +9,7 @@ lesson runs each of them on the ranks mpiexec started:
     dtrain launch -n 4 lessons/02_allreduce.py --ranks-per-node 2   # two emulated "nodes" of 2 ranks
     dtrain launch -n 4 lessons/02_allreduce.py --size-mib 16 --trace allreduce.json
     dtrain launch -n 2 lessons/02_allreduce.py --device gpu         # CuPy buffers, one GPU per rank
+    dtrain launch -n 4 lessons/02_allreduce.py --cluster            # + ring against hierarchical on a cluster
 
 What you will see, for one float32 buffer (1 MiB by default; each rank's values come from its own seed):
 
@@ -30,7 +31,13 @@ What you will see, for one float32 buffer (1 MiB by default; each rank's values 
      16 MiB (best of --repeats alternating runs), and why shm needs two fences. With one rank there is nothing to
      copy: the counts come from 4 simulated ranks and the timing is skipped (threads of one process: no MPI to
      compare with). Ranks on several nodes: the part runs on rank 0's node;
-  4. last lines `all algorithms agree with MPI_Allreduce: yes` and the part's verdicts (the exit status is non-zero
+  4. with --cluster (as root): "Ring against hierarchical across a 100 Mbit/s link". The lesson makes a cluster on
+     this machine (dtrain cluster: 2 nodes that are network namespaces, 2 ranks each, each node's link shaped to
+     --link), trains ddp's 784-512-512-10 MLP (batch 256) across it with --allreduce ring and hierarchical, and
+     prints each one's measured step (metrics.json's training time) beside the cost model's: the ring sends
+     2(p-1)/p n across the link each way, hierarchical 2(m-1)/m n (m nodes), 1.5x fewer bytes where it counts.
+     Then it takes the cluster down (without root: it says why and goes on);
+  5. last lines `all algorithms agree with MPI_Allreduce: yes` and the part's verdicts (the exit status is non-zero
      if any says NO); --json PATH writes every number and verdict to a file.
 
 `--device gpu` runs the same on GPUs (one per rank, rank % GPUs): each rank's buffer is a CuPy array, all-reduced
@@ -45,6 +52,7 @@ Things to try:
   * --size-mib 0.001 against --size-mib 16: which algorithm wins when, and which one "auto" picks;
   * --shm-mib 0.004,0.06,1,64: shm's two fences cost the same at any size, and with many ranks on few cores
     they dominate a small buffer; which of zero copy and copy-in gains more as the buffer grows?
+  * --cluster --link 1gbit (or 10mbit): how does the gain of hierarchical change with the link's speed?
   * --trace trace.json, then open https://ui.perfetto.dev and drag the file in: one row per rank, each all-reduce
     as a span with every Send/Recv inside it, and its peer and bytes in the details.
 
@@ -74,7 +82,9 @@ import functools
 import json
 import statistics
 
+import cluster_util
 import numpy as np
+from cluster_util import add_cluster_flags, cluster_part, link_problem, rate_words
 from lesson_util import (
     add_device_flag,
     everywhere,
@@ -93,6 +103,7 @@ from dtrain.comm import sim
 from dtrain.comm.names import COMM_TYPE_SHARED, UNDEFINED
 from dtrain.comm.staging import StagedComm
 from dtrain.comm.trace import TracedComm, Tracer, write_chrome_trace
+from dtrain.layout import parameter_count
 
 parser = argparse.ArgumentParser(description="Lesson 2: every all-reduce algorithm on MPI ranks")
 parser.add_argument("--size-mib", type=float, default=1.0, help="buffer size in MiB (default %(default)s)")
@@ -115,6 +126,7 @@ parser.add_argument(
 )
 parser.add_argument("--json", metavar="PATH", help="write every measurement and verdict to this file")
 add_device_flag(parser)
+add_cluster_flags(parser, "the part 'ring against hierarchical across a slow link'")
 
 args, comm, p, rank = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
 xp = lesson_xp(args, comm)  # numpy, or cupy on this rank's GPU (--device gpu)
@@ -139,7 +151,8 @@ refuse_bad_arguments([(
     unknown or args.size_mib <= 0 or args.repeats < 1 or (K is not None and K < 1),
     f"unknown algorithm(s) {unknown} (choose from {', '.join(ALGORITHMS)}), or --size-mib <= 0, --repeats < 1 or "
     "--ranks-per-node < 1",
-), (not shm_sizes, f"--shm-mib must be sizes in MiB > 0, comma-separated (got {args.shm_mib!r})")])  # fmt: skip
+), (not shm_sizes, f"--shm-mib must be sizes in MiB > 0, comma-separated (got {args.shm_mib!r})"),
+    link_problem(args)])  # fmt: skip
 
 count = max(1, int(args.size_mib * 2**20) // 4)
 nbytes = 4 * count
@@ -462,6 +475,42 @@ if rank == 0:
         " yields the core and takes 470 us when 4 ranks share 2 cores (counters: 7 us). Write it yourself:"
         " exercise 2.6, below.")  # fmt: skip
 
+
+# ------------------------------------------------------------------ ring against hierarchical across a slow link
+CLUSTER_SIZES = [784, 512, 512, 10]  # ddp's 784-512-512-10 MLP, global batch 256: a gradient of 2,678,824 bytes
+CLUSTER_STEPS = 5  # steps an epoch (2 epochs: epoch 2 is timed)
+CLUSTER_RUN = {"paradigm": "ddp", "dataset": "synthetic", "features": 784, "classes": 10, "hidden": (512, 512),
+               "batch_size": 256, "samples": CLUSTER_STEPS * 256 * 5 // 4, "lr": 0.05, "momentum": 0.0}  # fmt: skip
+
+
+def across_a_slow_link(cluster):
+    """ddp with the ring and with the hierarchical all-reduce, trained across the cluster's link: each one's step
+    beside the cost model's, and why the one is faster (rank 0, while the lesson's other ranks sleep)."""
+    runs = {algorithm: {**CLUSTER_RUN, "allreduce": algorithm} for algorithm in ("ring", "hierarchical")}
+    measured = cluster_util.steps(cluster, runs, CLUSTER_SIZES, CLUSTER_STEPS, "ring", indent="")
+    ranks, m = cluster.nodes * cluster.slots, cluster.nodes
+    n = 4 * parameter_count(CLUSTER_SIZES)
+    ring, hier = measured["ring"], measured["hierarchical"]
+    path = " -> ".join(map(str, [*range(ranks), 0]))
+    say(f"(ddp, MLP {'-'.join(map(str, CLUSTER_SIZES))}, global batch 256, synthetic data; step ms: epoch 2's"
+        f" training time over its {CLUSTER_STEPS} steps, from metrics.json; model ms: DataParallel.step_time with"
+        " this machine's calibrated compute, shared by all the cluster's ranks, plus the all-reduce priced at the"
+        " link's rate and measured latency)")  # fmt: skip
+    say(f"The gradient is n = {n:,} bytes. Ranks fill the nodes in order, so the ring {path} crosses the link once"
+        f" each way, and that hop carries what every hop carries, 2(p-1)/p n = {2 * (ranks - 1) / ranks * n / 1e6:.2f}"
+        " MB a step: every step of the ring waits for it. Hierarchical sums inside each node first (shared memory,"
+        f" next to free), and only the {m} node leaders cross, 2(m-1)/m n = {2 * (m - 1) / m * n / 1e6:.2f} MB each"
+        f" way: {(ranks - 1) / ranks * m / (m - 1):.2f}x fewer bytes on the link. Measured, hierarchical is"
+        f" {terminal.speed(hier['step_s'], ring['step_s'], 'the ring')}; the model says"
+        f" {terminal.speed(hier['model_step_s'], ring['model_step_s'], 'the ring')}.")  # fmt: skip
+    return measured
+
+
+if rank == 0:
+    print(f"\nRing against hierarchical across a {rate_words(args.link)} link (a cluster on this machine)")
+cluster_measured = cluster_part(args, comm, "2", across_a_slow_link, indent="")
+
+if rank == 0:
     print("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     results_ok = mpi_agrees_with_numpy and all(r["ok"] for r in ran)
     bytes_ok = all(r["sent"] == r["formula"] for r in ran)
@@ -481,7 +530,8 @@ if rank == 0:
         with open(args.json, "w") as f:
             json.dump({"world": p, "bytes": nbytes, "algorithms": rows,
                        "copies": {"ranks": q, "simulated": bool(untimed), "one_node": one_node, "per_rank": copies},
-                       "timing": timing, "untimed": untimed, "checks": checks}, f, indent=1)  # fmt: skip
+                       "timing": timing, "untimed": untimed, "cluster": cluster_measured, "checks": checks}, f,
+                      indent=1)  # fmt: skip
         print(f"\nmeasurements written to\n  {args.json}")
 else:
     failed = False

@@ -11,6 +11,7 @@ The last two keep what a step did not send and add it to the next step's gradien
     dtrain launch -n 4 lessons/13_compression.py
     dtrain launch -n 4 lessons/13_compression.py --quick          # 4 epochs, 1 seed, fewer timings: ~10 s
     dtrain launch -n 2 lessons/13_compression.py --ratio 0.001 --rank 1
+    dtrain launch -n 4 lessons/13_compression.py --quick --cluster  # + section 6, on a cluster (root)
 It runs on the CPU only (no --device flag): the compressors run on a GPU too (dtrain train --device gpu --compress
 ...), but what this lesson measures, bytes, accuracy and the arithmetic a compressor adds, it measures on this machine.
 
@@ -29,7 +30,12 @@ What you will see:
   5. when compression pays: bytes saved against arithmetic added, in the cost model (dtrain.plan.hardware,
      dtrain.collectives.costmodel): the predicted step of each method on this machine and on a slow link
      (1 Gbit/s, 50 us a message, one rank a node), for the digits MLP and an MNIST-sized one, and the link
-     bandwidth below which each method's step is the shorter.
+     bandwidth below which each method's step is the shorter;
+  6. with --cluster (as root): across a 100 Mbit/s link, measured. The lesson makes a cluster on this machine
+     (dtrain cluster: 2 nodes that are network namespaces, 2 ranks each, each node's link shaped to --link),
+     trains ddp's ring, top-k (--ratio) and PowerSGD (--rank) on the digits across it (a wider MLP,
+     64-256-256-10, so that the link counts) and prints each one's training time to 96% test accuracy beside the
+     cost model's; then takes the cluster down (without root: it says why and goes on).
 
 Every check compares with an independent oracle (the tracer's counts, closed forms, the formats' definitions, the
 driver's own weights) and prints an OK line (FAIL if it does not hold); the last line says whether all passed (the exit
@@ -39,6 +45,7 @@ rank often waits for a core rather than for a message.
 
 Things to try:
   * --ratio 0.001 (4 entries of the digits MLP's 3,466 a rank a step) and --rank 1: how far can they go?
+  * --cluster --link 1gbit (or 10mbit): where does top-k stop paying on a real link?
   * --hidden 128,128: a wider model; do 2 singular values of its gradients still hold as much?
   * dtrain train --paradigm ddp --compress powersgd --powersgd-rank 1 --compress-feedback off --epochs 20: does the
     gap to error feedback close with more epochs?
@@ -67,7 +74,9 @@ import statistics
 import time
 from typing import NamedTuple
 
+import cluster_util
 import numpy as np
+from cluster_util import add_cluster_flags, cluster_part, link_problem, rate_words
 from lesson_util import (
     Checks,
     conclude,
@@ -392,6 +401,7 @@ def arguments() -> tuple[argparse.Namespace, Setup]:
                         help="section 5: timed exchanges per compressor (default %(default)s)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="4 epochs, 1 seed, 5 timed exchanges (a test's run)")
     parser.add_argument("--json", metavar="PATH", help="write every measurement to this file")
+    add_cluster_flags(parser, "section 6")
     args, world, p, _ = parse_and_start(parser)  # MPI starts here, after argparse: --help works without it
     if args.quick:
         args.epochs, args.seeds, args.repeats = min(args.epochs, 4), 1, min(args.repeats, 5)
@@ -409,6 +419,7 @@ def arguments() -> tuple[argparse.Namespace, Setup]:
         (not 0 < args.ratio <= 1, f"--ratio {args.ratio} must be in (0, 1]: the fraction of entries a rank sends"),
         (not 1 <= args.rank <= narrowest,
          f"--rank {args.rank} must be >= 1 and at most the smaller side of every weight matrix ({narrowest})"),
+        link_problem(args),
     ])  # fmt: skip
     return args, Setup(world, digits, hidden, args.batch_size, args.epochs, args.ratio, args.rank,
                        list(range(args.seeds)), args.repeats)  # fmt: skip
@@ -810,8 +821,42 @@ def section_5_when_it_pays(setup: Setup, runs: dict, checks: Checks, results: di
               flips)  # fmt: skip
 
 
+def section_6_across_a_slow_link(args, setup: Setup, results: dict) -> None:
+    """ddp's ring, top-k and PowerSGD trained on the digits across a cluster's slow link (a wider MLP than the
+    lesson's): each one's training time to 96% beside the cost model's (rank 0 runs them; the others sleep)."""
+    runs = {"ddp ring": {"allreduce": "ring"}, f"top-k {100 * setup.ratio:g}%": {"compress": "topk",
+            "compress_ratio": setup.ratio}, f"PowerSGD r={setup.powersgd_rank}": {"compress": "powersgd",
+            "powersgd_rank": setup.powersgd_rank}}  # fmt: skip
+    runs = {label: {**cluster_util.DIGITS_RUN, "paradigm": "ddp", **flags} for label, flags in runs.items()}
+    accuracy, epochs = cluster_util.ACCURACY, cluster_util.DIGITS_EPOCHS
+
+    def measure(cluster) -> dict:
+        sizes, per_epoch = cluster_util.digits_workload()
+        measured = cluster_util.to_accuracy(cluster, runs, sizes, per_epoch, epochs, accuracy, "ddp ring")
+        base = measured["ddp ring"]
+        say(f"(MLP {'-'.join(map(str, sizes))}, global batch {cluster_util.DIGITS_RUN['batch_size']} ({per_epoch}"
+            f" steps an epoch), {epochs} epochs; epochs: to {100 * accuracy:g}% test accuracy; seconds: their"
+            " training time, from metrics.json; model s: those epochs' steps x DataParallel.step_time, this"
+            " machine's compute shared by all the cluster's ranks and the link's rate and latency, the compressors'"
+            " own arithmetic left out as in section 5; step ms: training time a step, epochs 2 on)")  # fmt: skip
+        faster = [f"{label} {terminal.speed(m['seconds'], base['seconds'], None)}" for label, m in measured.items()
+                  if label != "ddp ring" and m["seconds"] and base["seconds"]]  # fmt: skip
+        say("Bytes a rank sends a step (costs()): " + ", ".join(f"{label} {m['bytes_per_step']:,d}" for label, m
+            in measured.items()) + f". At {rate_words(cluster.link)} the bytes are what a step waits for, not"
+            " the latencies that decided section 5 on this machine's memory: a method that sends a fraction of ddp's"
+            " bytes takes a fraction of its step (step ms), even where it needs an epoch or two more (epochs)."
+            + (f" To {100 * accuracy:g}%: " + ", ".join(faster) + "." if faster else ""))  # fmt: skip
+        return measured
+
+    heading(f"6. Across a {rate_words(args.link)} link: ddp, top-k and PowerSGD, the time to {100 * accuracy:g}%"
+            " test accuracy on a cluster")  # fmt: skip
+    measured = cluster_part(args, setup.world, "13", measure)
+    if setup.rank == 0:
+        results["cluster"] = measured
+
+
 def main() -> None:
-    """The lesson: its arguments, then its five sections in order (each hands on what a later one compares with),
+    """The lesson: its arguments, then its six sections in order (each hands on what a later one compares with),
     then the exercises and the verdict."""
     args, setup = arguments()
     checks = Checks(setup.world)  # each claim checked on every rank, and printed: checks.ok(claim, flag)
@@ -821,6 +866,7 @@ def main() -> None:
     section_3_why_error_feedback(setup, runs, checks, results)
     section_4_fp16_against_bf16(average, checks, results)
     section_5_when_it_pays(setup, runs, checks, results)
+    section_6_across_a_slow_link(args, setup, results)
     # the docstring's Exercises section, as it is (it keeps to 80 columns: it is printed)
     mpi.print0("\n" + __doc__[__doc__.index("\nExercises") + 1 :].rstrip())
     conclude(args.json, results, checks)

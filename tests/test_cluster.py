@@ -313,3 +313,17 @@ def test_down_ends_every_process_left_on_the_nodes():
     assert sleeper.wait(timeout=10) == -signal.SIGTERM
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     nothing_left(name)
+
+
+def test_a_job_launched_from_a_rank_does_not_inherit_its_process_manager_s_variables():
+    base = {"PMI_FD": "3", "HYDI_CONTROL_FD": "4", "MPI_LOCALRANKID": "0", "PMIX_RANK": "0", "HYDRA_IFACE": "eth1",
+            "OMPI_MCA_btl": "tcp", "DTRAIN_TIMEOUT": "9"}  # fmt: skip
+    env = mpiexec.environment(2, base)
+    assert {"HYDRA_IFACE", "OMPI_MCA_btl", "DTRAIN_TIMEOUT"} <= set(env)  # (a person's settings stay)
+    assert not {"PMI_FD", "HYDI_CONTROL_FD", "MPI_LOCALRANKID", "PMIX_RANK"} & set(env)
+
+
+def test_every_rank_of_a_cluster_counts_against_this_machine_s_cores():
+    nodes = [hosts.Host("lab-n1", 2, "lab"), hosts.Host("lab-n2", 2, "lab")]
+    assert mpiexec.ranks_per_host(4, nodes) == 4  # (the nodes are namespaces of one machine)
+    assert mpiexec.ranks_per_host(4, [hosts.Host("a", 2), hosts.Host("b", 2)]) == 2

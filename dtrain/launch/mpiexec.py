@@ -47,6 +47,12 @@ def path() -> Path:
     )
 
 
+# What a process manager puts in each rank's environment to reach it (MPICH's hydra: PMI_FD, HYDI_CONTROL_FD, ...;
+# Open MPI's prte: PMIX_*, OMPI_COMM_WORLD_*). A rank that launches a job of its own (a lesson's part on a cluster)
+# must not hand them on: the new job's mpiexec would take them for its own and talk to the wrong manager.
+A_RANKS_OWN = ("PMI_", "HYDI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_", "OMPI_COMM_WORLD_")
+
+
 def environment(nranks: int, base: dict | None = None, flavour: Flavour | None = None) -> dict:
     """The environment for ``nranks`` ranks on this machine: one thread each, yielding waits when oversubscribed,
     and the launcher's terminal's width as ``COLUMNS`` (what the ranks print is fitted to it, :mod:`dtrain.terminal`).
@@ -54,7 +60,8 @@ def environment(nranks: int, base: dict | None = None, flavour: Flavour | None =
     ``flavour`` says how the MPI spells the yielding wait (by default: that of :func:`path`'s MPI). Values
     already set by the user win (``setdefault``), so ``OMP_NUM_THREADS=4 dtrain launch ...`` still works.
     """
-    env = dict(os.environ if base is None else base)
+    env = {name: value for name, value in (os.environ if base is None else base).items()
+           if not name.startswith(A_RANKS_OWN)}  # fmt: skip
     for name in THREAD_VARIABLES:
         env.setdefault(name, "1")
     # a rank's stdout is a pipe to mpiexec: tell it how wide the terminal at the end of the launcher's is
@@ -150,8 +157,9 @@ def _flavour() -> Flavour:
 
 
 def ranks_per_host(nranks: int, hosts: list[Host] | None) -> int:
-    """The most ranks any one machine gets: all of them without hosts; hosts fill their slots in order, then wrap."""
-    if hosts is None:
+    """The most ranks any one machine gets: all of them without hosts, or on a dtrain cluster (its nodes share this
+    machine's cores); hosts fill their slots in order, then wrap."""
+    if hosts is None or hosts[0].cluster is not None:
         return nranks
     placed = [0] * len(hosts)
     left = nranks
