@@ -105,6 +105,17 @@ def state_bytes(metrics: dict) -> tuple[list | None, list]:
     return ([sum(h.get(k, 0) for k in kinds) for h in held] if held else None), predicted
 
 
+def time_to_accuracy(metrics: dict, accuracy: float) -> tuple[int | None, float | None]:
+    """The first epoch whose test accuracy is at least ``accuracy``, and the training time up to its end (the
+    training loop's, evaluation and start-up left out); (None, None) if no epoch reached it."""
+    seconds = 0.0
+    for e in metrics["epochs"]:
+        seconds += e["train_time_s"]
+        if e["test_accuracy"] >= accuracy:
+            return e["epoch"], seconds
+    return None, None
+
+
 def run_summary(metrics: dict) -> dict:
     """One run's results and costs, from its metrics.json: accuracy, times, and per rank the training bytes and
     messages it sent per step (measured: :func:`training_traffic` over :func:`training_steps`; predicted:

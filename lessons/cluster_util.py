@@ -32,7 +32,7 @@ from pathlib import Path
 
 from lesson_util import say, sleeping_barrier, table
 
-from dtrain import parallel, terminal
+from dtrain import parallel, report, terminal
 from dtrain.config import TrainConfig, flag_words
 from dtrain.errors import UserError
 from dtrain.launch import cluster as clusters
@@ -165,17 +165,6 @@ def predicted(fields: dict, sizes, world: int, machine: hardware.Hardware) -> di
     return parallel.get(config.paradigm).step_time(list(sizes), world, config, machine)
 
 
-def reached(metrics: dict, accuracy: float) -> tuple[int | None, float | None]:
-    """The first epoch whose test accuracy is at least ``accuracy`` and the training time up to its end, from
-    metrics.json; (None, None) if no epoch reached it."""
-    seconds = 0.0
-    for e in metrics["epochs"]:
-        seconds += e["train_time_s"]
-        if e["test_accuracy"] >= accuracy:
-            return e["epoch"], seconds
-    return None, None
-
-
 # === the two measurements the lessons make
 
 
@@ -227,7 +216,7 @@ def to_accuracy(cluster: clusters.Cluster, runs: dict, sizes, steps_per_epoch: i
     with tempfile.TemporaryDirectory() as tmp:
         for label, fields in runs.items():
             metrics = train(cluster, {**fields, "epochs": epochs}, Path(tmp) / str(len(measured)))
-            epoch, seconds = reached(metrics, accuracy)
+            epoch, seconds = report.time_to_accuracy(metrics, accuracy)
             step = sum(predicted(fields, sizes, world, machine).values())
             later = metrics["epochs"][1:] or metrics["epochs"]
             measured[label] = {"epoch": epoch, "seconds": seconds, "model_step_s": step,

@@ -51,7 +51,7 @@ from pathlib import Path
 from bench_util import Record, faster, rotated, run_meta, samples_for, write_results
 
 from dtrain import config as train_config
-from dtrain import parallel
+from dtrain import parallel, report
 from dtrain.errors import UserError
 from dtrain.launch import cluster as clusters
 from dtrain.launch import mpiexec
@@ -233,17 +233,6 @@ def part_a(args, cluster, machine, out: Record) -> dict:
 # === part B
 
 
-def reached(metrics: dict, accuracy: float) -> tuple[int | None, float | None]:
-    """The first epoch (1-based) whose test accuracy is at least ``accuracy``, and the training time up to its end
-    (None, None: never)."""
-    seconds = 0.0
-    for e in metrics["epochs"]:
-        seconds += e["train_time_s"]
-        if e["test_accuracy"] >= accuracy:
-            return e["epoch"], seconds
-    return None, None
-
-
 def in_seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.2f} s"
 
@@ -266,7 +255,7 @@ def part_b(args, cluster, machine, out: Record) -> dict:
             for label in rotated(list(B_RUNS), repeat):
                 fields = {**B_FLAGS, **B_RUNS[label], "epochs": args.epochs, "seed": repeat}
                 metrics = train(cluster, fields, Path(tmp) / f"{len(runs[label])}-{label.replace(' ', '_')}")
-                epoch, seconds = reached(metrics, args.accuracy)
+                epoch, seconds = report.time_to_accuracy(metrics, args.accuracy)
                 later = metrics["epochs"][1:] or metrics["epochs"]
                 runs[label].append({"epoch": epoch, "seconds": seconds, "seed": repeat,
                                     "step_s": sum(e["train_time_s"] for e in later) / (len(later) * per_epoch),

@@ -327,3 +327,12 @@ def test_every_rank_of_a_cluster_counts_against_this_machine_s_cores():
     nodes = [hosts.Host("lab-n1", 2, "lab"), hosts.Host("lab-n2", 2, "lab")]
     assert mpiexec.ranks_per_host(4, nodes) == 4  # (the nodes are namespaces of one machine)
     assert mpiexec.ranks_per_host(4, [hosts.Host("a", 2), hosts.Host("b", 2)]) == 2
+
+
+def test_time_to_accuracy_adds_the_training_time_of_the_epochs_up_to_the_first_that_reaches_it():
+    from dtrain.report import time_to_accuracy
+
+    epochs = [{"epoch": i + 1, "train_time_s": t, "test_accuracy": a} for i, (t, a) in
+              enumerate([(1.0, 0.90), (0.5, 0.96), (0.25, 0.99)])]  # fmt: skip
+    assert time_to_accuracy({"epochs": epochs}, 0.96) == (2, 1.5)
+    assert time_to_accuracy({"epochs": epochs}, 0.995) == (None, None)
