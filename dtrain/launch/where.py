@@ -88,17 +88,14 @@ def report(ranks: list[dict], library: str) -> str:
     machines: dict[str, list[dict]] = {}
     for r in ranks:
         machines.setdefault(r["host"], []).append(r)
-    lines = [
-        f"{len(ranks)} ranks on {len(machines)} machine{'s' if len(machines) > 1 else ''}; MPI: {library}",
-        "",
-        f"{'rank':>4}  {'machine':<24} {'MPI: rank/size on it':>20} {'mpiexec: local rank':>20} {'pid':>8}  cores",
-    ]
+    rows = []
     for r in ranks:
         local = "-" if r["mpiexec_local_rank"] is None else f"{r['mpiexec_local_rank']}/{r['mpiexec_local_size']}"
-        lines.append(
-            f"{r['rank']:>4}  {r['host']:<24} {r['node_rank']:>9}/{r['node_size']:<10} {local:>20} {r['pid']:>8}  "
-            f"{_spans(r['cores'])}"
-        )
+        rows.append([str(r["rank"]), r["host"], f"{r['node_rank']}/{r['node_size']}", local, str(r["pid"]),
+                     _spans(r["cores"])])  # fmt: skip
+    header = ["rank", "machine", "MPI: rank/size on it", "mpiexec: local rank", "pid", "cores"]
+    lines = [f"{len(ranks)} ranks on {len(machines)} machine{'s' if len(machines) > 1 else ''}; MPI: {library}", "",
+             terminal.table(header, rows, left=(1, 5))]  # fmt: skip
     lines.append("")
     for host, here in machines.items():
         cores = set().union(*(set(r["cores"]) for r in here))
@@ -107,13 +104,17 @@ def report(ranks: list[dict], library: str) -> str:
         for r in here:
             nodes.setdefault(r["node_leader"], []).append(r["rank"])
         shared = " | ".join(_spans(members) for members in nodes.values())
-        lines.append(f"{host}: ranks {_spans(r['rank'] for r in here)} on cores {_spans(cores)}{crowded}; "
-                     f"sharing memory (MPI's nodes): {shared}")  # fmt: skip
+        lines.append(f"{host}: ranks {_spans(r['rank'] for r in here)} on cores {_spans(cores)}{crowded}")
+        lines.append(f"  sharing memory (MPI's nodes): {shared}")
         if len(nodes) > 1:
             lines.append(
-                f"  note: MPI sees {len(nodes)} nodes on the one machine {host} (its process manager was given it "
-                f"under {len(nodes)} names, or its ranks were split); the hierarchical all-reduce takes them as "
-                f"{len(nodes)} nodes"
+                terminal.paragraph(
+                    f"note: MPI sees {len(nodes)} nodes on the one machine {host} (its process manager was given it "
+                    f"under {len(nodes)} names, or its ranks were split); the hierarchical all-reduce takes them as "
+                    f"{len(nodes)} nodes",
+                    indent="  ",
+                    hanging="    ",
+                )
             )
     return "\n".join(lines)
 
