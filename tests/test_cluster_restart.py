@@ -214,6 +214,17 @@ def test_ranks_of_two_nodes_seen_ending_at_the_same_look_single_out_no_node():
     assert found.node == "c-n2"
 
 
+def test_where_the_order_does_not_tell_the_cluster_s_record_of_a_killed_node_does(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster, "ROOT", tmp_path)
+    (tmp_path / "c").mkdir()
+    record = {"name": "c", "nodes": 2, "slots": 2, "link": None, "subnet": "198.18.0.0/24", "ready": True}
+    (tmp_path / "c" / "cluster.json").write_text(json.dumps({**record, "killed": ["c-n2"]}))
+    found = ended(HYDRA, order=[2, 0, 3, 1])
+    assert (found.how, found.node) == ("mpiexec lost node c-n2 (its proxy ended with every rank on it: 2, 3)", "c-n2")
+    (tmp_path / "c" / "cluster.json").write_text(json.dumps(record))  # (no node killed: nothing to go by)
+    assert ended(HYDRA, order=[2, 0, 3, 1]).node is None
+
+
 def test_a_lost_proxy_is_the_cause_even_if_a_rank_left_behind_raised_after_it():
     found = ended("uncaught exception (rank 0), ending the job:\n" + HYDRA, order=[2, 3, 0, 1])
     assert found.cause == "node" and found.node == "c-n2"

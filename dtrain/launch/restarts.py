@@ -60,8 +60,8 @@ from pathlib import Path
 from dtrain import checkpoint, faults, terminal
 from dtrain.config import TrainConfig, default_batch, train_parser
 from dtrain.errors import EXIT_USER_ERROR, ConfigError, UsageError, UserError
+from dtrain.launch import cluster, launcher
 from dtrain.launch import hosts as hostlists
-from dtrain.launch import launcher
 
 DEFAULT_RESTART_DELAY_S = 2.0
 ATTEMPTS_FILE = "attempts.json"  # in the checkpoint folder: this launch's attempts so far (metrics.json "restarts")
@@ -451,7 +451,7 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
                (_EXCEPTION, "rank {} raised an exception", "exception"),
                (_ABORT, "rank {} aborted the job", "abort"))  # fmt: skip
     if not fired and _LOST_PROXY.search(tail):  # (first: what the ranks left behind said next is its consequence)
-        lost = lost_node(watched.ended, nodes, getattr(watched, "ended_before_s", None) or {})
+        lost = lost_node(watched.ended, nodes, getattr(watched, "ended_before_s", None) or {}) or killed_node(nodes)
         if lost is None:
             return Ending("mpiexec lost a node (its proxy there ended, and the ranks on it)", "node")
         node, ranks = lost
@@ -541,6 +541,20 @@ def lost_node(ended: list[int], nodes: dict[int, str], ended_before: dict[int, f
         if others and max(others) >= last_of_it:  # (the same look, or later: not told apart)
             return None
     return node, on_it
+
+
+def killed_node(nodes: dict[int, str]) -> tuple[str, list[int]] | None:
+    """On a ``dtrain cluster``, when the order of the ends did not tell: the one node of the job that its cluster's
+    record says ``dtrain cluster kill`` took down, and its ranks (None: not a cluster's, or not exactly one)."""
+    names = {node.rsplit("-n", 1)[0] for node in nodes.values()}
+    try:
+        record = cluster.load(names.pop()) if len(names) == 1 else None
+    except UserError:  # (not a cluster's name after all, or its record unreadable: nothing to go by)
+        record = None
+    killed = sorted({node for node in nodes.values() if record is not None and node in record.killed})
+    if len(killed) != 1:
+        return None
+    return killed[0], sorted(rank for rank, node in nodes.items() if node == killed[0])
 
 
 def _explain(attempt: Attempt, watched, fired: list[dict]) -> Ending:
