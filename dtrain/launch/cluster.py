@@ -65,6 +65,7 @@ RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's units: powers of te
 SLOWEST, FASTEST = 1e6, 1e11  # (below a megabit, a job's start-up alone would take minutes)
 NETWORK_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}  # (between nodes: TCP on the node's link)
 TOOLS = ("ip", "tc", "unshare")  # iproute2's, and util-linux's
+SYSTEM_BIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")  # (where they live, if a root shell's PATH lacks them)
 
 
 @dataclass
@@ -148,10 +149,15 @@ def missing(what: str = "a cluster on this machine") -> str | None:
     """Why ``what`` cannot be done here (not root, a tool missing), or None if it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return f"{what} needs root (network namespaces and links are made by root)"
-    tools = [tool for tool in TOOLS if shutil.which(tool) is None]
+    tools = [name for name in TOOLS if tool(name) is None]
     if tools:
-        return f"{what} needs {' and '.join(tools)} (iproute2, util-linux), not found on PATH"
+        return f"{what} needs {' and '.join(tools)} (iproute2, util-linux), not found on PATH nor in /usr/sbin, /sbin"
     return None
+
+
+def tool(name: str) -> str | None:
+    """Where the program ``name`` is: on PATH, else where systems keep root's tools."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SYSTEM_BIN))
 
 
 def require_tools(what: str) -> None:
@@ -287,7 +293,7 @@ def _make(c: Cluster) -> None:
         _run("ip", "-n", node, "link", "set", "eth0", "up")
         _run("ip", "-n", node, "link", "set", "lo", "up")
         if c.link is not None:  # a token bucket each way: RATE out of the node, RATE into it
-            _shape("ip", "netns", "exec", node, "tc", "qdisc", "add", "dev", "eth0", link=c.link)
+            _shape("ip", "netns", "exec", node, tool("tc"), "qdisc", "add", "dev", "eth0", link=c.link)
             _shape("tc", "qdisc", "add", "dev", c.veth(i), link=c.link)
     c.script.write_text(launch_script(c))
     c.script.chmod(0o755)
@@ -336,7 +342,7 @@ case "$host" in
   {nodes}) ;;
   *) echo "dtrain cluster {c.name}: no node named $host (nodes: {", ".join(c.names)})" >&2; exit 255 ;;
 esac
-exec ip netns exec "$host" unshare --uts \\
+exec {tool("ip")} netns exec "$host" {tool("unshare")} --uts \\
   /bin/bash -c 'hostname "$0" && exec /bin/bash -c "$1"' "$host" "$*"
 """
 
@@ -357,8 +363,8 @@ def _measure(c: Cluster) -> tuple[float, float]:
     nbytes = 8 << 20 if c.link_bits_s is None else max(64 << 10, int(c.link_bits_s / 8 * seconds))
     probe = [sys.executable, "-m", "dtrain.launch.linkprobe"]
     where = [c.address(1), "47613", str(nbytes)]
-    server = subprocess.Popen(["ip", "netns", "exec", c.node(1), *probe, "serve", *where], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    serve = [tool("ip"), "netns", "exec", c.node(1), *probe, "serve", *where]
+    server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         done = _run("ip", "netns", "exec", c.node(2), *probe, "call", *where, check=False)
     finally:
@@ -503,6 +509,7 @@ def mpiexec_args(name: str, hosts: list[Host]) -> list[str]:
 def _run(*words: str, check=True) -> subprocess.CompletedProcess:
     """A command of ``ip``'s or ``tc``'s; a failure (or a minute gone) is one line: the command and its first
     words."""
+    words = (tool(words[0]) or words[0], *words[1:])  # (ip and tc: where root's shell keeps them, if not on PATH)
     try:
         done = subprocess.run(list(words), capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
