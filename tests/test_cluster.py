@@ -99,8 +99,8 @@ def test_without_root_or_tools_it_says_which_in_one_line(monkeypatch):
         "dtrain cluster up needs root (network namespaces and links are made by root)"
     )
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
-    assert "needs tc (iproute2, util-linux)" in cluster.missing()
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool, path=None: None if tool == "tc" else f"/usr/sbin/{tool}")
+    assert "needs tc (iproute2, util-linux), not found on PATH nor in /usr/sbin, /sbin" in cluster.missing()
 
 
 @pytest.mark.parametrize("routes, addresses, subnet", [
