@@ -20,7 +20,7 @@ from dtrain.errors import UserError
 from dtrain.launch import cluster, launcher, mpiexec
 from dtrain.launch.hosts import Host
 
-NAME = "course"  # this file's own cluster (nobody else's is touched)
+NAME = f"c{os.getpid() % 10**7}"  # this test run's own cluster (nobody else's is touched)
 
 
 def dtrain(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
@@ -174,7 +174,7 @@ def test_a_bad_hostfile_is_one_line_and_nothing_starts(tmp_path):
 # --- as root: across a cluster of 2 nodes x 2 slots ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster_hostfile():
-    """Cluster ``course``: 2 nodes x 2 slots, a 100 Mbit/s link; always taken down again."""
+    """This run's cluster: 2 nodes x 2 slots, a 100 Mbit/s link; always taken down again."""
     why = cluster.missing()
     if why:
         pytest.skip(why)
@@ -212,7 +212,7 @@ def run_and_watch(args, marker: str, cwd) -> tuple[subprocess.CompletedProcess, 
 
 def test_the_tour_runs_its_ddp_job_across_the_clusters_two_nodes(cluster_hostfile, tmp_path):
     args = ["tour", "--hostfile", cluster_hostfile, "--paradigms", "ddp", "--ranks", 4, "--epochs", 1, "--out", "t"]
-    done, seen, seconds = run_and_watch(args, "dtrain.comm.run", tmp_path)
+    done, seen, seconds = run_and_watch(args, "--paradigm\0ddp\0", tmp_path)  # (ddp's ranks; not single's process)
     print(f"dtrain tour --paradigms ddp --ranks 4 --epochs 1 on 2 nodes x 2 slots (100mbit): {seconds:.1f} s")
     assert done.returncode == 0, done.stderr
     assert {node: len(pids) for node, pids in seen.items()} == {f"{NAME}-n1": 2, f"{NAME}-n2": 2}, seen
