@@ -57,19 +57,23 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def without_tc() -> dict:
-    """PATH without the sbin folders, where tc lives: cluster.missing() then has its reason (or root's)."""
+def without_tc(folder) -> dict:
+    """PATH without the sbin folders, where tc lives, and cluster.SYSTEM_BIN emptied by a sitecustomize.py in
+    ``folder`` (on PYTHONPATH: every rank imports it), so that dtrain does not look there either:
+    cluster.missing() then has its reason (or root's)."""
     kept = [d for d in os.environ["PATH"].split(os.pathsep) if not d.rstrip("/").endswith("sbin")]
-    return {"PATH": os.pathsep.join(kept)}
+    (folder / "sitecustomize.py").write_text("import dtrain.launch.cluster\ndtrain.launch.cluster.SYSTEM_BIN = ()\n")
+    python_path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PATH": os.pathsep.join(kept), "PYTHONPATH": python_path}
 
 
 @pytest.mark.parametrize("name", list(LESSON_RUNS))
 def test_where_no_cluster_can_be_made_the_part_says_why_and_the_lesson_goes_on(name, tmp_path):
-    env = without_tc()
+    (tmp_path / "hide").mkdir()
+    env = without_tc(tmp_path / "hide")
     reason = subprocess.run([sys.executable, "-c", "from dtrain.launch import cluster; print(cluster.missing())"],
                             capture_output=True, text=True, env={**os.environ, **env}).stdout.strip()  # fmt: skip
-    if reason == "None":
-        pytest.skip("tc is found outside the sbin folders here: no way to take it away")
+    assert reason != "None", "tc was still found: the test could not take it away"
     results, out = lesson(name, "--cluster", tmp_path=tmp_path, env=env)
     assert HEADINGS[name] in flat(out), out
     assert f"skipped: {reason}" in flat(out), out
