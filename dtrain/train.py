@@ -56,7 +56,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # Every rank's traffic is counted (bytes, messages, time per operation) and summarised into metrics.json.
     comm = prepare(comm, device=config.device, timeout=config.timeout, events=bool(config.trace))
     world, rank = comm.Get_size(), comm.Get_rank()
-    fault = faults.from_env(world, config.checkpoint_dir, checkpoint_every=config.checkpoint_every)  # DTRAIN_FAULT
+    planned = faults.from_env(world, config.checkpoint_dir, checkpoint_every=config.checkpoint_every)  # DTRAIN_FAULT
     if config.batch_size is None:
         config = replace(config, batch_size=default_batch(kind, config, world))
         if config.batch_size != DEFAULT_BATCH and rank == 0 and not config.quiet:
@@ -73,7 +73,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     # The loader checks the batch size against the training set and the world before anything else is built.
     index, count = kind.shard_of(rank, world, config)
     loader = ShardedLoader(data.x_train, data.y_train, config.batch_size, index, count, config.seed, xp)
-    faults.check_reachable(fault, config.epochs * len(loader))
+    faults.check_reachable(planned, config.epochs * len(loader))
     sizes = [data.n_features, *config.hidden, data.n_classes]
     identity = checkpoint.identity(config, sizes, data)
     if world > 1 and config.device == "cpu":  # Numba's start-up now, not inside any paradigm's first timed step
@@ -85,7 +85,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     )
     setup = comm.tracer.summary()["totals"]  # what building sent (ddp's broadcast of rank 0's weights): not a step's
     position = checkpoint.resume(paradigm, comm, config, identity) if config.resume else checkpoint.Position()
-    injector = faults.Injector(fault, rank, config.checkpoint_dir)
+    injector = faults.Injector(planned, rank, config.checkpoint_dir, start_step=position.step)
     epochs_run = Epochs(paradigm, loader, data, config, identity, position, xp, injector)
     try:
         paradigm.run(epochs_run)  # (a server: a loop of its own)
@@ -95,7 +95,7 @@ def train(config: TrainConfig, comm=None) -> dict:
     epochs = position.epochs
     own_figures = paradigm.finish()
     if config.checkpoint_dir:  # the final state, so a later --resume with more --epochs goes on from here
-        checkpoint.write(paradigm, config, identity, position, position.done, epoch_loss(paradigm, position, []))
+        checkpoint.write(paradigm, config, identity, position, position.done, position.done_loss)
 
     wall = time.perf_counter() - started
     train_time = sum(e["train_time_s"] for e in epochs)
@@ -197,7 +197,7 @@ class Epochs:
         show = config.progress and not config.quiet and paradigm.rank == 0
         for epoch in range(position.epoch, config.epochs + 1):
             position.epoch = epoch
-            epoch_start = time.perf_counter() - position.train_time_s
+            self.epoch_start = epoch_start = time.perf_counter() - position.train_time_s
             losses = []  # this rank's loss of each step it runs of this epoch
             unread = []  # losses still on the GPU (on the CPU each is read at once)
             read_every = 1 if self.xp is np else LOSSES_READ_TOGETHER
@@ -208,7 +208,8 @@ class Epochs:
                 position.step += 1
                 self.progress.at_step(position.step)
                 self.injector.at_step(position.step)  # DTRAIN_FAULT: this rank may die here, on purpose
-                checkpoint_now = config.checkpoint_every and position.step % config.checkpoint_every == 0
+                checkpoint_now = (config.checkpoint_every and position.step % config.checkpoint_every == 0
+                                  and not paradigm.own_checkpoints)  # fmt: skip
                 if len(unread) >= read_every or checkpoint_now:
                     self.read(unread, losses, epoch)
                 if checkpoint_now:
@@ -238,6 +239,16 @@ class Epochs:
                     f"test acc {100 * e['test_accuracy']:6.2f}%  {e['samples_per_s']:,.0f} samples/s",
                     flush=True,
                 )
+
+    def time_in_epoch(self) -> float:
+        """The train time of the epoch so far (a checkpoint in its middle records it)."""
+        return time.perf_counter() - self.epoch_start
+
+    def write_snapshot(self, params, optimizer_state: dict, where: dict, snapshot: dict, arrays: dict) -> None:
+        """Rank 0 of a paradigm that takes its own checkpoints (consistent snapshots) writes one through here."""
+        during_write = self.injector.during_write(where["global_step"])
+        checkpoint.write_state(self.config, self.identity, self.paradigm.world, where, params, optimizer_state,
+                               snapshot, arrays, during_write)  # fmt: skip
 
     def read(self, unread: list, losses: list, epoch: int) -> None:
         """Move the ``unread`` losses into ``losses`` as Python floats (GPU ones in one copy), stopping a run whose
@@ -270,10 +281,11 @@ class EpochBatches:
 
 def epoch_loss(paradigm, position, losses) -> float:
     """The global batch's loss averaged over the epoch's steps: those before a resume (``position.done``, already
-    global) and this rank's ``losses`` since, made global by the paradigm (a collective)."""
-    if not losses:
+    global) and this rank's ``losses`` since, made global by the paradigm (a collective; always, for a paradigm
+    whose ranks keep their own place in the epoch: some may have taken no step since a resume)."""
+    if not losses and not paradigm.own_checkpoints:
         return position.done_loss
-    new = paradigm.global_loss(float(np.mean(losses)))
+    new = paradigm.global_loss(float(np.mean(losses)) if losses else 0.0)
     if not position.done:
         return new
     return (position.done_loss * position.done + new * len(losses)) / (position.done + len(losses))

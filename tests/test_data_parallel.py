@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dtrain import parallel
+from dtrain import checkpoint, faults, parallel
 from dtrain.collectives import ALGORITHMS
 from dtrain.comm import sim
 from dtrain.comm.prepare import prepare
@@ -80,6 +80,7 @@ class OneEpoch:
     def __init__(self, paradigm, batches):
         self.paradigm, self.batches, self.steps_per_epoch = paradigm, batches, len(batches)
         self.resumed_steps = 0
+        self.position, self.injector = checkpoint.Position(), faults.Injector(None, paradigm.rank)
 
     def run(self) -> None:
         for _loss in self.paradigm.epoch(iter(self.batches)):

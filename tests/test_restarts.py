@@ -356,7 +356,8 @@ def test_a_fault_that_could_never_fire_is_refused_before_the_run():
         faults.from_env(4, "ck", environ={faults.ENV_VAR: "0:15:KILL:checkpoint"}, checkpoint_every=10)
     with pytest.raises(ConfigError, match="no checkpoint is written after step 20"):
         faults.from_env(4, None, environ={faults.ENV_VAR: "0:20:KILL:checkpoint"}, checkpoint_every=10)
-    assert faults.from_env(4, "ck", environ={faults.ENV_VAR: "0:20:KILL:checkpoint"}, checkpoint_every=10).step == 20
+    planned = faults.from_env(4, "ck", environ={faults.ENV_VAR: "0:20:KILL:checkpoint"}, checkpoint_every=10)
+    assert [f.step for f in planned] == [20]
     with pytest.raises(ConfigError, match=r"step 60 is past the run's last global step \(58\)"):
         faults.check_reachable(faults.parse("1:60"), 58)
 
@@ -372,6 +373,137 @@ def test_a_fault_fires_once_per_run_of_a_checkpoint_folder(tmp_path, monkeypatch
     assert not faults.Injector(fault, rank=1, folder=tmp_path).armed  # the restart goes past step 5
     assert not faults.Injector(fault, rank=0, folder=tmp_path / "other").armed  # another rank's
     assert faults.Injector(fault, rank=1, folder=None).armed  # nowhere to remember: every run
+
+
+def test_several_faults_each_optionally_bound_to_an_attempt_are_read_from_one_spec():
+    listed = faults.parse_all(" 1:7 ,3:12:TERM,0:8:KILL:checkpoint@2,2:9@2")
+    assert listed == (faults.Fault(1, 7), faults.Fault(3, 12, signal.SIGTERM), faults.Fault(0, 8, where="checkpoint",
+                      attempt=2), faults.Fault(2, 9, attempt=2))  # fmt: skip
+    assert [f.spec for f in listed] == ["1:7:KILL:step", "3:12:TERM:step", "0:8:KILL:checkpoint@2", "2:9:KILL:step@2"]
+    assert faults.parse_all("2:7") == (faults.parse("2:7"),)  # one fault: as before
+    assert listed[1].describe() == "rank 3 sent itself SIGTERM after global step 12"
+    said = "server rank 2 sent itself SIGKILL after applying 27 pushes (global step 9), in attempt 2"
+    assert listed[3].describe(workers=3) == said
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1:7,2:x", r"^DTRAIN_FAULT item '2:x': expected RANK:STEP\[:SIGNAL\[:WHERE\]\]\[@ATTEMPT\]"),
+        ("1:7,,2:9", "an empty item"),
+        ("1:7,", "an empty item"),
+        ("1:7@0", "ATTEMPT must be >= 1"),
+        ("1:7,2:9@x", "item '2:9@x': expected RANK:STEP"),
+        ("1:7@2@3", "expected RANK:STEP"),
+        ("1:7,2:3:NOPE", "item '2:3:NOPE': 'NOPE' is not a signal"),
+        ("1:7,1:7:KILL:step", "item '1:7:KILL:step': rank 1 at step 7 is named already \\('1:7'\\)"),
+        ("1:7:TERM@2,2:1,1:7@2", "item '1:7@2': rank 1 at step 7 is named already"),
+    ],
+)
+def test_a_bad_item_of_several_faults_is_one_line_naming_it(text, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        faults.parse_all(text)
+    assert "\n" not in str(caught.value)
+
+
+def launched(tmp_path, attempt: int, spec: str) -> dict:
+    """An environment as ``dtrain launch --max-restarts`` gives attempt ``attempt`` (a made-up attempts record)."""
+    record = tmp_path / f"attempts-{attempt}.json"
+    record.write_text(json.dumps({"count": attempt - 1, "steps_lost": 0, "seconds_lost": 0.0, "attempts": []}))
+    return {faults.ENV_VAR: spec, faults.ATTEMPTS_ENV: str(record)}
+
+
+def test_a_fault_bound_to_an_attempt_fires_in_that_attempt_only(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, signum: killed.append(signum))
+    spec = "1:3@1,1:5:TERM@2,2:4"
+    assert faults.attempt_number({}) == 1 and faults.attempt_number(launched(tmp_path, 3, spec)) == 3
+    first = faults.from_env(4, environ=launched(tmp_path, 1, spec))
+    assert [f.spec for f in first] == ["1:3:KILL:step@1", "1:5:TERM:step@2", "2:4:KILL:step"]  # all checked
+    second = faults.from_env(4, environ=launched(tmp_path, 2, spec))  # attempt 1's passed: skipped, not refused
+    assert [f.spec for f in second] == ["1:5:TERM:step@2", "2:4:KILL:step"]
+    injector = faults.Injector(second, rank=1, attempt=2)
+    for step in range(1, 8):
+        injector.at_step(step)
+    assert killed == [signal.SIGTERM]
+    assert faults.Injector(first, rank=1, attempt=1).faults == [first[0]]
+    with pytest.raises(ConfigError, match=r"^DTRAIN_FAULT item '1:5@2': attempt 2 never comes: only dtrain launch"):
+        faults.from_env(4, environ={faults.ENV_VAR: "0:3,1:5@2"})  # no launcher: every run is attempt 1
+    with pytest.raises(ConfigError, match="item '7:2@3': rank 7 does not exist in a job of 4"):
+        faults.from_env(4, environ=launched(tmp_path, 1, "1:5,7:2@3"))  # a later attempt's, refused in the first
+    with pytest.raises(ConfigError, match=r"item '1:60': step 60 is past the run's last global step \(58\)"):
+        faults.check_reachable(faults.parse_all("0:3,1:60"), 58)
+
+
+def test_each_fault_fires_once_per_run_of_a_checkpoint_folder_and_two_ranks_record_together(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, signum: killed.append(signum))
+    planned = faults.parse_all("1:3,2:3,1:5@2")
+    one, two = faults.Injector(planned, 1, tmp_path, attempt=2), faults.Injector(planned, 2, tmp_path, attempt=2)
+    for step in range(1, 7):
+        one.at_step(step)
+        two.at_step(step)
+    assert killed == [signal.SIGKILL] * 3
+    assert [(f["spec"], f["rank"], f["step"], f["attempt"]) for f in faults.fired(tmp_path)] == [
+        ("1:3:KILL:step", 1, 3, 2), ("2:3:KILL:step", 2, 3, 2), ("1:5:KILL:step@2", 1, 5, 2)]  # fmt: skip
+    assert not faults.Injector(planned, 1, tmp_path, attempt=2).armed  # the restart goes past all three
+    assert faults.from_env(4, tmp_path, environ=launched(tmp_path, 2, "1:3,2:3,1:5@2")) == ()
+
+
+def test_a_server_dies_once_it_has_applied_step_times_workers_pushes(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, signum: killed.append((pid, signum)))
+
+    def dies_at(injector, workers=2, pushes=40):  # the call of at_pushes that fires (None: none does)
+        for applied in range(1, pushes + 1):
+            injector.at_pushes(applied, workers)
+            if killed:
+                return applied
+        return None
+
+    assert dies_at(faults.Injector(faults.parse("3:4"), 3, tmp_path)) == 8  # 4 x 2 workers
+    assert faults.fired(tmp_path)[0] | {"pid": 0} == {"spec": "3:4:KILL:step", "rank": 3, "step": 4, "pid": 0,
+                                                       "signal": "SIGKILL", "where": "step", "attempt": 1,
+                                                       "pushes": 8}  # fmt: skip
+    killed.clear()
+    assert dies_at(faults.Injector(faults.parse("3:4"), 3, tmp_path)) is None  # once per run
+    assert dies_at(faults.Injector(faults.parse("3:4"), 3), workers=3) == 12
+    killed.clear()
+    assert dies_at(faults.Injector(faults.parse("3:7"), 3, start_step=5)) == 4  # resumed from step 5: 2 more steps
+    killed.clear()
+    past = faults.Injector(faults.parse("3:4"), 3, start_step=5)
+    assert dies_at(past) is None
+    past.check_fired()  # resumed past it: skipped
+    bound = faults.Injector(faults.parse("3:4@2"), 3, attempt=2, start_step=5)
+    assert dies_at(bound) is None
+    with pytest.raises(ConfigError, match="attempt 2 resumed from global step 5, past step 4, so rank 3 was never"):
+        bound.check_fired()
+
+
+def test_a_fault_whose_rank_neither_trains_nor_serves_is_reported_at_the_end():
+    idle = faults.Injector(faults.parse("3:4"), 3)
+    with pytest.raises(ConfigError, match="rank 3 neither took a training step nor applied a push, so it was never"):
+        idle.check_fired()
+    idle.at_pushes(3, 2)  # a server, short of its step (the run ended early): no complaint
+    idle.check_fired()
+    trained = faults.Injector(faults.parse("1:9"), 1)
+    trained.at_step(1)
+    trained.check_fired()
+    faults.Injector(faults.parse("0:3:KILL:checkpoint"), 0).check_fired()  # (a write's fault: not this check's)
+
+
+def test_the_launcher_names_every_fault_that_fired_in_an_attempt():
+    fired = [{"spec": "1:7:KILL:step", "rank": 1, "step": 7, "signal": "SIGKILL"},
+             {"spec": "3:7:KILL:step@2", "rank": 3, "step": 7, "signal": "SIGKILL", "pushes": 21}]  # fmt: skip
+    attempt = restarts.Attempt(2, 4, 5)
+    restarts._explain(attempt, SimpleNamespace(tail="", returncode=9, first_to_end=None), fired)
+    assert attempt.ended == (
+        "rank 3 was killed by SIGKILL (the fault injector, DTRAIN_FAULT=3:7:KILL:step@2, a "
+        "server, after 21 pushes: at global step 7; also rank 1: 1:7:KILL:step, at global step 7)"
+    )
+    restarts._explain(attempt, SimpleNamespace(tail="", returncode=9, first_to_end=None), fired[:1])
+    assert attempt.ended == "rank 1 was killed by SIGKILL (the fault injector, DTRAIN_FAULT=1:7:KILL:step, at global " \
+        "step 7)"  # fmt: skip
 
 
 # --- saying what happened ---------------------------------------------------------------------------------------------

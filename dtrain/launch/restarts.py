@@ -481,8 +481,20 @@ def ending(watched, fired: list[dict] = ()) -> Ending:
     who = f"rank {rank}" if rank is not None else "a rank (MPI's report does not say which)"
     how = f"{who} was killed by {name}"
     if fired:
-        how += f" (the fault injector, {faults.ENV_VAR}={fired[-1]['spec']}, at global step {fired[-1]['step']})"
+        how += f" ({injected(fired)})"
     return Ending(how, "signal", rank, name)
+
+
+def injected(fired: list[dict]) -> str:
+    """The fault injector's faults that fired in an attempt (``faults.json``'s entries, oldest first), the last
+    first: "the fault injector, DTRAIN_FAULT=2:7:KILL:step, at global step 7; also rank 1: 1:7:KILL:step, ..."."""
+    said = []
+    for f in reversed(fired):
+        at = f"at global step {f['step']}"
+        if f.get("pushes") is not None:  # a parameter server (its STEP counts pushes: dtrain/faults.py)
+            at = f"a server, after {f['pushes']} pushes: {at}"
+        said.append(f"{faults.ENV_VAR}={f['spec']}, {at}" if not said else f"rank {f['rank']}: {f['spec']}, {at}")
+    return "the fault injector, " + "; also ".join(said)
 
 
 def _stalled(tail: str, rank: int, nodes: dict[int, str], ended_before: dict[int, float]) -> Ending:

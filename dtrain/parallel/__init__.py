@@ -7,24 +7,23 @@ under its ``--paradigm`` name with :func:`register`; the registry imports every 
 its flags from what each declares. Adding a paradigm is one new file, and the driver talks to it through the members
 :class:`Paradigm` documents, alone (no ``if paradigm == ...`` anywhere else).
 
-The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py, its compressors
-in compression.py, their flags in compression_flags.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in
+The paradigms: ``single`` (single.py), ``ddp`` (data_parallel.py; its gradient buckets in buckets.py, its compressors in
+compression.py, their flags in compression_flags.py), ``zero`` (zero.py: ZeRO stages 1-3; its bookkeeping in
 zero_shards.py), ``ps-sync`` and ``ps-async`` (parameter_server.py: the protocol; its two sides in ps_worker.py and
-ps_server.py, what it prints and reports in ps_report.py), ``central-storage`` (central_storage.py), ``local-sgd``
-(local_sgd.py) and ``gossip`` (gossip.py), whose replicas drift apart and are averaged (replicas.py, with what every
-whole replica shares: its start), ``tp`` (tensor_parallel.py: Megatron-style) and ``pp`` (pipeline.py; its schedules
-in schedules.py and instructions.py, its cut and cost in stages.py, its forward for evaluation in
-pipeline_evaluation.py); these two share model_parallel.py (a local model made of pieces of the whole, placement.py)
-and the rank grid of dp x tp x pp (grid.py); ``spmd`` (spmd.py) derives its communication from a layout per tensor
-on a device mesh (mesh.py, a generalised grid): the notation and the rules in layouts.py, the sharded tensors that
-apply them in sharded.py, the MLP's tensors, named shardings and one forward in shardings.py, its --explain in
+ps_server.py, its snapshots in ps_snapshot.py, what it prints and reports in ps_report.py), ``central-storage``
+(central_storage.py), ``local-sgd`` (local_sgd.py) and ``gossip`` (gossip.py), whose replicas drift apart and are
+averaged (replicas.py, with what every whole replica shares: its start), ``tp`` (tensor_parallel.py: Megatron-style) and
+``pp`` (pipeline.py; its schedules in schedules.py and instructions.py, its cut and cost in stages.py, its forward for
+evaluation in pipeline_evaluation.py); these two share model_parallel.py (a local model made of pieces of the whole,
+placement.py) and the rank grid of dp x tp x pp (grid.py); ``spmd`` (spmd.py) derives its communication from a layout
+per tensor on a device mesh (mesh.py, a generalised grid): the notation and the rules in layouts.py, the sharded tensors
+that apply them in sharded.py, the MLP's tensors, named shardings and one forward in shardings.py, its --explain in
 spmd_plan.py, --sharding auto in auto_sharding.py. The registry is registry.py, the flags' record flags.py; the
-arithmetic several paradigms' prices share is pricing.py. Every paradigm's file reads as its algorithm and ends with
-its price, under the same marked line: ``costs`` (held against the tracer) and what the planner asks.
+arithmetic several paradigms' prices share is pricing.py. Every paradigm's file reads as its algorithm and ends with its
+price, under the same marked line: ``costs`` (held against the tracer) and what the planner asks.
 
-Helpers any paradigm may use live here too: :func:`check_replicas` (ranks that must hold the same weights compare
-digests; a difference names the ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled
-as evaluation's).
+Helpers any paradigm may use live here too: :func:`check_replicas` (replicas compare digests; a difference names the
+ranks) and :class:`Evaluating` (a sharded model's traffic while evaluating is labelled evaluation's).
 """
 
 from __future__ import annotations
@@ -113,6 +112,8 @@ class Paradigm:
         full_parameters()                 the whole model's flat buffer: the weights digest, checkpoints
         optimizer_state()                 the optimizer's whole state, as one optimizer over that buffer holds it
         load(flat, optimizer_state)       the inverse of both: resuming from any paradigm's checkpoint
+        own_checkpoints, restore_snapshot(snapshot, arrays, position)   True: it writes its checkpoints itself
+                                          (ps: snapshots; its ranks keep their own place in an epoch); resume one
         evaluation_model()                something whose forward is the whole model's (the test set goes through it)
         finish()                          final averaging or checks; this paradigm's figures for metrics.json
         costs(sizes, world, config)       the bytes each rank sends per step and holds: the cost as code
@@ -138,6 +139,7 @@ class Paradigm:
     summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
     flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
     order = math.inf  # where it comes in listings (the registry's order): the course's order, for dtrain's own
+    own_checkpoints = False
     # === what the driver calls ===================================================================================
 
     def __init__(self, comm, config):
@@ -210,6 +212,9 @@ class Paradigm:
         :meth:`optimizer_state` gave them), each rank taking its part."""
         self.model.flat_params[...] = flat
         self.optimizer.load_state_dict(optimizer_state)
+
+    def restore_snapshot(self, snapshot: dict, arrays: dict, position) -> bool:
+        return False
 
     def evaluation_model(self):
         """A model whose forward is the whole model's, for evaluating on the test set."""

@@ -28,15 +28,13 @@ The messages (tags on a communicator of their own), for one worker and one serve
          |  DONE (0 bytes)                            |   when all W workers are done, the server leaves its loop
          |------------------------------------------->|
 
-A checkpoint in the middle of ps-sync training: rank 0, between its reply for step s and its push for s + 1, sends
-every server STATE (0 bytes) and receives its shard's optimizer state (counted under "checkpoint", not a step's).
-
 The two sides are two classes, a file each: :class:`~dtrain.parallel.ps_worker.Worker` (ps_worker.py) and
-:class:`~dtrain.parallel.ps_server.Server` (ps_server.py, with its loop); the paradigm gives each rank the side its
-rank calls for, and gathers the servers' state at the end. A worker pushes to and pulls from all S servers at once
-(non-blocking: every shard in flight together), so its wait is for the slowest shard. The server's loop takes
-messages from any worker in the order they come (``Probe(ANY_SOURCE)``, then the receive into the buffer the tag
-calls for).
+:class:`~dtrain.parallel.ps_server.Server` (ps_server.py, with its loop); the paradigm gives each rank the side its rank
+calls for, and gathers the servers' state at the end. Checkpoints in the middle of training (``--checkpoint-every``) are
+consistent snapshots, taken while the servers serve (Chandy-Lamport: ps_snapshot.py). A worker pushes to and pulls from
+all S servers at once (non-blocking: every shard in flight together), so its wait is for the slowest shard. The server's
+loop takes messages from any worker in the order they come (``Probe(ANY_SOURCE)``, then the receive into the buffer the
+tag calls for).
 
 **Bytes per step** (n bytes of parameters, W workers, S servers, shard n_s ~ n/S)::
 
@@ -85,8 +83,8 @@ from dtrain.collectives import chunk_bounds
 from dtrain.comm.trace import EVALUATION
 from dtrain.errors import ConfigError
 from dtrain.layout import parameter_count
-from dtrain.optim import buffer_names, buffers_per_parameter
-from dtrain.parallel import Paradigm, pricing, ps_report, register
+from dtrain.optim import buffers_per_parameter
+from dtrain.parallel import Paradigm, pricing, ps_report, ps_snapshot, register
 from dtrain.parallel.flags import Flag
 from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS, Server
 from dtrain.parallel.ps_worker import Worker
@@ -113,6 +111,7 @@ class ParameterServer(Paradigm):
     order = 4  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (SERVERS, STALENESS)
     synchronous = True
+    own_checkpoints = True  # consistent snapshots (ps_snapshot.py); each worker keeps its own place in an epoch
 
     @classmethod
     def check(cls, config, world: int) -> None:
@@ -130,10 +129,6 @@ class ParameterServer(Paradigm):
         if config.staleness is not None and cls.synchronous:
             raise ConfigError(f"--staleness applies to ps-async (stale-synchronous parallel); {cls.name} is "
                               "synchronous")  # fmt: skip
-        if config.checkpoint_every and not cls.synchronous:
-            raise ConfigError(f"--paradigm {cls.name} writes its checkpoint at the end of training only (while the "
-                              "servers serve, their shards are at different points of the workers' steps: there is no "
-                              "one step to save); drop --checkpoint-every, or use ps-sync")  # fmt: skip
         super().check(config, world)
 
     @classmethod
@@ -149,6 +144,8 @@ class ParameterServer(Paradigm):
         self.ps_comm = comm.Dup()
         self.workers_comm = comm.Split(0 if self.rank < self.workers else 1, self.rank)  # the global loss
         self.side: Worker | Server | None = None  # this rank's side of the protocol (build makes it)
+        self.snapshot_comm = comm.Dup() if config.checkpoint_every else None  # the recordings' own
+        self.resumed = None  # a server's recording at the cut a resume goes on from
         self.gathered_params = self.gathered_optimizer = None
         if self.rank == 0 and not config.quiet:
             print(terminal.wrapped(ps_report.roles(self.name, config.staleness, self.workers, self.server_ranks)),
@@ -162,6 +159,11 @@ class ParameterServer(Paradigm):
         if self.rank < self.workers:
             self.model = model
             self.side = Worker(self.ps_comm, model, list(zip(self.server_ranks, self.bounds)))
+            if self.snapshot_comm is not None:
+                rows = ps_snapshot.recording_rows(buffers_per_parameter(self.config.optimizer, self.config.momentum),
+                                                  self.workers)  # fmt: skip
+                self.side.snapshots = ps_snapshot.WorkerSnapshots(self.ps_comm, self.snapshot_comm, self.side.served,
+                                                                  PUSH, rows, self.config.checkpoint_every)  # fmt: skip
         else:
             self.side = Server(self.ps_comm, flat, self.bounds, self.rank - self.workers, make_optimizer,
                                workers=self.workers, synchronous=self.synchronous,
@@ -170,34 +172,37 @@ class ParameterServer(Paradigm):
     # --- a server answers the workers; a worker runs the epochs ------------------------------------------------
     def run(self, epochs) -> None:
         """A server: answer the workers until every one has said DONE (an epoch is ``epochs.steps_per_epoch``
-        global steps). A worker: the driver's epochs."""
+        global steps). A worker: the driver's epochs, keeping its own place in them (ps-async's each have theirs)."""
         if isinstance(self.side, Server):
-            self.side.serve(epochs.steps_per_epoch, self.config.lr, done=epochs.resumed_steps)
-        else:
-            epochs.run()
+            self.side.serve(epochs.steps_per_epoch, self.config.lr, done=epochs.resumed_steps,
+                            snapshots=self.snapshot_comm, every=self.config.checkpoint_every,
+                            injector=epochs.injector, resumed=self.resumed)  # fmt: skip
+            return
+        self.driver, position, side = epochs, epochs.position, self.side
+        if side.snapshots is not None:
+            side.snapshots.driver = epochs  # (rank 0 records the epochs' figures and time too)
+        if position.done:  # another paradigm's checkpoint (or a run without snapshots): the same place for everyone
+            side.carried, side.start_at = (position.done, position.done_loss * position.done), position.done
+            position.done, position.done_loss = 0, 0.0
+        epochs.run()
+        if side.snapshots is not None:
+            side.snapshots.close()
 
     def epoch(self, batches):
         """ps-sync: a step on each of this worker's slices of the epoch's global batches. ps-async: the same, going
         round them again until the coordinator says the epoch's W x steps pushes are in, so a fast worker takes more
-        steps and a slow one fewer."""
-        self.side.steps = 0
-        while True:
-            taken = 0
-            for x, y in batches:
-                loss = self.gradients(x, y)  # forward and backward; the servers take the optimizer step
-                epoch_over = self.side.push_and_pull()
-                yield loss
-                if epoch_over:
-                    return
-                taken += 1
-            if self.synchronous or not taken:  # (batches that cannot be gone round again: one pass)
-                return
+        steps and a slow one fewer (``Worker.epoch``)."""
+        return self.side.epoch(batches, self.gradients, once=self.synchronous)
 
     def global_loss(self, local_mean: float) -> float:
-        """The mean over every step the workers took this epoch (async: weighted by each worker's step count)."""
-        steps = self.side.steps
-        total, steps = self.workers_comm.allreduce(np.array([local_mean * steps, steps]))
+        """The mean over every step the workers took this epoch (async: weighted by each worker's step count),
+        those before a resume included."""
+        (steps0, sum0), steps = self.side.carried, self.side.steps
+        self.side.carried = (0, 0.0)
+        total, steps = self.workers_comm.allreduce(np.array([local_mean * steps + sum0, steps + steps0]))
         return float(total / steps)
+
+    restore_snapshot = ps_snapshot.restore  # (a resume from a snapshot: the cut's state, the pushes in flight)
 
     def evaluation_model(self):
         """ps-async: the servers' weights, pulled after every worker has ended the epoch (the driver asks after the
@@ -232,16 +237,11 @@ class ParameterServer(Paradigm):
         return self.side.parameters()
 
     def optimizer_state(self) -> dict:
-        """The servers' state: gathered once training is over; in the middle of ps-sync training (a checkpoint),
-        rank 0 asks every server for its shard's (STATE, after its reply for the step and before its next push), and
-        the other workers, which write nothing, give none; a server gives its own shard's."""
+        """The servers' state, gathered once training is over (in the middle of it, checkpoints are snapshots);
+        before, a server's own shard's."""
         if self.gathered_optimizer is not None:
             return self.gathered_optimizer
-        if isinstance(self.side, Worker):
-            if self.rank != 0:
-                return {}
-            return self.side.servers_state(buffer_names(self.config.optimizer, self.config.momentum))
-        return self.side.optimizer_state()
+        return self.side.optimizer.state_dict() if isinstance(self.side, Server) else {}
 
     def load(self, flat, optimizer_state: dict) -> None:
         """Resume: a worker takes the whole model, a server its shard of the model and of the optimizer state."""

@@ -30,10 +30,21 @@ def figures(everyone, workers: int, bounds) -> dict:
             "max": max(staleness, default=0),
         },
         "server_updates": [s["updates"] for s in servers],
+        "pushes": pushes(everyone[:workers], servers),
         "server_busy_fraction": [s["busy_fraction"] for s in servers],
         "worker_wait_s": [e["wait_s"] for e in everyone[:workers]],
         "held_bytes": [e["held"] for e in everyone],
     }
+
+
+def pushes(workers, servers) -> dict:
+    """Every push a worker sent is applied exactly once: each worker's count of the pushes it sent (its sequence
+    number: after a resume, the cut's and those since) against each server's count of that worker's pushes it took
+    (the cut's, the ones in flight it replayed, those since). Also what the snapshots did."""
+    sent = [w["pushes"] for w in workers]
+    applied = [s["applied"] for s in servers]
+    return {"sent": sent, "applied": applied, "exactly_once": all(a == sent for a in applied),
+            "replayed": [s["replayed"] for s in servers], "snapshots": servers[0]["snapshots"]}  # fmt: skip
 
 
 def _ranks(ranks) -> str:

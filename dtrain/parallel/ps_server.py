@@ -9,7 +9,8 @@ a worker more than K steps ahead of the slowest (stale-synchronous). The worker'
 **Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
 workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
 the paradigm's ``finish``: the servers' shards and optimizer states are gathered, so every rank ends with the final
-model.
+model. **Snapshots** (``--checkpoint-every``): a PUSH of 0 bytes is a worker's marker; what the loop records and
+why the cut is consistent is in ``ps_snapshot.py``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import numpy as np
 from dtrain.backend import array_module, to_host
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_SOURCE, ANY_TAG
-from dtrain.comm.trace import CHECKPOINT, EVALUATION, labelled
+from dtrain.comm.trace import EVALUATION, labelled
 from dtrain.optim import FlatBuffers, state_bytes
+from dtrain.parallel.ps_snapshot import MARKED, ServerRecording, replay
 
-PUSH, PULL, DONE, WEIGHTS, END, STATE = 1, 2, 3, 4, 5, 6  # the protocol's tags (END: the weights, and the epoch is
-# over; STATE: ps-sync's optimizer state for a checkpoint in the middle of training)
+PUSH, PULL, DONE, WEIGHTS, END = 1, 2, 3, 4, 5  # the protocol's tags (END: the weights, and the epoch is over)
 COORDINATOR = 0  # the server (by index) that counts an epoch's pushes and tells each worker when it is over
 
 
@@ -60,14 +61,20 @@ class Server:
         self.slots = xp.empty((workers, self.stop - self.start), dtype=whole.dtype) if synchronous else None
         self.loop, self.serve_s = None, 0.0
 
-    def serve(self, steps_per_epoch: int, lr: float, done: int = 0) -> None:
+    def serve(self, steps_per_epoch: int, lr: float, done: int = 0, *, snapshots=None, every: int = 0,
+              injector=None, resumed=None) -> None:  # fmt: skip
         """Answer the workers until every one has said DONE; ``lr``: the run's learning rate; ``done``: the steps of
-        the first epoch already taken (a resume from a checkpoint in the middle of an epoch)."""
+        the first epoch already taken (a resume from a checkpoint in the middle of an epoch). ``snapshots``: the
+        communicator a recording goes to rank 0 on, one every ``every`` global steps; ``injector``: this rank's
+        fault injector; ``resumed``: this server's recording at the cut a resume goes on from (header, rows)."""
         if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
             self.optimizer.lr = lr / self.workers
         self.loop = ServerLoop(self.comm, self.shard, self.optimizer, workers=self.workers, server=self.index,
                                steps_per_epoch=steps_per_epoch, synchronous=self.synchronous, bound=self.bound,
-                               slots=self.slots, done=done)  # fmt: skip
+                               slots=self.slots, done=done, snapshots=snapshots, every=every,
+                               injector=injector)  # fmt: skip
+        if resumed is not None:
+            self.loop.replayed = replay(self.loop, *resumed)
         started = time.perf_counter()
         self.loop.run()
         self.serve_s = time.perf_counter() - started
@@ -82,22 +89,19 @@ class Server:
             "optimizer": self.optimizer.state_dict(),
             "staleness": dict(loop.staleness) if loop else {},
             "updates": loop.version if loop else 0,
+            "applied": list(loop.clock) if loop else [0] * self.workers,  # each worker's pushes this shard took
+            "replayed": loop.replayed if loop else 0,
+            "snapshots": loop.snapshots_taken if loop else 0,
             "busy_fraction": 1.0 - loop.idle_s / self.serve_s if loop and self.serve_s else 0.0,
         }
 
     def held_bytes(self) -> dict:
         slots = self.slots.nbytes if self.slots is not None else 0
-        return {
-            "parameters": self.shard.flat_params.nbytes,
-            "gradients": self.shard.flat_grads.nbytes + slots,
-            "optimizer": state_bytes(self.optimizer),
-        }
+        return {"parameters": self.shard.flat_params.nbytes, "gradients": self.shard.flat_grads.nbytes + slots,
+                "optimizer": state_bytes(self.optimizer)}  # fmt: skip
 
     def parameters(self):
         return self.shard.flat_params
-
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
 
     def load(self, whole, optimizer_state: dict) -> None:
         """This server's shard of the whole model and of the whole optimizer state."""
@@ -116,21 +120,29 @@ class ServerLoop:
     """
 
     def __init__(self, comm, shard, optimizer, *, workers: int, server: int, steps_per_epoch: int, synchronous: bool,
-                 bound: int | None = None, slots=None, done: int = 0):  # fmt: skip
+                 bound: int | None = None, slots=None, done: int = 0, snapshots=None, every: int = 0,
+                 injector=None):  # fmt: skip
         """``comm``: the protocol's communicator (workers are its ranks 0 to ``workers`` - 1); ``shard``: this
         server's slice (``flat_params``, ``flat_grads``), which ``optimizer`` updates; ``server``: this server's index
         (0 is the coordinator); ``synchronous``: ps-sync's policy, else ps-async's, with the staleness ``bound``;
         ``slots``: ps-sync's (workers x shard) array, a row for each worker's push; ``done``: the first epoch's
-        steps already taken before a resume."""
+        steps already taken before a resume; ``snapshots``, ``every``, ``injector``: see :meth:`Server.serve`."""
         self.comm, self.status = comm, new_status(comm)
         self.params, self.grads, self.optimizer, self.slots = shard.flat_params, shard.flat_grads, optimizer, slots
-        self.workers, self.bound = workers, bound
+        self.workers, self.bound, self.synchronous = workers, bound, synchronous
         self.coordinator = server == COORDINATOR
         self.budget = workers * steps_per_epoch  # pushes in an epoch (the coordinator counts them)
         self.pushes = workers * done  # this epoch's so far
         self.version = 0  # updates applied to this shard
         self.sent_version = [0] * self.workers  # the version each worker's weights are at
-        self.clock = [0] * self.workers  # pushes received from each worker
+        self.clock = [0] * self.workers  # pushes taken from each worker: its sequence number, as this shard knows it
+        self.total = 0  # pushes taken, every epoch's (what a server's fault and the snapshots count)
+        self.server, self.injector = server, injector
+        self.snapshots, self.every = snapshots, every
+        self.recording = None  # a ps_snapshot.ServerRecording while a snapshot is being taken
+        self.snapshots_taken = 0  # the coordinator's: the number of the last snapshot begun
+        self.mark = set()  # the coordinator's: workers whose next reply is marked (the snapshot has begun)
+        self.sends, self.replayed = [], 0  # recordings on their way to rank 0; pushes replayed after a resume
         self.waiting = []  # workers whose reply is held back (stale-synchronous)
         self.arrived = []  # ps-sync: workers whose push for this step is in
         self.ended, self.done = set(), set()  # workers that have ended this epoch; that have finished
@@ -138,7 +150,7 @@ class ServerLoop:
         self.staleness = collections.Counter()
         self.idle_s = 0.0  # time spent waiting for a message
         self.handlers = {PUSH: self.on_sync_push if synchronous else self.on_async_push, PULL: self.on_pull,
-                         END: self.on_end, DONE: self.on_done, STATE: self.on_state}  # fmt: skip
+                         END: self.on_end, DONE: self.on_done}  # fmt: skip
 
     def run(self) -> None:
         while len(self.done) < self.workers:
@@ -149,33 +161,85 @@ class ServerLoop:
             w, tag = self.status.Get_source(), self.status.Get_tag()
             if tag not in self.handlers:
                 raise ProtocolError(f"server rank {self.comm.Get_rank()}: unexpected tag {tag} from rank {w}")
-            self.handlers[tag](w)
+            if tag == PUSH and self.status.Get_count() == 0:
+                self.on_marker(w)
+            else:
+                self.handlers[tag](w)
+        waitall(self.sends)  # (rank 0 posted their receives before the last marker came)
 
     # --- one method per message ----------------------------------------------------------------------------------
     def on_sync_push(self, w: int) -> None:
         """ps-sync: keep the push; once all W are in, average them in worker order, update, answer everyone."""
         self.comm.Recv(self.slots[w], w, PUSH)
-        self.pushes += 1
-        self.arrived.append(w)
-        if len(self.arrived) == self.workers:
-            array_module(self.grads).sum(self.slots, axis=0, out=self.grads)
-            self.grads *= 1.0 / self.workers
-            self.optimizer.step()
-            self.version += 1
-            self.staleness[0] += self.workers
+        if self.recording is not None:
+            self.recording.note("push", w, self.slots[w])
+        if self.take_push(w, None, 0):
+            self.after_update()
             self.reply(range(self.workers))
-            self.arrived.clear()
+        else:
+            self.after_push()
 
     def on_async_push(self, w: int) -> None:
         """ps-async: apply the push now (at lr / W), note its staleness, answer when the bound allows."""
         self.comm.Recv(self.grads, w, PUSH)
-        self.pushes += 1
-        self.staleness[self.version - self.sent_version[w]] += 1
-        self.optimizer.step()
-        self.version += 1
-        self.clock[w] += 1
+        staleness = self.version - self.sent_version[w]
+        if self.recording is not None:
+            self.recording.note("push", w, self.grads, staleness)
+        self.take_push(w, None, staleness)
+        self.after_update()
         self.waiting.append(w)
         self.release()
+
+    def take_push(self, w: int, data, staleness: int) -> bool:
+        """Take w's push (``data``, or already in its buffer): ps-async applies it, ps-sync keeps it until the
+        step's W are in. True when the shard was updated. (A resume replays the pushes in flight through here.)"""
+        self.pushes += 1
+        self.total += 1
+        self.clock[w] += 1
+        if not self.synchronous:
+            if data is not None:
+                self.grads[...] = data
+            self.staleness[staleness] += 1
+            self.optimizer.step()
+            self.version += 1
+            return True
+        if data is not None:
+            self.slots[w] = data
+        self.arrived.append(w)
+        if len(self.arrived) < self.workers:
+            return False
+        array_module(self.grads).sum(self.slots, axis=0, out=self.grads)
+        self.grads *= 1.0 / self.workers
+        self.optimizer.step()
+        self.version += 1
+        self.staleness[0] += self.workers
+        self.arrived.clear()
+        return True
+
+    def after_push(self) -> None:
+        if self.injector is not None:  # DTRAIN_FAULT on a server: pushes taken / W (faults.py)
+            self.injector.at_pushes(self.total, self.workers)
+
+    def after_update(self) -> None:
+        """The coordinator begins snapshot m once m x N x W pushes are in and no worker is between two epochs (a
+        worker that had ended it would record in the next: ``ps_snapshot.py``); its next reply to each is marked."""
+        self.after_push()
+        number = self.total // (self.every * self.workers) if self.every else 0
+        if (self.server == COORDINATOR and number > self.snapshots_taken and self.recording is None
+                and not self.ended and not self.done):  # fmt: skip
+            self.snapshots_taken = number
+            self.recording = ServerRecording(self, number)
+            self.mark = set(range(self.workers))
+
+    def on_marker(self, w: int) -> None:
+        """Worker w's marker (a PUSH of 0 bytes): the first one starts this server's recording; the last one ends it,
+        and the recording goes to rank 0."""
+        self.comm.Recv(self.params[:0], w, PUSH)
+        if self.recording is None:
+            self.recording = ServerRecording(self, None)
+        if self.recording.marker(w):
+            self.sends += self.recording.send(self.snapshots, self.server, self.workers)
+            self.recording = None
 
     def on_pull(self, w: int) -> None:
         """A worker's first pull is training's; later ones are for evaluating (counted apart, as the worker does)."""
@@ -188,19 +252,10 @@ class ServerLoop:
     def on_end(self, w: int) -> None:
         """(Not on the coordinator.) The coordinator has ended the epoch for w, who may have been the slowest."""
         self.comm.Recv(self.params[:0], w, END)
+        if self.recording is not None:
+            self.recording.note("end", w)
         self.end_epoch([w])
         self.release()
-
-    def on_state(self, w: int) -> None:
-        """ps-sync, for a checkpoint: the shard's optimizer state, its step count and rate first, then its buffers by
-        name. Rank 0 asks after its reply for step s and before its push for s + 1, so the state is exactly step s's
-        (the other workers' pushes for s + 1 wait in their slots until rank 0's is in)."""
-        self.comm.Recv(self.params[:0], w, STATE)
-        state = self.optimizer.state_dict()
-        with labelled(self.comm, CHECKPOINT, 0):
-            self.comm.Send(np.array([state["steps"], state["lr"]], dtype=np.float64), w, STATE)
-            for name in sorted(k for k, v in state.items() if isinstance(v, np.ndarray)):
-                self.comm.Send(state[name], w, STATE)
 
     def on_done(self, w: int) -> None:
         self.comm.Recv(self.params[:0], w, DONE)
@@ -211,10 +266,11 @@ class ServerLoop:
     def reply(self, workers) -> None:
         """Send the shard's weights to ``workers`` (END instead of WEIGHTS once the coordinator's budget is spent)."""
         tag = END if self.coordinator and self.pushes >= self.budget else WEIGHTS
-        with labelled(self.comm, "ps/weights", self.params.nbytes):
-            waitall([self.comm.Isend(self.params, w, tag) for w in workers])  # (before the next update changes it)
+        with labelled(self.comm, "ps/weights", self.params.nbytes):  # (all sent before the next update changes it)
+            waitall([self.comm.Isend(self.params, w, tag | MARKED if w in self.mark else tag) for w in workers])
         for w in workers:
             self.sent_version[w] = self.version
+            self.mark.discard(w)
         if tag == END:
             self.end_epoch(workers)
 

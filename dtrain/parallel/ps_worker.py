@@ -3,19 +3,20 @@
 A :class:`Worker` holds the whole model for forward and backward and no optimizer state. After each backward it
 pushes every server its slice of the gradient and receives that server's slice of the new weights, all at once
 (non-blocking: every shard in flight together), so its wait is for the slowest shard. The coordinator's reply says,
-by its tag, whether the epoch is over (END), and the worker then tells the other servers so.
+by its tag, whether the epoch is over (END), and the worker then tells the other servers so; and, by its MARKED bit,
+that a snapshot has begun (``ps_snapshot.py``): the worker records its state at the end of that step.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-
-import numpy as np
 
 from dtrain.comm import new_status, probe, waitall, watchdog
 from dtrain.comm.names import ANY_TAG
-from dtrain.comm.trace import CHECKPOINT, labelled
-from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, STATE, WEIGHTS
+from dtrain.comm.trace import labelled
+from dtrain.parallel.ps_server import DONE, END, PULL, PUSH, WEIGHTS
+from dtrain.parallel.ps_snapshot import MARKED
 
 
 def push_and_pull(comm, params, grads, servers) -> None:
@@ -43,6 +44,43 @@ class Worker:
         self.pulled = False
         self.wait_s = 0.0  # time waiting for the servers' weights
         self.steps = 0  # steps in this epoch
+        self.seq = 0  # pushes sent: the last one's sequence number (a resume goes on from the cut's)
+        self.asked = False  # the coordinator's last reply was marked: a snapshot has begun
+        self.snapshots = None  # ps_snapshot.WorkerSnapshots, with --checkpoint-every
+        # this epoch before a resume: its steps and loss sum, where in the slices, whether it was over
+        self.carried, self.start_at, self.resumed_over = (0, 0.0), 0, False
+        self.cursor = 0  # where in the slices this worker is (steps into this pass over them)
+        self.losses = []  # this epoch's losses since its start or the resume
+
+    def epoch(self, batches, gradients, once: bool):
+        """The steps of one epoch: for each slice, ``gradients(x, y)``, then push and pull; each step's loss. ps-sync
+        (``once``): one pass over the slices. ps-async: round them again until the coordinator says the epoch is over.
+        After a resume the first pass starts where this worker was; at the end of a step whose coordinator reply was
+        marked, the worker records its place (a snapshot)."""
+        self.steps, self.losses = 0, []
+        skip, self.start_at, self.cursor = self.start_at, 0, self.start_at
+        if self.resumed_over:  # resumed where this worker had ended the epoch
+            self.resumed_over = False
+            return
+        while True:
+            taken = 0
+            for x, y in itertools.islice(batches, skip, None):
+                loss = gradients(x, y)  # forward and backward; the servers take the optimizer step
+                epoch_over = self.push_and_pull()
+                self.cursor += 1
+                self.losses.append(loss)
+                if self.asked:
+                    self.snapshots.record(self, batches.epoch, epoch_over)
+                    self.asked = False
+                if self.snapshots is not None:
+                    self.snapshots.poll()
+                yield loss
+                if epoch_over:
+                    return
+                taken += 1
+            skip, self.cursor = 0, 0
+            if once or not taken:  # (batches that cannot be gone round again: one pass)
+                return
 
     def push_and_pull(self) -> bool:
         """Send each server its slice of the gradient and receive its slice of the new weights, all at once; True
@@ -56,14 +94,16 @@ class Worker:
         with labelled(comm, "ps/push", grads.nbytes), watchdog.watching(comm, "ps: waiting for the servers"):
             requests = [comm.Isend(grads[a0:b0], coordinator, PUSH)]
             requests += start_push_and_pull(comm, params, grads, others)
-            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over
-            epoch_over = self.status.Get_tag() == END
-            comm.Recv(params[a0:b0], coordinator, self.status.Get_tag())
+            probe(comm, self.status, coordinator, ANY_TAG)  # WEIGHTS, or END: the epoch is over (| MARKED)
+            tag = self.status.Get_tag()
+            epoch_over, self.asked = tag & ~MARKED == END, bool(tag & MARKED)
+            comm.Recv(params[a0:b0], coordinator, tag)
             if epoch_over:  # the other servers stop waiting for this worker in this epoch
                 requests += [comm.Isend(params[:0], server, END) for server, _ in others]
             waitall(requests)
         self.wait_s += time.perf_counter() - started
         self.steps += 1
+        self.seq += 1
         return epoch_over
 
     def pull(self, label: str = "ps/pull") -> None:
@@ -75,25 +115,11 @@ class Worker:
             waitall(requests)
         self.pulled = True
 
-    def servers_state(self, buffer_names: list[str]) -> dict:
-        """ps-sync, for a checkpoint in the middle of training: every server's optimizer state, whole (on the host):
-        its step count and rate, and each of ``buffer_names`` put together from the servers' shards."""
-        n = self.model.flat_params.size
-        whole = {name: np.empty(n, dtype=self.model.flat_params.dtype) for name in buffer_names}
-        scalars = np.empty(2, dtype=np.float64)
-        with labelled(self.comm, CHECKPOINT, 0), watchdog.watching(self.comm, "ps: the servers' optimizer state"):
-            for server, (a, b) in self.served:
-                self.comm.Send(self.model.flat_params[:0], server, STATE)
-                self.comm.Recv(scalars, server, STATE)
-                for name in buffer_names:
-                    self.comm.Recv(whole[name][a:b], server, STATE)
-        return {"steps": int(scalars[0]), "lr": float(scalars[1]), **whole}
-
     def done(self) -> dict:
         """Tell every server this worker is done; what it reports for metrics.json."""
         for server, _ in self.served:
             self.comm.Send(self.model.flat_params[:0], server, DONE)
-        return {"held": self.held_bytes(), "wait_s": self.wait_s}
+        return {"held": self.held_bytes(), "wait_s": self.wait_s, "pushes": self.seq}
 
     def held_bytes(self) -> dict:
         m = self.model
