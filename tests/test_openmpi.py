@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dtrain.launch import flavours
+from dtrain.launch import flavours, processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ROOT / "tests" / "mpi_scripts" / "check_collectives.py"
@@ -48,13 +51,14 @@ pytestmark = [
 ]
 
 
-def dtrain(*args, cwd, timeout=300) -> subprocess.CompletedProcess:
+def dtrain(*args, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [str(VENV / "bin" / "python"), "-m", "dtrain", *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result
@@ -99,3 +103,52 @@ def test_the_tour_under_open_mpi(tmp_path):
     assert all(run["status"] == "ok" for run in tour["runs"]), tour["runs"]
     ring = tour["runs"][1]
     assert ring["sent_per_step"] == ring["predicted_sent_per_step"]  # the tracer's count, as under MPICH
+
+
+def test_ctrl_c_leaves_no_process_under_open_mpi(tmp_path):
+    """Ctrl-C on the launcher of a 3-rank training job: every process of the job (the launcher, Open MPI's prterun
+    and daemons, the ranks), recorded by PID and start time while it ran, has ended within 10 s."""
+    command = [str(VENV / "bin" / "python"), "-m", "dtrain", "launch", "-n", "3", "-m", "dtrain", "train",
+               "--paradigm", "ddp", "--epochs", "1000", "--no-progress"]  # fmt: skip
+    job = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(job.stdout), daemon=True)
+    reader.start()
+    tree = {}
+    try:
+        deadline = time.monotonic() + 120
+        while "epoch   1/1000" not in "".join(out) and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        tree = processes.tree(job.pid)
+        assert "epoch   1/1000" in "".join(out), "".join(out)
+        assert len(tree) >= 5, (tree, "".join(out))  # the launcher, mpiexec and 3 ranks at least
+        job.send_signal(signal.SIGINT)
+        job.wait(60)
+        reader.join(5)
+        deadline = time.monotonic() + 10
+        while any(processes.running(pid, started) for pid, started in tree.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid, started in tree.items() if processes.running(pid, started)], "".join(out)
+    finally:
+        for pid, started in tree.items():
+            processes.send(pid, started, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+
+
+def test_a_restart_after_a_killed_rank_ends_with_the_same_bits_under_open_mpi(tmp_path):
+    """Rank 1 killed with SIGKILL after step 23 (DTRAIN_FAULT), the job restarted once from its checkpoint at step 20:
+    the final weights are those of the run that never failed (SHA-256), as under MPICH (tests/test_restarts.py)."""
+    train = ["-m", "dtrain", "train", "--paradigm", "ddp", "--epochs", 2, "--hidden", 32, "--batch-size", 48,
+             "--checkpoint-every", 10, "--quiet", "--no-progress"]  # fmt: skip
+    dtrain(
+        "launch", "-n", 3, *train, "--checkpoint-dir", tmp_path / "whole-ck", "--out", tmp_path / "whole", cwd=tmp_path
+    )
+    env = {**os.environ, "DTRAIN_FAULT": "1:23"}
+    result = dtrain("launch", "-n", 3, "--max-restarts", 1, "--restart-delay", 0.5, "--checkpoint-dir",
+                    tmp_path / "ck", *train, "--out", tmp_path / "restarted", cwd=tmp_path, env=env)  # fmt: skip
+    whole, restarted = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("whole", "restarted"))
+    assert restarted["restarts"]["count"] == 1, result.stderr
+    assert "rank 1 was killed by SIGKILL" in result.stderr, result.stderr
+    assert restarted["weights_sha256"] == whole["weights_sha256"]
