@@ -222,3 +222,14 @@ def test_part_7_a_whole_node_killed_and_the_job_goes_on_with_the_other_node(less
         assert run["noticed_s"] >= 0
     assert machine["cut"]["noticed_s"] >= 3  # the watchdog's 3 s: nobody told mpiexec
     assert "[mpiexec@" not in lesson[0]
+
+
+@pytest.mark.mpi
+def test_part_8_a_server_killed_in_ps_async_resumes_a_snapshot_and_applies_every_push_once(lesson):
+    server = lesson[1]["server"]
+    pushes, restarts = server["pushes"], server["restarts"]
+    first = restarts["attempts"][0]
+    assert restarts["count"] == 1 and (first["rank"], first["signal"]) == (3, "SIGKILL")  # the server of 4 ranks
+    assert pushes["exactly_once"] and all(row == pushes["sent"] for row in pushes["applied"])
+    # 2 epochs of W x 29 pushes (and up to W - 1 more an epoch): the pushes redone after the kill are not counted twice
+    assert first["resumed_from_step"] is None and 2 * 3 * 29 <= sum(pushes["sent"]) <= 2 * (3 * 29 + 2)
