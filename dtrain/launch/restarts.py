@@ -301,7 +301,7 @@ def run(job: Job) -> int:
 def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
     ranks = job.ranks
     while True:
-        resumed_from = _last_step(job.folder)
+        resumed_from, _ = _last_step(job.folder)
         attempt = Attempt(len(attempts) + 1, ranks, resumed_from)
         attempts.append(attempt)
         _write_record(record, attempts[:-1])
@@ -331,9 +331,9 @@ def _attempts(job: Job, attempts: list, record: Path, progress: Path) -> int:
             _write_record(record, attempts)
             terminal.tell(report(attempts))
             return EXIT_USER_ERROR
-        restart_from = _last_step(job.folder)
+        restart_from, rank0_from = _last_step(job.folder)
         if attempt.reached_step is not None:
-            attempt.steps_lost = attempt.reached_step - (restart_from or 0)
+            attempt.steps_lost = attempt.reached_step - (rank0_from or 0)
         if len(attempts) > job.max_restarts:
             _write_record(record, attempts)
             failed = f"{len(attempts)} attempt{'s' if len(attempts) > 1 else ''} failed"
@@ -389,12 +389,15 @@ def _batch(job: Job):
     return job.train_config.batch_size if job.train_config is not None else "the same"
 
 
-def _last_step(folder: Path) -> int | None:
-    """The global step of the checkpoint in ``folder`` (None: there is none, or it cannot be read)."""
+def _last_step(folder: Path) -> tuple[int | None, int | None]:
+    """The global step of the checkpoint in ``folder``, and rank 0's own steps there, what its progress mark counts
+    (the same, but in a parameter-server snapshot: a worker's own pushes); (None, None): none, or unreadable."""
     try:
-        return int(checkpoint.load(folder)["meta"]["global_step"])
+        meta = checkpoint.load(folder)["meta"]
     except checkpoint.CheckpointError:
-        return None
+        return None, None
+    step = int(meta["global_step"])
+    return step, int(meta["snapshot"]["workers"][0]["seq"]) if "snapshot" in meta else step
 
 
 # --- saying what happened ----------------------------------------------------------------------------------------

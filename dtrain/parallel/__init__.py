@@ -63,8 +63,7 @@ def check_replicas(comm, flat, when: str) -> None:
 
 
 class Evaluating:
-    """A model whose traffic while evaluating (a sharded model's gathers or all-reduces) is labelled evaluation's,
-    not training's."""
+    """A model whose traffic while evaluating (a sharded model's gathers) is labelled evaluation's, not training's."""
 
     def __init__(self, model, comm):
         self.model, self.comm = model, comm
@@ -184,8 +183,7 @@ class Paradigm:
         self.optimizer = make_optimizer(self.model)
 
     def run(self, epochs) -> None:
-        """The whole run on this rank: the driver's epoch loop (``epochs.run()``), which takes each epoch's steps from
-        :meth:`epoch`. A rank with a loop of its own (a parameter server) overrides it."""
+        """The whole run on this rank: the driver's epoch loop (``epochs.run()``, its steps from :meth:`epoch`)."""
         epochs.run()
 
     def epoch(self, batches):
@@ -195,9 +193,8 @@ class Paradigm:
             yield self.step(x, y)
 
     def global_loss(self, local_mean: float) -> float:
-        """The global batch's loss from this rank's mean loss over its slice (a collective): by default the mean over
-        the ranks, each of whose slices is an equal share of the batch (one rank: its own). A metric, not training
-        traffic: the object all-reduce, which the tracer does not count."""
+        """The global batch's loss from this rank's mean over its slice (a collective): by default the mean over the
+        ranks, whose slices are equal shares of the batch. A metric: an object all-reduce, which the tracer skips."""
         return self.comm.allreduce(local_mean) / self.world
 
     def full_parameters(self):
@@ -214,6 +211,7 @@ class Paradigm:
         self.optimizer.load_state_dict(optimizer_state)
 
     def restore_snapshot(self, snapshot: dict, arrays: dict, position) -> bool:
+        """Resume a snapshot of its own (False: not its kind: the driver drops the snapshot's own part)."""
         return False
 
     def evaluation_model(self):

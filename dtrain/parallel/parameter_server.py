@@ -160,10 +160,8 @@ class ParameterServer(Paradigm):
             self.model = model
             self.side = Worker(self.ps_comm, model, list(zip(self.server_ranks, self.bounds)))
             if self.snapshot_comm is not None:
-                rows = ps_snapshot.recording_rows(buffers_per_parameter(self.config.optimizer, self.config.momentum),
-                                                  self.workers)  # fmt: skip
                 self.side.snapshots = ps_snapshot.WorkerSnapshots(self.ps_comm, self.snapshot_comm, self.side.served,
-                                                                  PUSH, rows, self.config.checkpoint_every)  # fmt: skip
+                                                                  PUSH, self.config.checkpoint_every)  # fmt: skip
         else:
             self.side = Server(self.ps_comm, flat, self.bounds, self.rank - self.workers, make_optimizer,
                                workers=self.workers, synchronous=self.synchronous,
@@ -175,10 +173,11 @@ class ParameterServer(Paradigm):
         global steps). A worker: the driver's epochs, keeping its own place in them (ps-async's each have theirs)."""
         if isinstance(self.side, Server):
             self.side.serve(epochs.steps_per_epoch, self.config.lr, done=epochs.resumed_steps,
-                            snapshots=self.snapshot_comm, every=self.config.checkpoint_every,
-                            injector=epochs.injector, resumed=self.resumed)  # fmt: skip
+                            start=epochs.position.step, snapshots=self.snapshot_comm,
+                            every=self.config.checkpoint_every, injector=epochs.injector,
+                            resumed=self.resumed)  # fmt: skip
             return
-        self.driver, position, side = epochs, epochs.position, self.side
+        position, side = epochs.position, self.side
         if side.snapshots is not None:
             side.snapshots.driver = epochs  # (rank 0 records the epochs' figures and time too)
         if position.done:  # another paradigm's checkpoint (or a run without snapshots): the same place for everyone

@@ -8,9 +8,8 @@ a worker more than K steps ahead of the slowest (stale-synchronous). The worker'
 
 **Termination.** Each worker sends DONE to every server after its last step; a server leaves its loop once all W
 workers are done (a DONE can only follow that worker's last reply, so nothing is in flight). Then every rank meets in
-the paradigm's ``finish``: the servers' shards and optimizer states are gathered, so every rank ends with the final
-model. **Snapshots** (``--checkpoint-every``): a PUSH of 0 bytes is a worker's marker; what the loop records and
-why the cut is consistent is in ``ps_snapshot.py``.
+``finish``: the servers' shards and optimizer states are gathered, so every rank ends with the final model.
+**Snapshots** (``--checkpoint-every``): a PUSH of 0 bytes is a worker's marker (``ps_snapshot.py``).
 """
 
 from __future__ import annotations
@@ -61,17 +60,18 @@ class Server:
         self.slots = xp.empty((workers, self.stop - self.start), dtype=whole.dtype) if synchronous else None
         self.loop, self.serve_s = None, 0.0
 
-    def serve(self, steps_per_epoch: int, lr: float, done: int = 0, *, snapshots=None, every: int = 0,
+    def serve(self, steps_per_epoch: int, lr: float, done: int = 0, *, start: int = 0, snapshots=None, every: int = 0,
               injector=None, resumed=None) -> None:  # fmt: skip
         """Answer the workers until every one has said DONE; ``lr``: the run's learning rate; ``done``: the steps of
-        the first epoch already taken (a resume from a checkpoint in the middle of an epoch). ``snapshots``: the
+        the first epoch already taken (a resume from a checkpoint in the middle of an epoch), ``start`` the global steps
+        (the first one's, from 0). ``snapshots``: the
         communicator a recording goes to rank 0 on, one every ``every`` global steps; ``injector``: this rank's
         fault injector; ``resumed``: this server's recording at the cut a resume goes on from (header, rows)."""
         if not self.synchronous:  # each push is 1/W of a step (set here, after any checkpoint's state was loaded)
             self.optimizer.lr = lr / self.workers
         self.loop = ServerLoop(self.comm, self.shard, self.optimizer, workers=self.workers, server=self.index,
                                steps_per_epoch=steps_per_epoch, synchronous=self.synchronous, bound=self.bound,
-                               slots=self.slots, done=done, snapshots=snapshots, every=every,
+                               slots=self.slots, done=done, start=start, snapshots=snapshots, every=every,
                                injector=injector)  # fmt: skip
         if resumed is not None:
             self.loop.replayed = replay(self.loop, *resumed)
@@ -91,12 +91,12 @@ class Server:
             "updates": loop.version if loop else 0,
             "applied": list(loop.clock) if loop else [0] * self.workers,  # each worker's pushes this shard took
             "replayed": loop.replayed if loop else 0,
-            "snapshots": loop.snapshots_taken if loop else 0,
+            "snapshots": loop.ordinal if loop else 0,
             "busy_fraction": 1.0 - loop.idle_s / self.serve_s if loop and self.serve_s else 0.0,
         }
 
     def held_bytes(self) -> dict:
-        slots = self.slots.nbytes if self.slots is not None else 0
+        slots = self.slots.nbytes if self.slots is not None else 0  # (ps-sync's, a row a worker)
         return {"parameters": self.shard.flat_params.nbytes, "gradients": self.shard.flat_grads.nbytes + slots,
                 "optimizer": state_bytes(self.optimizer)}  # fmt: skip
 
@@ -120,13 +120,14 @@ class ServerLoop:
     """
 
     def __init__(self, comm, shard, optimizer, *, workers: int, server: int, steps_per_epoch: int, synchronous: bool,
-                 bound: int | None = None, slots=None, done: int = 0, snapshots=None, every: int = 0,
+                 bound: int | None = None, slots=None, done: int = 0, start: int = 0, snapshots=None, every: int = 0,
                  injector=None):  # fmt: skip
         """``comm``: the protocol's communicator (workers are its ranks 0 to ``workers`` - 1); ``shard``: this
         server's slice (``flat_params``, ``flat_grads``), which ``optimizer`` updates; ``server``: this server's index
         (0 is the coordinator); ``synchronous``: ps-sync's policy, else ps-async's, with the staleness ``bound``;
         ``slots``: ps-sync's (workers x shard) array, a row for each worker's push; ``done``: the first epoch's
-        steps already taken before a resume; ``snapshots``, ``every``, ``injector``: see :meth:`Server.serve`."""
+        steps already taken before a resume, ``start`` the global steps; ``snapshots``, ``every``, ``injector``: see
+        :meth:`Server.serve`."""
         self.comm, self.status = comm, new_status(comm)
         self.params, self.grads, self.optimizer, self.slots = shard.flat_params, shard.flat_grads, optimizer, slots
         self.workers, self.bound, self.synchronous = workers, bound, synchronous
@@ -136,12 +137,14 @@ class ServerLoop:
         self.version = 0  # updates applied to this shard
         self.sent_version = [0] * self.workers  # the version each worker's weights are at
         self.clock = [0] * self.workers  # pushes taken from each worker: its sequence number, as this shard knows it
-        self.total = 0  # pushes taken, every epoch's (what a server's fault and the snapshots count)
+        self.total = workers * start  # pushes taken since training began (what the snapshots count: global step x W)
+        self.total_before = self.total  # (those of the run this resumed: a server's fault counts this run's)
         self.server, self.injector = server, injector
         self.snapshots, self.every = snapshots, every
-        self.recording = None  # a ps_snapshot.ServerRecording while a snapshot is being taken
-        self.snapshots_taken = 0  # the coordinator's: the number of the last snapshot begun
-        self.mark = set()  # the coordinator's: workers whose next reply is marked (the snapshot has begun)
+        self.recordings = {}  # ps_snapshot.ServerRecording of each snapshot being taken, by its ordinal
+        self.markers = [0] * workers  # markers from each worker so far: its k-th is snapshot k's (FIFO)
+        self.ordinal = self.snapshots_taken = 0  # the coordinator's: snapshots begun; the last one's number; and the
+        self.mark = set()  # workers whose next reply is marked (the snapshot has begun)
         self.sends, self.replayed = [], 0  # recordings on their way to rank 0; pushes replayed after a resume
         self.waiting = []  # workers whose reply is held back (stale-synchronous)
         self.arrived = []  # ps-sync: workers whose push for this step is in
@@ -171,8 +174,8 @@ class ServerLoop:
     def on_sync_push(self, w: int) -> None:
         """ps-sync: keep the push; once all W are in, average them in worker order, update, answer everyone."""
         self.comm.Recv(self.slots[w], w, PUSH)
-        if self.recording is not None:
-            self.recording.note("push", w, self.slots[w])
+        for recording in self.recordings.values():
+            recording.note("push", w, self.slots[w])
         if self.take_push(w, None, 0):
             self.after_update()
             self.reply(range(self.workers))
@@ -183,8 +186,8 @@ class ServerLoop:
         """ps-async: apply the push now (at lr / W), note its staleness, answer when the bound allows."""
         self.comm.Recv(self.grads, w, PUSH)
         staleness = self.version - self.sent_version[w]
-        if self.recording is not None:
-            self.recording.note("push", w, self.grads, staleness)
+        for recording in self.recordings.values():
+            recording.note("push", w, self.grads, staleness)
         self.take_push(w, None, staleness)
         self.after_update()
         self.waiting.append(w)
@@ -216,30 +219,34 @@ class ServerLoop:
         self.arrived.clear()
         return True
 
-    def after_push(self) -> None:
-        if self.injector is not None:  # DTRAIN_FAULT on a server: pushes taken / W (faults.py)
-            self.injector.at_pushes(self.total, self.workers)
+    def after_push(self) -> None:  # DTRAIN_FAULT on a server: this run's pushes taken / W (faults.py)
+        if self.injector is not None:
+            self.injector.at_pushes(self.total - self.total_before, self.workers)
 
     def after_update(self) -> None:
         """The coordinator begins snapshot m once m x N x W pushes are in and no worker is between two epochs (a
         worker that had ended it would record in the next: ``ps_snapshot.py``); its next reply to each is marked."""
         self.after_push()
         number = self.total // (self.every * self.workers) if self.every else 0
-        if (self.server == COORDINATOR and number > self.snapshots_taken and self.recording is None
+        if (self.server == COORDINATOR and number > self.snapshots_taken and not self.recordings
                 and not self.ended and not self.done):  # fmt: skip
-            self.snapshots_taken = number
-            self.recording = ServerRecording(self, number)
+            self.snapshots_taken, self.ordinal = number, self.ordinal + 1
+            self.recordings[self.ordinal] = ServerRecording(self, self.ordinal, number)
             self.mark = set(range(self.workers))
 
     def on_marker(self, w: int) -> None:
-        """Worker w's marker (a PUSH of 0 bytes): the first one starts this server's recording; the last one ends it,
-        and the recording goes to rank 0."""
+        """Worker w's marker (a PUSH of 0 bytes), its k-th: the first of snapshot k to come starts this server's
+        recording of it (another worker's marker of k + 1 can come before w's of k); the last one ends it, and the
+        recording goes to rank 0."""
         self.comm.Recv(self.params[:0], w, PUSH)
-        if self.recording is None:
-            self.recording = ServerRecording(self, None)
-        if self.recording.marker(w):
-            self.sends += self.recording.send(self.snapshots, self.server, self.workers)
-            self.recording = None
+        self.markers[w] += 1
+        k = self.markers[w]
+        recording = self.recordings.get(k)
+        if recording is None:
+            recording = self.recordings[k] = ServerRecording(self, k)
+        if recording.marker(w):
+            self.sends += recording.send(self.snapshots, self.server)
+            del self.recordings[k]
 
     def on_pull(self, w: int) -> None:
         """A worker's first pull is training's; later ones are for evaluating (counted apart, as the worker does)."""
@@ -252,8 +259,8 @@ class ServerLoop:
     def on_end(self, w: int) -> None:
         """(Not on the coordinator.) The coordinator has ended the epoch for w, who may have been the slowest."""
         self.comm.Recv(self.params[:0], w, END)
-        if self.recording is not None:
-            self.recording.note("end", w)
+        for recording in self.recordings.values():
+            recording.note("end", w)
         self.end_epoch([w])
         self.release()
 

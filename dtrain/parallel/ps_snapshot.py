@@ -13,9 +13,9 @@ one without stopping anything, with markers on FIFO channels::
                       \\        \\    |        |   \\                                 and sends M on every channel
     server 0  -(R)-----7---------5---M--------|----M-----6------------------>   M   the marker: a PUSH of 0 bytes
     (coord.)    |      ^in flight^   ^w0 done |    ^w1 done: complete              (the same channel, tag, order)
-    server 1  --------------7---5-------M----(R)---M------6----------------->   after (R), what arrives from w
-                                        ^first marker: records; 7, 5 were        before w's M is in flight on
-                                         already in its shard                    the channel w -> s: recorded
+    server 1  --------------7---5------(R)M--------M------6----------------->   after (R), what arrives from w
+                                       ^the first marker: it records; 7, 5       before w's M is in flight on
+                                        were already in its shard                the channel w -> s: recorded
 
 1. **The coordinator** (server 0), once it has applied m x N x W pushes (ps-sync: m x N updates) and no worker is
    between two epochs, records its state (a copy of its shard, its optimizer's state, its counters), and marks its
@@ -25,8 +25,10 @@ one without stopping anything, with markers on FIFO channels::
    over. It sends the marker to every server, after its last push and before its next, and its state to rank 0.
 3. **A server** records its state when the first marker reaches it (the coordinator has already). From then on,
    every message from worker w that arrives before w's marker (a push, an END) was in flight across the cut: it is
-   recorded with its data. With all W markers in, the server sends its recording to rank 0, which writes the
-   checkpoint once every server's and every worker's are in (it never waits for them inside a step; while it
+   recorded with its data. A worker's k-th marker is snapshot k's: another worker's marker of k + 1 may come before
+   w's of k, and then two recordings are open at once. With all W markers in, the server sends its recording to
+   rank 0, which writes the checkpoint once every server's and every worker's are in, between its steps (waiting
+   only if the next snapshot reaches it before the last one's recordings, which are then on their way; while it
    writes, the other workers go on, so in ps-async rank 0 takes fewer steps than they do).
 
 **Why consistent.** Take worker w's push j and server s. If j <= k, it was sent before w's marker, so (FIFO) it
@@ -42,12 +44,18 @@ their own tag, so it cannot pass a push sent before it, nor be passed by one sen
 a push sent after the marker could arrive before it and be counted twice: once in the shard, once by the worker that
 resends it (the notebook's section shows it on simulated ranks).
 
-**The other direction** (server -> worker) carries copies of the servers' weights; a worker restarts by pulling fresh
-ones, so nothing on those channels needs recording, and the only marker there is the coordinator's (the MARKED tag,
-which starts the snapshot). **A full flat buffer still**: the checkpoint's parameters and optimizer state are the
-servers' recorded shards put together (what they held at the cut), so evaluation or another paradigm can resume
-them; only ps-sync and ps-async on the same workers and servers replay the pushes in flight, which another resume
-drops (and says so).
+**What the cut does not cut.** Server -> worker messages carry copies of the shards. A server that has recorded may
+answer a worker that has not with weights holding pushes from after the cut, and that worker's next push (before its
+marker) was computed from them: the cut is consistent for the pushes, which is all the servers hold, not for what
+each gradient was computed from. A restart needs no more: the workers pull fresh weights, and asynchronous SGD
+applies gradients computed on weights other than the current ones anyway; what it must never do is lose or double a
+push. The one reply that changes its sender's state is the coordinator's END (the epoch is over for that worker):
+a worker that records after a marked END records its epoch as over, and the resume ends that worker's epoch on the
+coordinator too (:func:`replay`).
+
+**A full flat buffer still**: the checkpoint's parameters and optimizer state are the servers' recorded shards put
+together (what they held at the cut), so evaluation or another paradigm can resume them; only ps-sync and ps-async
+on as many workers and servers replay the pushes in flight, which another resume drops (and says so).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ import json
 
 import numpy as np
 
-from dtrain.backend import read_losses, to_host
+from dtrain.backend import array_module, read_losses, to_host
 from dtrain.comm import waitall
 from dtrain.comm.trace import CHECKPOINT, labelled
 
@@ -82,54 +90,43 @@ def unpack(buffer) -> dict:
 
 # --- a server's side: record the state, then the messages in flight, until every worker's marker is in ------------
 class ServerRecording:
-    """Server ``loop``'s state at the moment it records, and the messages that cross the cut on its channels."""
+    """Server ``loop``'s state at the moment it records for snapshot ``ordinal`` (the coordinator's count of the
+    snapshots it began; ``number``: the coordinator's label, global step / N), and the messages that cross the cut on
+    its channels."""
 
-    def __init__(self, loop, number: int):
-        self.number = number
+    def __init__(self, loop, ordinal: int, number: int | None = None):
+        self.ordinal, self.number = ordinal, number
         self.params = loop.params.copy()
-        state = loop.optimizer.state_dict()
-        self.optimizer = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+        self.optimizer = loop.optimizer.state_dict()  # (host copies)
         self.counters = counters(loop)
         self.awaiting = set(range(loop.workers)) - loop.done  # whose marker has not come
         self.in_flight = []  # (kind, worker, staleness), in the order they came
-        self.rows = []  # the pushes' data, in that order
+        self.rows = []  # the pushes' data, in that order: at most two a worker (see the module docstring)
 
     def note(self, kind: str, w: int, data=None, staleness: int = 0) -> None:
         """A message from w, before w's marker: it crossed the cut."""
         if w in self.awaiting:
             self.in_flight.append((kind, w, staleness))
             if data is not None:
-                self.rows.append(data.copy())
+                self.rows.append(to_host(data).copy())
 
     def marker(self, w: int) -> bool:
         """w's marker is in: w's channel is recorded. True once every worker's is."""
         self.awaiting.discard(w)
         return not self.awaiting
 
-    def send(self, comm, server: int, workers: int) -> list:
-        """Everything recorded, to rank 0 (non-blocking: the server goes on serving): the counters, then one array of
-        :func:`recording_rows` rows: the shard, the optimizer's buffers (by name), the pushes in flight."""
+    def send(self, comm, server: int) -> list:
+        """Everything recorded, to rank 0 (non-blocking: the server goes on serving): the counters (their size
+        fixed, so rank 0 can post their receive first), then the rows they announce: the shard, the optimizer's
+        buffers (by name), the pushes in flight."""
         names = sorted(k for k, v in self.optimizer.items() if isinstance(v, np.ndarray))
-        rows = np.zeros((recording_rows(len(names), workers), self.params.size), dtype=self.params.dtype)
-        if 1 + len(names) + len(self.rows) > len(rows):
-            raise RuntimeError(f"ps snapshot: {len(self.rows)} pushes in flight to server {server}, more than two a "
-                               "worker: a worker recorded late (a bug)")  # fmt: skip
-        for i, row in enumerate([self.params, *(self.optimizer[k] for k in names), *self.rows]):
-            rows[i] = to_host(row)
+        rows = np.stack([to_host(self.params), *(self.optimizer[k] for k in names), *self.rows])
         scalars = {k: v for k, v in self.optimizer.items() if not isinstance(v, np.ndarray)}
-        header = {"server": server, "number": self.number, **self.counters, "optimizer_scalars": scalars,
-                  "optimizer_buffers": names, "in_flight": self.in_flight}  # fmt: skip
+        header = {"server": server, "ordinal": self.ordinal, "number": self.number, **self.counters,
+                  "optimizer_scalars": scalars, "optimizer_buffers": names, "in_flight": self.in_flight,
+                  "rows": len(rows)}  # fmt: skip
         with labelled(comm, CHECKPOINT, 0):
             return [comm.Isend(pack(header, HEADER_BYTES), 0, HEADER), comm.Isend(rows, 0, ROWS)]
-
-
-def recording_rows(buffers: int, workers: int) -> int:
-    """Rows of a server's recording: its shard, the optimizer's ``buffers``, and room for the pushes in flight: at
-    most two a worker. The coordinator marks its next reply to w, so w records at the end of the step whose push was
-    outstanding when the coordinator recorded (j) or of the next one (j + 1); a server that recorded early, at another
-    worker's marker, can see both arrive after it did (j slow on the wire), never j - 1 (w sent j only once every
-    server had answered j - 1)."""
-    return 1 + buffers + 2 * workers
 
 
 def counters(loop) -> dict:
@@ -151,7 +148,8 @@ def replay(loop, header: dict, rows, ended) -> int:
     loop.snapshots_taken = header["snapshots_taken"]
     loop.optimizer.steps = int(header["optimizer_scalars"]["steps"])  # (each shard's own: ps-async's may differ)
     loop.sent_version = [loop.version] * loop.workers  # (the workers pull before their next push)
-    pushes = iter(rows)
+    loop.markers, loop.ordinal, loop.total_before = [header["ordinal"]] * loop.workers, header["ordinal"], loop.total
+    pushes = iter(array_module(loop.params).asarray(rows))  # (on the shard's device)
     replayed = 0
     for kind, w, staleness in header["in_flight"]:
         if kind == "push":
@@ -169,15 +167,15 @@ class WorkerSnapshots:
     """A worker's part in snapshots: record its state when asked and send the markers; on rank 0, also collect the
     servers' recordings and the other workers' states, and write the checkpoint through the driver."""
 
-    def __init__(self, comm, snapshot_comm, servers, push_tag: int, rows: int, every: int):
+    def __init__(self, comm, snapshot_comm, servers, push_tag: int, every: int):
         """``comm``: the protocol's communicator (the markers go on it, with the pushes' ``push_tag``);
         ``snapshot_comm``: one of its own for the recordings; ``servers``: (server rank, (start, stop)) for each;
-        ``rows``: of a server's recording (see :meth:`ServerRecording.send`); ``every``: --checkpoint-every."""
+        ``every``: --checkpoint-every."""
         self.comm, self.snapshot_comm, self.servers, self.push_tag = comm, snapshot_comm, servers, push_tag
-        self.rows, self.every, self.rank = rows, every, comm.Get_rank()
+        self.every, self.rank = every, comm.Get_rank()
         self.workers = comm.Get_size() - len(servers)
         self.driver = None  # the driver's epochs (rank 0 records their figures, and writes through it)
-        self.pending = None  # rank 0: (requests, headers, rows, states) of the snapshot being collected
+        self.pending = None  # rank 0: what it has posted and received of the snapshot being collected
         self.sent = []  # this worker's state's sends, to complete at the end
 
     def record(self, worker, epoch: int, epoch_over: bool) -> None:
@@ -186,50 +184,58 @@ class WorkerSnapshots:
         state = {"worker": self.rank, "seq": worker.seq, "epoch": epoch, "steps": steps0 + worker.steps,
                  "loss_sum": sum0 + sum(read_losses(worker.losses)), "cursor": worker.cursor,
                  "epoch_over": epoch_over}  # fmt: skip
-        dtype = worker.model.flat_params.dtype
         with labelled(self.comm, CHECKPOINT, 0):
             if self.rank == 0:
                 state.update(epochs=list(self.driver.position.epochs), train_time_s=self.driver.time_in_epoch())
-                self.post(state, dtype)
+                self.post(state, worker.model.flat_params.dtype)
             else:
                 self.sent.append(self.snapshot_comm.Isend(pack(state, WORKER_BYTES), 0, WORKER))
             empty = worker.model.flat_params[:0]
             waitall([self.comm.Isend(empty, server, self.push_tag) for server, _ in self.servers])  # the marker
 
     def post(self, state: dict, dtype) -> None:
-        if self.pending is not None:  # (the coordinator starts one snapshot at a time, after the last is complete)
-            self.finish_pending(wait=True)
-        headers = [np.zeros(HEADER_BYTES, dtype=np.uint8) for _ in self.servers]
-        rows = [np.zeros((self.rows, b - a), dtype=dtype) for _, (a, b) in self.servers]
-        states = [np.zeros(WORKER_BYTES, dtype=np.uint8) for _ in range(1, self.workers)]
+        """Rank 0: the receives of the servers' counters and the other workers' states (the rows' come once their
+        counters say how many)."""
+        if self.pending is not None:  # (the last snapshot's recordings are still coming: they will, without us)
+            self.collect(wait=True)
         c = self.snapshot_comm
-        requests = [c.Irecv(h, s, HEADER) for h, (s, _) in zip(headers, self.servers)]
-        requests += [c.Irecv(r, s, ROWS) for r, (s, _) in zip(rows, self.servers)]
-        requests += [c.Irecv(st, w, WORKER) for w, st in zip(range(1, self.workers), states)]
-        self.pending = (requests, headers, rows, [state, *states])
+        headers = [np.zeros(HEADER_BYTES, dtype=np.uint8) for _ in self.servers]
+        states = [np.zeros(WORKER_BYTES, dtype=np.uint8) for _ in range(1, self.workers)]
+        self.pending = {"dtype": dtype, "state": state, "headers": headers, "states": states, "rows": {},
+                        "counters": [c.Irecv(h, s, HEADER) for h, (s, _) in zip(headers, self.servers)],
+                        "rest": [c.Irecv(st, w, WORKER) for w, st in zip(range(1, self.workers), states)]}  # fmt: skip
 
     def poll(self) -> None:
-        """Rank 0, between steps: write the snapshot if everything has come (never a wait inside training)."""
+        """Rank 0, between steps: write the snapshot if everything has come (no wait)."""
         if self.pending is not None:
-            self.finish_pending(wait=False)
+            self.collect(wait=False)
 
-    def finish_pending(self, wait: bool) -> None:
-        requests, headers, rows, states = self.pending
+    def collect(self, wait: bool) -> None:
+        p = self.pending
+        for i, request in enumerate(p["counters"]):  # each server's counters, then the rows they announce
+            if request is not None and (wait or request.Test()):
+                if wait:
+                    waitall([request])
+                p["counters"][i], (server, (a, b)) = None, self.servers[i]
+                p["headers"][i] = unpack(p["headers"][i])
+                p["rows"][i] = np.empty((p["headers"][i]["rows"], b - a), dtype=p["dtype"])
+                p["rest"].append(self.snapshot_comm.Irecv(p["rows"][i], server, ROWS))
         if wait:
-            waitall(requests)
-        else:
-            requests[:] = [r for r in requests if not r.Test()]  # (each tested until done, never after)
-            if requests:
-                return
+            waitall(p["rest"])
+            p["rest"] = []
+        p["rest"] = [r for r in p["rest"] if not r.Test()]  # (each tested until done, never after)
+        if p["rest"] or any(r is not None for r in p["counters"]):
+            return
         self.pending = None
-        states = [states[0], *(unpack(s) for s in states[1:])]
-        self.driver.write_snapshot(*checkpoint_parts([unpack(h) for h in headers], rows, states, self.every))
+        states = [p["state"], *(unpack(s) for s in p["states"])]
+        rows = [p["rows"][i] for i in range(len(self.servers))]
+        self.driver.write_snapshot(*checkpoint_parts(p["headers"], rows, states, self.every))
 
     def close(self) -> None:
         """At the end of training: the snapshot being collected is completed (every worker records before it says
         DONE), and this worker's own sends."""
         if self.pending is not None:
-            self.finish_pending(wait=True)
+            self.collect(wait=True)
         waitall(self.sent)
         self.sent = []
 
@@ -241,6 +247,9 @@ def checkpoint_parts(headers, rows, states, every: int):
     flight, exactly the pushes each worker counts as sent."""
     names = headers[0]["optimizer_buffers"]
     sent = [state["seq"] for state in states]
+    if len({h["ordinal"] for h in headers}) > 1:
+        raise RuntimeError(f"ps snapshot: recordings of snapshots {sorted({h['ordinal'] for h in headers})} put "
+                           "together (a bug)")  # fmt: skip
     for h in headers:
         for w, count in enumerate(sent):
             in_flight = sum(1 for kind, sender, _ in h["in_flight"] if kind == "push" and sender == w)

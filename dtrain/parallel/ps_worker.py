@@ -62,12 +62,15 @@ class Worker:
         if self.resumed_over:  # resumed where this worker had ended the epoch
             self.resumed_over = False
             return
+        passes = len(batches) if hasattr(batches, "__len__") else None
         while True:
             taken = 0
             for x, y in itertools.islice(batches, skip, None):
                 loss = gradients(x, y)  # forward and backward; the servers take the optimizer step
                 epoch_over = self.push_and_pull()
                 self.cursor += 1
+                if self.cursor == passes and not once:  # ps-async goes round again: a snapshot's place is the start
+                    self.cursor = 0
                 self.losses.append(loss)
                 if self.asked:
                     self.snapshots.record(self, batches.epoch, epoch_over)
