@@ -272,6 +272,11 @@ class Injector:
                     f"{fault.named}: rank {fault.rank} neither took a training step nor applied a push, so it was "
                     "never killed: name a rank that trains or serves"
                 )
+            reached = self.start_step + self.applied // self.workers if self.workers else self.last_step
+            raise ConfigError(
+                f"{fault.named}: rank {fault.rank} reached only step {reached}, so it was never killed (a ps-async "
+                "worker counts its own steps, and a slow one takes fewer than the run's): name an earlier step"
+            )
 
     def _fire(self, fault: Fault, step: int) -> None:
         self.faults.remove(fault)

@@ -484,11 +484,13 @@ def test_a_fault_whose_rank_neither_trains_nor_serves_is_reported_at_the_end():
     idle = faults.Injector(faults.parse("3:4"), 3)
     with pytest.raises(ConfigError, match="rank 3 neither took a training step nor applied a push, so it was never"):
         idle.check_fired()
-    idle.at_pushes(3, 2)  # a server, short of its step (the run ended early): no complaint
-    idle.check_fired()
+    idle.at_pushes(3, 2)  # a server that ended short of its step: step 1 of 4
+    with pytest.raises(ConfigError, match="rank 3 reached only step 1, so it was never killed"):
+        idle.check_fired()
     trained = faults.Injector(faults.parse("1:9"), 1)
-    trained.at_step(1)
-    trained.check_fired()
+    trained.at_step(5)  # (a slow ps-async worker: 5 steps of its own in the run)
+    with pytest.raises(ConfigError, match="rank 1 reached only step 5, so it was never killed"):
+        trained.check_fired()
     faults.Injector(faults.parse("0:3:KILL:checkpoint"), 0).check_fired()  # (a write's fault: not this check's)
 
 
