@@ -296,6 +296,8 @@ def main(argv=None) -> int:
         return 0
     except OSError as exc:  # a missing input, an --out that is a file
         return _fail(str(exc) or type(exc).__name__)
+    except MemoryError as exc:  # what was asked does not fit this machine's memory (NumPy's message says how much)
+        return _fail(f"not enough memory: {exc or 'MemoryError'} (a smaller model, batch or dataset fits)")
     return 0
 
 

@@ -20,6 +20,9 @@ from dtrain.errors import ConfigError, UsageError
 from dtrain.optim import OPTIMIZERS
 
 DEFAULT_BATCH = 64  # the global batch when --batch-size is not given (see default_batch)
+# The largest number of samples, features, classes, batch or hidden width: an array of two such dimensions still has
+# fewer bytes than NumPy can count (beyond, it raises ValueError, not MemoryError); one that big does not fit memory.
+MAX_SIZE = 10**9
 
 
 @dataclass(init=False)
@@ -118,6 +121,8 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {value}")
+            if value > MAX_SIZE and name != "epochs":
+                raise ConfigError(f"--{name} must be at most {MAX_SIZE:,} (it sizes arrays), got {value}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -144,8 +149,9 @@ class TrainConfig:
             raise ConfigError(f"--slow-factor must be a number >= 1 (times slower), got {self.slow_factor}")
         if self.slow_rank is not None and self.slow_rank < 0:
             raise ConfigError(f"--slow-rank must be a rank (>= 0), got {self.slow_rank}")
-        if any(h < 1 for h in self.hidden):
-            raise ConfigError(f"--hidden sizes must be >= 1, got {','.join(map(str, self.hidden))}")
+        if any(not 1 <= h <= MAX_SIZE for h in self.hidden):
+            given = ",".join(map(str, self.hidden))
+            raise ConfigError(f"--hidden sizes must be >= 1 and at most {MAX_SIZE:,}, got {given}")
 
 
 def default_batch(kind, config: TrainConfig, world: int) -> int:

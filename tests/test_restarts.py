@@ -315,7 +315,7 @@ def test_a_checkpoint_written_without_the_launcher_is_gone_on_from_only_with_res
     with pytest.raises(restarts.UserError, match="a run not started by dtrain launch --max-restarts"):
         restarts.prepare(2, target, folder, 1, None, 0.0)
     job = restarts.prepare(2, [*target, "--resume"], folder, 1, None, 0.0)
-    assert not job.fresh and "--checkpoint-dir" in job.target and "--resume" not in job.target
+    assert not job.fresh and f"--checkpoint-dir={folder}" in job.target and "--resume" not in job.target
     assert job.train_config.batch_size == 64  # pinned: a restart on fewer ranks keeps the global batch
 
 

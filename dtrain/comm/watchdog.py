@@ -90,6 +90,7 @@ once a second for a long timeout and looks at a handful of records.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -289,6 +290,7 @@ def _fire(record: _Record, stack: list, call: int, waited: float, limit: float) 
     real = MPI is not None and isinstance(comm, MPI.Comm)
     if real:
         _ending = True
+        atexit.register(_exit_later)  # the rank's own work may end before the Abort: it must not leave with 0
     else:  # the simulator: one report per run (its other stalled ranks are quieted), and later runs are watched
         job = getattr(comm, "_world", comm)
         with _setup_lock:

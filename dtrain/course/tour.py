@@ -163,6 +163,9 @@ def choose(names: list[str] | None, ranks: int, batch: int, epochs: int, hosts=N
     tour = entries(ranks, hosts)
     if names is None:
         chosen = list(tour.values())
+    elif not names:
+        raise UserError(f"--paradigms names none: give some of the tour's ({', '.join(tour)}), or leave it out for "
+                        "the whole tour")  # fmt: skip
     else:
         chosen = []
         for name in names:
@@ -201,8 +204,8 @@ def run_entry(entry: Entry, folder: Path, batch: int, epochs: int, timeout: floa
     folder.mkdir(parents=True, exist_ok=True)
     for old in ("metrics.json", "stdout.txt", "stderr.txt"):
         (folder / old).unlink(missing_ok=True)
-    target = ["-m", "dtrain", "train", *entry.flags(batch, epochs), "--out", str(folder), "--timeout",
-              f"{timeout / 2:g}", "--no-progress"]  # fmt: skip
+    target = ["-m", "dtrain", "train", *entry.flags(batch, epochs), f"--out={folder}", "--timeout",
+              f"{timeout / 2:g}", "--no-progress"]  # fmt: skip  # (--out=: a folder named -x is no option)
     where = ["--hostfile", str(hostfile)] if hosts else []
     run = Run(entry, command=["dtrain", "launch", "-n", str(entry.ranks), *where, *target])
     env = mpiexec.environment(mpiexec.ranks_per_host(entry.ranks, hosts), env)
@@ -228,7 +231,7 @@ def one_line_error(stderr: str, status: int) -> str:
     """Why a job failed, in a line: the watchdog's report's first line, else the last ``dtrain: error`` line, else
     the last line that names an exception (a traceback's), else its exit status."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    for pick in (lambda s: s.startswith("dtrain watchdog:"), lambda s: "dtrain: error" in s):
+    for pick in (lambda s: s.startswith("dtrain watchdog:"), lambda s: re.search(r"dtrain( \w+)*: error", s)):
         found = [line for line in lines if pick(line)]
         if found:
             return found[0] if "watchdog" in found[0] else found[-1]
@@ -243,6 +246,8 @@ def tour(ranks: int, names: list[str] | None, epochs: int, out: str, timeout: fl
     ``hostfile``: every job on its hosts (a cluster's too), ``ranks`` at most their slots."""
     if ranks < 1 or epochs < 1 or not 0 < timeout < math.inf:
         raise UserError(f"--ranks and --epochs must be >= 1 and --timeout > 0 (got {ranks}, {epochs}, {timeout:g})")
+    if not str(out).strip():  # (Path("") is the working directory: every run's folder would land in it)
+        raise UserError("--out has an empty name: give a folder (default runs/tour)")
     missing = backend.gpu_missing() if device == "gpu" else None
     if missing:
         raise UserError(missing)

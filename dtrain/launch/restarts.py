@@ -124,6 +124,8 @@ def prepare(ranks: int, target: list[str], folder, max_restarts: int, min_ranks:
         raise UserError(f"--max-restarts must be >= 0, got {max_restarts}")
     if folder is None and is_train(target):  # (given to dtrain train instead: the launcher takes it from there)
         folder = _train_args(target).checkpoint_dir
+    if folder is not None and not str(folder).strip():  # (Path("") is the working directory)
+        raise UserError("--checkpoint-dir has an empty name: give a folder for the job's checkpoints")
     if folder is None:
         shown = shlex.join(target[:3]) + (" ..." if len(target) > 3 else "")
         raise UserError(
@@ -185,7 +187,7 @@ def _train_target(target: list[str], folder: Path, ranks: int):
                 f"{folder}: give it once, to dtrain launch"
             )
     else:
-        words += ["--checkpoint-dir", str(folder)]
+        words += [f"--checkpoint-dir={folder}"]  # (one word: a folder named -x is no option to argparse)
     given["checkpoint_dir"], given["resume"] = str(folder), False
     asked = TrainConfig(**given)
     asked.validate()

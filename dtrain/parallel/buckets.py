@@ -58,11 +58,14 @@ def plan_buckets(parameters, bucket_bytes: int) -> list[tuple[int, int, list[int
     return buckets
 
 
+MAX_BUCKET_BYTES = 1 << 62  # more than any model: a larger --bucket-mb is one bucket of everything
+
+
 def bucket_bytes(config) -> int:
     """``--bucket-mb`` in bytes; by default 1 MiB buckets when overlapping (they exist to start early), else one
     bucket: after backward, one all-reduce of everything costs the fewest latencies."""
     mb = config.bucket_mb if config.bucket_mb is not None else (1.0 if config.overlap else 0.0)
-    return int(mb * (1 << 20))
+    return int(min(mb * (1 << 20), MAX_BUCKET_BYTES))  # (--bucket-mb 1e308: one bucket, not an infinite size)
 
 
 def allreduce_algorithm(config, world: int, nbytes: int, comm=None) -> str:

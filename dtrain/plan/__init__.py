@@ -34,8 +34,11 @@ def command(args) -> int:
     """``dtrain plan``: the table (or --json), the figure (--png), the check (--check)."""
     model = planner.model_of(args)
     only = None
-    if args.paradigms:
+    if args.paradigms is not None:
         only = [name.strip() for name in args.paradigms.split(",") if name.strip()]
+        if not only:
+            raise UserError(f"--paradigms {args.paradigms!r} names no paradigm: give some, e.g. ddp,tp, or leave it "
+                            "out for every one")  # fmt: skip
         for name in only:
             parallel.get(name)
     hosts = hostfile.read(args.hostfile) if args.hostfile else None

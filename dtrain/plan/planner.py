@@ -30,11 +30,13 @@ import numpy as np
 
 from dtrain import parallel, terminal
 from dtrain.backend import itemsize
-from dtrain.config import TrainConfig, flag_words
+from dtrain.config import MAX_SIZE, TrainConfig, flag_words
 from dtrain.errors import ConfigError
 from dtrain.plan import hardware as hw
 
 GIB = 1 << 30
+MAX_RANKS = 1 << 20  # more than any machine has; the planner's work grows with the ranks (per rank, per divisor)
+MAX_LAYERS = 1000  # --layers: the planner prices every cut of them into pipeline stages
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")  # buffers: gossip's neighbours' weights
 
 
@@ -111,8 +113,9 @@ def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=
     """Every configuration of every registered paradigm (or of ``only``, a list of names; or only those whose labels
     are in ``labels``) on ``world`` ranks of ``machine``, priced, ruled out or not fitting, the best marked; the
     fastest first."""
-    if world < 1:
-        raise ConfigError(f"--ranks must be >= 1, got {world}")
+    if not 1 <= world <= MAX_RANKS:
+        raise ConfigError(f"--ranks must be >= 1 and at most {MAX_RANKS:,} (the planner lists every rank's memory), "
+                          f"got {world}")  # fmt: skip
     for axis, value in (("tp", tp), ("pp", pp)):
         if value is not None and (value < 1 or world % value):
             divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -129,6 +132,9 @@ def plan(model: Model, world: int, machine: hw.Hardware, only=None, tp=None, pp=
             if labels is not None and label not in labels:
                 continue
             rows.append(price(kind, label, flags, ranks, model, machine))
+    if any(not math.isfinite(t) for r in rows for t in r.time.values()):
+        raise ConfigError("a step would take forever on this hardware: give --flops, --intra-/--inter-bandwidth and "
+                          "--intra-/--inter-latency values a machine can have")  # fmt: skip
     fitting = [r for r in rows if r.fits and r.same_updates]
     if fitting:  # (of two as fast, the one that needs less memory)
         min(fitting, key=lambda r: (r.total, r.memory["total"])).best = True
@@ -317,14 +323,18 @@ def model_of(args) -> Model:
     if args.layers is not None or args.width is not None:
         if args.layers is None or args.width is None:
             raise ConfigError("--layers and --width go together: L hidden layers of width H")
-        if args.layers < 0 or args.width < 1:
-            raise ConfigError(f"--layers must be >= 0 and --width >= 1, got {args.layers} and {args.width}")
+        if not 0 <= args.layers <= MAX_LAYERS or args.width < 1:
+            raise ConfigError(f"--layers must be >= 0 and at most {MAX_LAYERS} and --width >= 1, got {args.layers} and "
+                              f"{args.width}")  # fmt: skip
         hidden = [args.width] * args.layers
     else:
         hidden = list(args.hidden)
+    if any(h > MAX_SIZE for h in hidden):
+        raise ConfigError(f"hidden widths must be at most {MAX_SIZE:,}, got {max(hidden)}")
     for name in ("features", "classes", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if not 1 <= getattr(args, name) <= MAX_SIZE:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 and at most {MAX_SIZE:,}, got "
+                              f"{getattr(args, name)}")  # fmt: skip
     return Model([args.features, *hidden, args.classes], args.batch_size, args.dtype, args.optimizer, args.momentum,
                  device_of(args))  # fmt: skip
 

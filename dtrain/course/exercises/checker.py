@@ -46,7 +46,7 @@ INDENT, HANGING = "    ", "      "  # a part's message under it; the message's w
 # --- init ----------------------------------------------------------------------------------------------------------
 def init(folder) -> int:
     """Copy every stub into ``folder`` (made if need be); an existing file is kept, and said so."""
-    folder = Path(folder)
+    folder = named(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file, not a folder: give a folder for your exercises")
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,6 +66,14 @@ def init(folder) -> int:
     print(terminal.command(["dtrain", "exercises", "list", "--path", str(folder)], "  "))
     print(terminal.command(["dtrain", "exercises", "check", "2.1", "--path", str(folder)], "  "))
     return 0
+
+
+def named(folder) -> Path:
+    """``folder`` as a path; an empty name is refused (``Path("")`` would be the working directory, and ``init ""``
+    would copy the stubs into it)."""
+    if not str(folder).strip():
+        raise UserError("the exercises' folder has an empty name: give a folder, e.g. ex (or . for this one)")
+    return Path(folder)
 
 
 def say(text: str, indent: str = "", hanging: str | None = None) -> None:
@@ -94,7 +102,7 @@ def status_of(exercise, folder: Path, progress: dict) -> str:
 
 
 def show_list(folder) -> int:
-    folder = Path(folder)
+    folder = named(folder)
     progress = read_progress(folder)
     rows = [[e.id, e.file, e.function, status_of(e, folder, progress), f"{e.title} ({e.lesson_script})"]
             for e in exercises.catalogue()]  # fmt: skip
@@ -165,7 +173,7 @@ def on_hosts(hostfile: str, chosen, which: str) -> OnHosts:
 def check(which: str, folder, mpi: bool = True, hostfile: str | None = None) -> int:
     """Check one exercise (``which`` = "2.1") or every one ("all"); 0 when all checked pass, 1 otherwise.
     ``hostfile``: the mpiexec parts on its hosts (see the module's docstring)."""
-    folder = Path(folder)
+    folder = named(folder)
     if hostfile is not None and not mpi:
         raise UserError("--sim-only runs no mpiexec part, so nothing would use --hostfile: give one or the other")
     chosen = exercises.catalogue() if which == "all" else (exercises.get(which),)
