@@ -190,6 +190,7 @@ class Epochs:
         # step leaves that epoch with nothing to run, and the next starts from 0
         self.resumed_steps = position.done if position.done < len(loader) else 0
         self.injector = injector or faults.Injector(None, paradigm.rank)
+        self.checkpoint_every = config.checkpoint_every  # the driver's checkpoints (0: a paradigm writes its own)
         self.progress = faults.ProgressMark(paradigm.rank)  # (for a launcher that restarts the job: steps lost)
 
     def run(self) -> None:
@@ -208,8 +209,7 @@ class Epochs:
                 position.step += 1
                 self.progress.at_step(position.step)
                 self.injector.at_step(position.step)  # DTRAIN_FAULT: this rank may die here, on purpose
-                checkpoint_now = (config.checkpoint_every and position.step % config.checkpoint_every == 0
-                                  and not paradigm.own_checkpoints)  # fmt: skip
+                checkpoint_now = self.checkpoint_every and position.step % self.checkpoint_every == 0
                 if len(unread) >= read_every or checkpoint_now:
                     self.read(unread, losses, epoch)
                 if checkpoint_now:
@@ -281,9 +281,9 @@ class EpochBatches:
 
 def epoch_loss(paradigm, position, losses) -> float:
     """The global batch's loss averaged over the epoch's steps: those before a resume (``position.done``, already
-    global) and this rank's ``losses`` since, made global by the paradigm (a collective; always, for a paradigm
-    whose ranks keep their own place in the epoch: some may have taken no step since a resume)."""
-    if not losses and not paradigm.own_checkpoints:
+    global) and this rank's ``losses`` since, made global by the paradigm (a collective; also with no losses when
+    no steps are behind: a parameter-server worker resumed where its epoch was over keeps its own)."""
+    if not losses and position.done:
         return position.done_loss
     new = paradigm.global_loss(float(np.mean(losses)) if losses else 0.0)
     if not position.done:

@@ -111,8 +111,8 @@ class Paradigm:
         full_parameters()                 the whole model's flat buffer: the weights digest, checkpoints
         optimizer_state()                 the optimizer's whole state, as one optimizer over that buffer holds it
         load(flat, optimizer_state)       the inverse of both: resuming from any paradigm's checkpoint
-        own_checkpoints, restore_snapshot(snapshot, arrays, position)   True: it writes its checkpoints itself
-                                          (ps: snapshots; its ranks keep their own place in an epoch); resume one
+        restore_snapshot(snapshot, ...)   resume a snapshot a paradigm took itself (the parameter servers', whose
+                                          run() turns the driver's checkpoints off); False: not its own
         evaluation_model()                something whose forward is the whole model's (the test set goes through it)
         finish()                          final averaging or checks; this paradigm's figures for metrics.json
         costs(sizes, world, config)       the bytes each rank sends per step and holds: the cost as code
@@ -138,7 +138,6 @@ class Paradigm:
     summary = ""  # what it is, in a few words: --paradigm's help and the title of its flags in --help
     flags: tuple[Flag, ...] = ()  # its own flags (see flags.py); another paradigm's flag is refused
     order = math.inf  # where it comes in listings (the registry's order): the course's order, for dtrain's own
-    own_checkpoints = False
     # === what the driver calls ===================================================================================
 
     def __init__(self, comm, config):

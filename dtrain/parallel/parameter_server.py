@@ -111,7 +111,6 @@ class ParameterServer(Paradigm):
     order = 4  # where it comes in listings (--help, the planner): the course teaches it then
     flags = (SERVERS, STALENESS)
     synchronous = True
-    own_checkpoints = True  # consistent snapshots (ps_snapshot.py); each worker keeps its own place in an epoch
 
     @classmethod
     def check(cls, config, world: int) -> None:
@@ -178,6 +177,7 @@ class ParameterServer(Paradigm):
                             resumed=self.resumed)  # fmt: skip
             return
         position, side = epochs.position, self.side
+        epochs.checkpoint_every = 0  # (the driver's: this paradigm takes its own, consistent snapshots)
         if side.snapshots is not None:
             side.snapshots.driver = epochs  # (rank 0 records the epochs' figures and time too)
         if position.done:  # another paradigm's checkpoint (or a run without snapshots): the same place for everyone
